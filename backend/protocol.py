@@ -1,0 +1,119 @@
+"""Wire format of the backend's internal API (gateway <-> backend). Torch-free.
+
+POST /internal/generate   body: GenerateRequest (JSON)  -> 200, application/x-ndjson,
+                          one StreamChunk per line; the last chunk has finish_reason set
+                          (or error set) and usage.
+POST /internal/abort      body: AbortRequest            -> 200 {"aborted": bool}
+GET  /internal/info       -> BackendInfo
+GET  /health              -> 200 when the process is up
+GET  /ready               -> 200 when it accepts new requests (503 while draining/loading)
+GET  /metrics             -> Prometheus text
+POST /admin/drain, /admin/undrain  (header `authorization: Bearer <operator key>`)
+
+Closing the HTTP connection of a generate stream aborts the request.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
+    max_tokens: int = 16
+    temperature: float = 1.0          # 0 -> greedy
+    top_p: float = 1.0
+    top_k: int = 0                    # 0 -> disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    stop: list[str] = []
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad field and what was expected."""
+        import math
+
+        def bad(name: str, value: object, expected: str) -> None:
+            raise ValueError(f"{name}={value!r} is invalid: expected {expected}")
+
+        if self.max_tokens < 1:
+            bad("max_tokens", self.max_tokens, "an integer >= 1")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not math.isfinite(v):
+                bad(name, v, "a finite number")
+        if self.temperature < 0:
+            bad("temperature", self.temperature, "a number >= 0")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", self.top_p, "a number in (0, 1]")
+        if self.top_k < 0:
+            bad("top_k", self.top_k, "an integer >= 0 (0 disables)")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", self.min_p, "a number in [0, 1]")
+        if self.repetition_penalty <= 0:
+            bad("repetition_penalty", self.repetition_penalty, "a number > 0")
+        if not -2 <= self.presence_penalty <= 2:
+            bad("presence_penalty", self.presence_penalty, "a number in [-2, 2]")
+        if not -2 <= self.frequency_penalty <= 2:
+            bad("frequency_penalty", self.frequency_penalty, "a number in [-2, 2]")
+        if not 0 <= self.top_logprobs <= 20:
+            bad("top_logprobs", self.top_logprobs, "an integer in [0, 20]")
+        if len(self.stop) > 16:
+            bad("stop", f"{len(self.stop)} strings", "at most 16 stop strings")
+
+
+class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    cache_namespace: str
+    model: str = ""
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+class TokenLogprob(msgspec.Struct):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = []
+
+
+class StreamChunk(msgspec.Struct, omit_defaults=True):
+    request_id: str
+    token_ids: list[int] = []
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None   # "stop" | "length" | "abort" | "error"
+    usage: Usage | None = None
+    error: str | None = None
+    error_code: int | None = None      # HTTP-like status for errors (400 prompt too long, 503 draining)
+
+
+class AbortRequest(msgspec.Struct):
+    request_id: str
+
+
+class BackendInfo(msgspec.Struct):
+    node_id: str
+    model: str
+    model_fingerprint: str
+    kv_format: str
+    page_size: int
+    max_model_len: int
+    version: str
+    state: str                         # "active" | "draining"
+
+
+encode = msgspec.json.encode
+chunk_decoder = msgspec.json.Decoder(StreamChunk)
+request_decoder = msgspec.json.Decoder(GenerateRequest)
+info_decoder = msgspec.json.Decoder(BackendInfo)
