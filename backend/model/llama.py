@@ -1,0 +1,258 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache.
+
+Attention reads K/V through block tables (kernels.paged_*_attention); the model
+never holds a dense per-request KV tensor. One forward runs a flat batch of
+tokens: the decode tokens of B_d sequences first, then the prefill chunks.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+import kernels
+from backend.model.config import CheckpointError, ModelConfig, rope_inv_freq
+from backend.model.linear import DenseLinear
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor            # [T] int64
+    num_decode: int                        # first num_decode tokens: one per decoding sequence
+    decode_block_tables: torch.Tensor      # [B_d, max_pages] int32
+    decode_context_lens: torch.Tensor      # [B_d] int32
+    prefill_block_tables: torch.Tensor     # [B_p, max_pages] int32
+    prefill_cu_seqlens_q: torch.Tensor     # [B_p + 1] int32
+    prefill_context_lens: torch.Tensor     # [B_p] int32
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return int(self.prefill_cu_seqlens_q[-1]) if self.prefill_cu_seqlens_q.numel() else 0
+
+
+@dataclass
+class LayerKV:
+    k: torch.Tensor                        # [num_pages, page_size, kv_heads, head_dim]
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None    # [num_pages, page_size, kv_heads] (fp8 only)
+    v_scale: torch.Tensor | None = None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype) if x.dtype != torch.float32 else xf * self.weight
+
+
+class Rotary(nn.Module):
+    def __init__(self, cfg: ModelConfig, device: torch.device) -> None:
+        super().__init__()
+        inv_freq, mscale = rope_inv_freq(cfg)
+        inv = torch.tensor(inv_freq, dtype=torch.float64)
+        t = torch.arange(cfg.max_position_embeddings, dtype=torch.float64)
+        freqs = torch.outer(t, inv)
+        self.register_buffer("cos", (freqs.cos() * mscale).float().to(device), persistent=False)
+        self.register_buffer("sin", (freqs.sin() * mscale).float().to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
+        # x: [T, heads, head_dim]; HF "rotate_half" layout
+        cos = self.cos[positions][:, None, :]
+        sin = self.sin[positions][:, None, :]
+        out = []
+        for x in xs:
+            x1, x2 = x.float().chunk(2, dim=-1)
+            out.append(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype))
+        return out
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, qkv: nn.Module, o: nn.Module) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.qkv_proj, self.o_proj = qkv, o
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, kv: LayerKV,
+                meta: AttentionMetadata) -> torch.Tensor:
+        c = self.cfg
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = q.reshape(t, c.num_heads, c.head_dim)
+        k = k.reshape(t, c.num_kv_heads, c.head_dim)
+        v = v.reshape(t, c.num_kv_heads, c.head_dim).contiguous()
+        q, k = rotary(positions, q, k)
+        kernels.kv_store(k, v, kv.k, kv.v, meta.slot_mapping, kv.k_scale, kv.v_scale)
+        out = torch.empty_like(q)
+        nd = meta.num_decode
+        if nd:
+            out[:nd] = kernels.paged_decode_attention(q[:nd].contiguous(), kv.k, kv.v, meta.decode_block_tables,
+                                                      meta.decode_context_lens, self.scale, kv.k_scale, kv.v_scale)
+        if t > nd:
+            out[nd:] = kernels.paged_prefill_attention(q[nd:].contiguous(), kv.k, kv.v, meta.prefill_block_tables,
+                                                       meta.prefill_cu_seqlens_q, meta.prefill_context_lens,
+                                                       self.scale, kv.k_scale, kv.v_scale)
+        return self.o_proj(out.reshape(t, c.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, gate_up: nn.Module, down: nn.Module) -> None:
+        super().__init__()
+        self.gate_up_proj, self.down_proj = gate_up, down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, attn: Attention, mlp: MLP, in_norm: RMSNorm, post_norm: RMSNorm) -> None:
+        super().__init__()
+        self.self_attn, self.mlp = attn, mlp
+        self.input_layernorm, self.post_attention_layernorm = in_norm, post_norm
+
+    def forward(self, x, positions, rotary, kv, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: list[DecoderLayer], norm: RMSNorm,
+                 lm_head: torch.Tensor, device: torch.device) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Parameter(embed, requires_grad=False)
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+        self.lm_head = embed if lm_head is None else nn.Parameter(lm_head, requires_grad=False)
+        self.rotary = Rotary(cfg, device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.device
+
+    def weight_bytes(self) -> int:
+        seen, total = set(), 0
+        for t in list(self.parameters()) + list(self.buffers()):
+            if t.data_ptr() in seen or t is self.rotary.cos or t is self.rotary.sin:
+                continue
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+        return total
+
+    def linear_weight_bytes(self) -> int:
+        return sum(m.weight_bytes() for m in self.modules() if hasattr(m, "weight_bytes") and m is not self)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV],
+                meta: AttentionMetadata) -> torch.Tensor:
+        # input_ids, positions: [T]  ->  hidden: [T, hidden_size]
+        x = self.embed_tokens[input_ids]
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, positions, self.rotary, kv, meta)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(hidden, self.lm_head).float()
+
+
+# ---------------------------------------------------------------- loading
+
+def _safetensor_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: malformed safetensors index ({e})") from e
+        files = sorted({path / f for f in weight_map.values()})
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"{index}: names shard {f.name!r}, which is missing")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors files")
+    return files
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for f in _safetensor_files(path):
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for name in fh.keys():
+                    tensors[name] = fh.get_tensor(name)
+        except Exception as e:
+            raise CheckpointError(f"{f}: cannot read safetensors ({type(e).__name__}: {e})") from e
+    return tensors
+
+
+def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+                make_linear=None, source: str = "") -> LlamaModel:
+    """Assemble the model; `make_linear(prefix_list, tensors) -> nn.Module` builds (fused) linears."""
+
+    def take(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise CheckpointError(f"{source}: missing tensor {name!r}")
+        return tensors[name]
+
+    def check(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        if tuple(t.shape) != shape:
+            raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
+        return t.to(device=device, dtype=dtype)
+
+    def dense(names: list[str], shapes: list[tuple[int, int]], bias: bool = False) -> nn.Module:
+        ws = [check(n + ".weight", take(n + ".weight"), s) for n, s in zip(names, shapes)]
+        bs = [check(n + ".bias", take(n + ".bias"), (s[0],)) for n, s in zip(names, shapes)] if bias else None
+        return DenseLinear(torch.cat(ws).contiguous(), torch.cat(bs) if bs else None)
+
+    make_linear = make_linear or dense
+    h, c = cfg.hidden_size, cfg
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        qkv = make_linear([p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"],
+                          [(c.q_size, h), (c.kv_size, h), (c.kv_size, h)], bias=cfg.attention_bias)
+        o = make_linear([p + "self_attn.o_proj"], [(h, c.q_size)])
+        gate_up = make_linear([p + "mlp.gate_proj", p + "mlp.up_proj"],
+                              [(c.intermediate_size, h), (c.intermediate_size, h)])
+        down = make_linear([p + "mlp.down_proj"], [(h, c.intermediate_size)])
+        layers.append(DecoderLayer(
+            Attention(cfg, qkv, o), MLP(gate_up, down),
+            RMSNorm(check(p + "input_layernorm.weight", take(p + "input_layernorm.weight"), (h,)), cfg.rms_norm_eps),
+            RMSNorm(check(p + "post_attention_layernorm.weight", take(p + "post_attention_layernorm.weight"), (h,)),
+                    cfg.rms_norm_eps)))
+    embed = check("model.embed_tokens.weight", take("model.embed_tokens.weight"), (cfg.vocab_size, h))
+    lm_head = None
+    if not cfg.tie_word_embeddings:
+        lm_head = check("lm_head.weight", take("lm_head.weight"), (cfg.vocab_size, h))
+    norm = RMSNorm(check("model.norm.weight", take("model.norm.weight"), (h,)), cfg.rms_norm_eps)
+    return LlamaModel(cfg, embed, layers, norm, lm_head, device).eval()
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LlamaModel:
+    path = Path(path)
+    cfg = ModelConfig.from_dir(path)
+    tensors = read_tensors(path)
+    make_linear = None
+    if cfg.quantization is not None:
+        from backend.quant.loader import quantized_linear_factory
+
+        make_linear = quantized_linear_factory(cfg, tensors, dtype, torch.device(device), source=str(path))
+    return build_model(cfg, tensors, dtype, torch.device(device), make_linear, source=str(path))
