@@ -1,0 +1,150 @@
+"""kv_store: scatter new K/V rows into their cache pages through a slot mapping.
+
+FP8 (e4m3fn) caches get a float32 scale per (token, kv head) = amax(|row|) / 448, computed
+and applied in the kernel. The round-to-nearest-even onto the e4m3 grid is done in fp32
+arithmetic (`_round_to_e4m3`), so the final cast only ever sees representable values: it
+gives the same bytes as torch's `.to(torch.float8_e4m3fn)` on every backend (the Triton
+3.9 interpreter's own float32 -> float8e4nv cast rounds ~2% of values wrongly).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._triton import check, check_tensor, jit, next_pow2, require_triton, tl, triton
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+MIN_AMAX = 1e-8  # an all-zero row gets a tiny scale instead of a division by zero
+ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+CACHE_DTYPES = (*ACT_DTYPES, FP8)
+
+
+def fp8_scale(x: torch.Tensor) -> torch.Tensor:
+    # x: [..., head_dim] -> [...] float32
+    return x.float().abs().amax(-1).clamp(min=MIN_AMAX) / FP8_MAX
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (x.float() / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def kv_store_reference(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    # key, value: [T, kv_heads, head_dim]; slot_mapping: [T] int64, -1 = skip
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    page_size = k_cache.shape[1]
+    pages, offs = slots // page_size, slots % page_size
+    for src, cache, scale in ((key[keep], k_cache, k_scale), (value[keep], v_cache, v_scale)):
+        if cache.dtype == FP8:
+            s = fp8_scale(src)
+            cache[pages, offs] = quantize_fp8(src, s)
+            scale[pages, offs] = s
+        else:
+            cache[pages, offs] = src.to(cache.dtype)
+
+
+@jit
+def _round_to_e4m3(y):
+    # y: fp32 within [-448, 448] -> the nearest e4m3fn value (ties to even), still fp32.
+    bits = y.to(tl.uint32, bitcast=True)
+    sign = bits & 0x80000000
+    exponent = ((bits >> 23) & 0xFF).to(tl.int32) - 127
+    exponent = tl.maximum(exponent, -6)  # below 2**-6 the grid is the subnormal step 2**-9
+    quantum = ((exponent - 3 + 127) << 23).to(tl.uint32).to(tl.float32, bitcast=True)
+    inv_quantum = ((127 - exponent + 3) << 23).to(tl.uint32).to(tl.float32, bitcast=True)
+    steps = tl.abs(y) * inv_quantum  # exact: powers of two
+    steps = (steps + 12582912.0) - 12582912.0  # 1.5 * 2**23: fp32 add rounds to nearest even
+    rounded = tl.minimum(steps * quantum, 448.0)
+    return (rounded.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@jit
+def _store_row(src_ptr, cache_ptr, scale_ptr, tok, page, off, valid,
+               stride_st, stride_sh, stride_sd,
+               stride_cp, stride_co, stride_ch, stride_cd,
+               stride_qp, stride_qo, stride_qh,
+               kv_heads, head_dim,
+               BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr):
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    heads = tl.where(valid, kv_heads, 0)  # a skipped row (slot -1) masks every head
+    mask = (h[:, None] < heads) & (d[None, :] < head_dim)
+    x = tl.load(src_ptr + tok * stride_st + h[:, None] * stride_sh + d[None, :] * stride_sd, mask=mask, other=0.0)
+    dst = cache_ptr + page * stride_cp + off * stride_co + h[:, None] * stride_ch + d[None, :] * stride_cd
+    if QUANT:
+        x = x.to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-8)
+        scale = tl.math.div_rn(amax, 448.0)
+        y = tl.math.div_rn(x, scale[:, None])
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        tl.store(dst, _round_to_e4m3(y).to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + page * stride_qp + off * stride_qo + h * stride_qh, scale,
+                 mask=h < heads)
+    else:
+        tl.store(dst, x.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@jit
+def _kv_store_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_ptr,
+                     stride_st, stride_sh, stride_sd,
+                     stride_cp, stride_co, stride_ch, stride_cd,
+                     stride_qp, stride_qo, stride_qh,
+                     page_size, kv_heads, head_dim,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + tok)
+    valid = slot >= 0
+    slot = tl.maximum(slot, 0)
+    page = slot // page_size
+    off = slot % page_size
+    _store_row(key_ptr, k_cache_ptr, k_scale_ptr, tok, page, off, valid,
+               stride_st, stride_sh, stride_sd, stride_cp, stride_co, stride_ch, stride_cd,
+               stride_qp, stride_qo, stride_qh, kv_heads, head_dim, BLOCK_H, BLOCK_D, QUANT)
+    _store_row(value_ptr, v_cache_ptr, v_scale_ptr, tok, page, off, valid,
+               stride_st, stride_sh, stride_sd, stride_cp, stride_co, stride_ch, stride_cd,
+               stride_qp, stride_qo, stride_qh, kv_heads, head_dim, BLOCK_H, BLOCK_D, QUANT)
+
+
+def _check(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
+    check_tensor("key", key, dtypes=ACT_DTYPES, ndim=3)
+    check_tensor("value", value, dtypes=ACT_DTYPES, ndim=3)
+    check_tensor("k_cache", k_cache, dtypes=CACHE_DTYPES, ndim=4, contiguous=True, device=key.device)
+    check_tensor("v_cache", v_cache, dtypes=CACHE_DTYPES, ndim=4, contiguous=True, device=key.device)
+    check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int64,), ndim=1, contiguous=True, device=key.device)
+    check(value.shape == key.shape, f"value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
+    check(value.stride() == key.stride(), f"value strides {value.stride()} != key strides {key.stride()}")
+    check(v_cache.shape == k_cache.shape, f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
+    check(v_cache.dtype == k_cache.dtype, f"v_cache dtype {v_cache.dtype} != k_cache dtype {k_cache.dtype}")
+    check(key.shape[1:] == k_cache.shape[2:],
+          f"key [T, kv_heads, head_dim] = {tuple(key.shape)} does not match k_cache "
+          f"[num_pages, page_size, kv_heads, head_dim] = {tuple(k_cache.shape)}")
+    check(slot_mapping.shape[0] == key.shape[0],
+          f"slot_mapping has {slot_mapping.shape[0]} slots for {key.shape[0]} tokens")
+    if k_cache.dtype == FP8:
+        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+            check(s is not None, f"{name} is required with a float8_e4m3fn cache")
+            check_tensor(name, s, dtypes=(torch.float32,), ndim=3, contiguous=True, device=key.device)
+            check(s.shape == k_cache.shape[:3],
+                  f"{name} shape {tuple(s.shape)} != [num_pages, page_size, kv_heads] = {tuple(k_cache.shape[:3])}")
+    else:
+        check(k_scale is None and v_scale is None, f"k_scale/v_scale are only for fp8 caches, cache is {k_cache.dtype}")
+
+
+def kv_store_triton(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    _check(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    require_triton("kv_store")
+    tokens, kv_heads, head_dim = key.shape
+    if tokens == 0:
+        return
+    quant = k_cache.dtype == FP8
+    scale_strides = k_scale.stride() if quant else (0, 0, 0)
+    _kv_store_kernel[(tokens,)](
+        key, value, k_cache, v_cache, k_scale if quant else k_cache, v_scale if quant else v_cache, slot_mapping,
+        *key.stride(), *k_cache.stride(), *scale_strides,
+        k_cache.shape[1], kv_heads, head_dim,
+        BLOCK_H=next_pow2(kv_heads), BLOCK_D=next_pow2(head_dim), QUANT=quant,
+    )
+
+
+__all__ = ["kv_store_reference", "kv_store_triton", "fp8_scale", "quantize_fp8", "triton"]
