@@ -105,7 +105,7 @@ class RedisNodeRegistry(NodeRegistry):
 
     async def deregister(self, node_id: str) -> bool:
         def fill(pipe) -> None:
-            pipe.delete(self.keys.node(node_id))
+            pipe.execute_command("DEL", self.keys.node(node_id))
             pipe.srem(self.keys.nodes, node_id.encode())
 
         results = await self.guard.run(lambda: self._execute(fill), None, "node deregister")

@@ -192,7 +192,7 @@ class RedisPageStore(PageStore):
 
         def fill(pipe) -> None:
             for key in keys:
-                pipe.unlink(self.keys.page(key))
+                pipe.execute_command("UNLINK", self.keys.page(key))
 
         results = await self.guard.run(lambda: self._execute(fill), None, "page delete", self.timeout_s)
         if results is not None:

@@ -72,10 +72,12 @@ def command(port: int, *args: str, timeout_s: float = 2.0) -> bytes:
 
 
 class ValkeyServer:
-    def __init__(self, port: int | None = None, *, cluster: bool = False, maxmemory: str | None = None) -> None:
+    def __init__(self, port: int | None = None, *, cluster: bool = False, maxmemory: str | None = None,
+                 maxmemory_policy: str = "allkeys-lru") -> None:
         self.cluster = cluster
         self.port = port if port is not None else free_port(cluster_bus=cluster)
         self.maxmemory = maxmemory
+        self.maxmemory_policy = maxmemory_policy
         self.dir = tempfile.mkdtemp(prefix=f"valkey-{self.port}-")
         self.proc: subprocess.Popen | None = None
 
@@ -91,7 +93,7 @@ class ValkeyServer:
             args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                      "--cluster-node-timeout", "5000"]
         if self.maxmemory:
-            args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru"]
+            args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", self.maxmemory_policy]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
