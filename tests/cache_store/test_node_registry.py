@@ -1,0 +1,82 @@
+import asyncio
+
+import msgspec
+import pytest
+
+from cache_store.keys import KeySpace
+from cache_store.registry import InMemoryNodeRegistry, NodeRecord, RedisNodeRegistry
+
+
+def record(node_id: str, model: str = "smollm2-135m", **kw) -> NodeRecord:
+    return NodeRecord(node_id=node_id, url=f"http://10.0.0.1:{8000 + len(node_id)}", model=model,
+                      version="0.1.0", started_at=1.7e9, **kw)
+
+
+@pytest.fixture(params=["redis", "memory"])
+def make_registry(request, redis_kind):
+    if request.param == "memory":
+        if redis_kind == "cluster":
+            pytest.skip("in-memory registry has no cluster variant")
+        return lambda **kw: InMemoryNodeRegistry(**kw)
+    redis = request.getfixturevalue("redis")
+    guard = request.getfixturevalue("guard")
+    return lambda **kw: RedisNodeRegistry(redis, guard=guard, **kw)
+
+
+async def test_register_list_filter_deregister(make_registry):
+    reg = make_registry()
+    assert await reg.register(record("n1"))
+    assert await reg.register(record("n2", model="llama-1b"))
+    assert await reg.register(record("n3", state="draining", running=3, waiting=1, kv_usage=0.5))
+    nodes = await reg.list_nodes()
+    assert [n.node_id for n in nodes] == ["n1", "n2", "n3"]
+    assert all(n.updated_at > 0 for n in nodes)
+    assert [n.node_id for n in await reg.list_nodes("smollm2-135m")] == ["n1", "n3"]
+    n3 = (await reg.list_nodes("smollm2-135m"))[1]
+    assert (n3.state, n3.running, n3.waiting, n3.kv_usage) == ("draining", 3, 1, 0.5)
+    assert await reg.deregister("n1")
+    assert [n.node_id for n in await reg.list_nodes()] == ["n2", "n3"]
+
+
+async def test_heartbeat_replaces_record(make_registry):
+    reg = make_registry()
+    await reg.register(record("n1"))
+    await reg.heartbeat(record("n1", running=7, cache_hit_rate=0.25))
+    (n1,) = await reg.list_nodes()
+    assert (n1.running, n1.cache_hit_rate) == (7, 0.25)
+
+
+async def test_ttl_is_three_heartbeats(redis, guard):
+    reg = RedisNodeRegistry(redis, heartbeat_s=5, guard=guard)
+    await reg.register(record("n1"))
+    assert 14_000 < await redis.pttl(KeySpace().node("n1")) <= 15_000
+    raw = await redis.get(KeySpace().node("n1"))
+    assert msgspec.json.decode(raw)["url"] == record("n1").url
+
+
+async def test_silent_node_expires_and_is_pruned(redis, guard):
+    reg = RedisNodeRegistry(redis, heartbeat_s=0.1, guard=guard)
+    await reg.register(record("quiet"))
+    await reg.register(record("alive"))
+    await asyncio.sleep(0.2)
+    await reg.heartbeat(record("alive"))
+    await asyncio.sleep(0.15)
+    assert [n.node_id for n in await reg.list_nodes()] == ["alive"]
+    assert await redis.smembers(KeySpace().nodes) == {b"alive"}
+
+
+async def test_in_memory_expiry():
+    now = [0.0]
+    reg = InMemoryNodeRegistry(heartbeat_s=1, clock=lambda: now[0])
+    await reg.register(record("n1"))
+    now[0] = 2.9
+    assert len(await reg.list_nodes()) == 1
+    now[0] = 3.0
+    assert await reg.list_nodes() == []
+
+
+def test_invalid_ids_rejected():
+    with pytest.raises(ValueError, match="node id 'a b'"):
+        KeySpace().node("a b")
+    with pytest.raises(ValueError, match="model 'x{y}'"):
+        KeySpace().idx("x{y}", b"\0" * 16)
