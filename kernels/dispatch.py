@@ -1,66 +1,73 @@
-"""Placeholder dispatcher (references only) until the Triton kernels land; same public names."""
+"""Pick the Triton kernel or the torch reference for each op.
+
+CUDA tensors run Triton; everything else runs the reference. EDGEINFER_KERNELS overrides:
+  auto (default) | reference (references everywhere) | triton (Triton everywhere; on CPU
+  only under TRITON_INTERPRET=1, which is how the tests drive the kernels).
+Triton itself is imported by the kernel files only where it can run (see kernels/_triton.py).
+"""
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import torch
+
+from kernels import _triton, kv_store as _kv, paged_decode_attention as _decode
+from kernels import paged_prefill_attention as _prefill, w4a16_gemm as _gemm
+
+MODES = ("auto", "reference", "triton")
+
+
+def kernel_mode() -> str:
+    mode = os.environ.get("EDGEINFER_KERNELS", "auto") or "auto"
+    if mode not in MODES:
+        raise ValueError(f"EDGEINFER_KERNELS={mode!r}; expected one of: {', '.join(MODES)}")
+    return mode
+
+
+_warned = False
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    global _warned
+    mode = kernel_mode()
+    if mode == "reference":
+        return False
+    if mode == "triton":
+        return True
+    if not t.is_cuda:
+        return False
+    if not _triton.HAS_TRITON:
+        if not _warned:
+            warnings.warn(f"CUDA tensors but Triton is unavailable ({_triton.IMPORT_ERROR}): using torch references",
+                          stacklevel=3)
+            _warned = True
+        return False
+    return True
 
 
 def kv_store(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
-    # key/value: [T, kv_heads, head_dim]
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    num_pages, page_size = k_cache.shape[:2]
-    pages, offs = slots // page_size, slots % page_size
-    if k_cache.dtype == torch.float8_e4m3fn:
-        for src, cache, scale in ((key[keep], k_cache, k_scale), (value[keep], v_cache, v_scale)):
-            s = src.float().abs().amax(-1).clamp(min=1e-8) / 448.0
-            cache[pages, offs] = (src.float() / s[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn)
-            scale[pages, offs] = s
-    else:
-        k_cache[pages, offs] = key[keep].to(k_cache.dtype)
-        v_cache[pages, offs] = value[keep].to(v_cache.dtype)
+    # key, value: [T, kv_heads, head_dim]; slot_mapping: [T] int64, -1 = skip
+    fn = _kv.kv_store_triton if use_triton(key) else _kv.kv_store_reference
+    fn(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
-def _gather(cache, scale, table, n, dtype):
-    page_size = cache.shape[1]
-    pages = table[: (n + page_size - 1) // page_size].long()
-    x = cache[pages].reshape(-1, *cache.shape[2:])[:n]
-    if scale is not None:
-        x = x.float() * scale[pages].reshape(-1, scale.shape[2])[:n, :, None]
-    return x.to(dtype)
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, sm_scale,
+                           k_scale=None, v_scale=None, out=None):
+    # q: [B, heads, head_dim] -> [B, heads, head_dim]
+    fn = _decode.paged_decode_attention_triton if use_triton(q) else _decode.paged_decode_attention_reference
+    return fn(q, k_cache, v_cache, block_tables, context_lens, sm_scale, k_scale, v_scale, out)
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, sm_scale,
-                            k_scale=None, v_scale=None):
-    out = torch.empty_like(q)
-    heads, kv_heads = q.shape[1], k_cache.shape[2]
-    for b in range(block_tables.shape[0]):
-        s, e = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
-        n = int(context_lens[b])
-        if e == s:
-            continue
-        k = _gather(k_cache, k_scale, block_tables[b], n, torch.float32)
-        v = _gather(v_cache, v_scale, block_tables[b], n, torch.float32)
-        k = k.repeat_interleave(heads // kv_heads, dim=1)
-        v = v.repeat_interleave(heads // kv_heads, dim=1)
-        qb = q[s:e].float()
-        scores = torch.einsum("qhd,khd->hqk", qb, k) * sm_scale
-        qpos = torch.arange(n - (e - s), n)[:, None]
-        mask = torch.arange(n)[None, :] > qpos
-        scores.masked_fill_(mask[None], float("-inf"))
-        out[s:e] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
-    return out
+                            k_scale=None, v_scale=None, out=None):
+    # q: [T, heads, head_dim] packed by cu_seqlens_q -> [T, heads, head_dim]
+    fn = _prefill.paged_prefill_attention_triton if use_triton(q) else _prefill.paged_prefill_attention_reference
+    return fn(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, sm_scale, k_scale, v_scale, out)
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, sm_scale, k_scale=None, v_scale=None):
-    b = q.shape[0]
-    cu = torch.arange(b + 1, dtype=torch.int32)
-    return paged_prefill_attention(q, k_cache, v_cache, block_tables, cu, context_lens, sm_scale, k_scale, v_scale)
-
-
-def w4a16_gemm(x, qweight, scales, zeros=None, group_size=128):
-    n, k2 = qweight.shape
-    q = torch.stack([qweight & 0xF, qweight >> 4], dim=-1).reshape(n, k2 * 2).float()
-    z = zeros.float() if zeros is not None else torch.full_like(scales, 8.0, dtype=torch.float32)
-    w = (q - z.repeat_interleave(group_size, 1)) * scales.float().repeat_interleave(group_size, 1)
-    return (x.float() @ w.t()).to(x.dtype)
+def w4a16_gemm(x, qweight, scales, zeros=None, group_size=128, out=None):
+    # x: [M, K] fp16/bf16, qweight: [N, K//2] uint8 -> [M, N]
+    fn = _gemm.w4a16_gemm_triton if use_triton(x) else _gemm.w4a16_gemm_reference
+    return fn(x, qweight, scales, zeros, group_size, out)

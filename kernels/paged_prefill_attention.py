@@ -1,0 +1,135 @@
+"""paged_prefill_attention: causal attention of a chunk of new tokens against their paged K/V.
+
+The new tokens' K/V are already in the cache (kv_store runs first), so one loop over the
+sequence's pages covers the cached prefix and the chunk itself; the causal mask compares
+absolute positions (query row i of sequence b sits at context_lens[b] - q_len_b + i).
+One program per (query block, sequence, query head), flash-attention style online softmax.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._triton import cdiv, check, check_tensor, jit, next_pow2, require_triton, tl, upcast_dot
+from kernels.paged_decode_attention import FP8, LOG2E, check_paged_kv, dot_precision, gather_pages
+
+
+def paged_prefill_attention_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, sm_scale,
+                                      k_scale=None, v_scale=None, out=None):
+    # q: [T, heads, head_dim] packed by cu_seqlens_q -> out [T, heads, head_dim]
+    out = torch.empty_like(q) if out is None else out
+    heads, kv_heads = q.shape[1], k_cache.shape[2]
+    group = heads // kv_heads
+    bounds = cu_seqlens_q.tolist()
+    lens = context_lens.tolist()
+    for b, n in enumerate(lens):
+        s, e = bounds[b], bounds[b + 1]
+        if e == s:
+            continue
+        table, length = block_tables[b : b + 1], context_lens[b : b + 1]
+        k = gather_pages(k_cache, k_scale, table, length, n)[0][0].repeat_interleave(group, 1)
+        v = gather_pages(v_cache, v_scale, table, length, n)[0][0].repeat_interleave(group, 1)
+        # k, v: [n, heads, D]
+        scores = torch.einsum("qhd,khd->hqk", q[s:e].float(), k) * sm_scale
+        future = torch.arange(n, device=q.device)[None, :] > torch.arange(n - (e - s), n, device=q.device)[:, None]
+        scores.masked_fill_(future[None], float("-inf"))
+        out[s:e] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+    return out
+
+
+@jit
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, cu_ptr, lens_ptr, out_ptr,
+                    qk_scale, page_size, head_dim,
+                    stride_qt, stride_qh, stride_qd,
+                    stride_cp, stride_co, stride_ch, stride_cd,
+                    stride_sp, stride_so, stride_sh,
+                    stride_tb, stride_ot, stride_oh,
+                    GROUP: tl.constexpr, QUANT: tl.constexpr, UPCAST_DOT: tl.constexpr, PRECISION: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    qblock = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2).to(tl.int64)
+    kvh = h // GROUP
+    q_start = tl.load(cu_ptr + b).to(tl.int64)
+    q_len = tl.load(cu_ptr + b + 1).to(tl.int64) - q_start
+    ctx = tl.load(lens_ptr + b).to(tl.int64)
+    prefix = ctx - q_len
+    rows = qblock * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    mask_r = rows < q_len
+    mask_d = d < head_dim
+    qpos = prefix + rows
+    q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + h * stride_qh + d[None, :] * stride_qd,
+                mask=mask_r[:, None] & mask_d[None, :], other=0.0)
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+    m_i = tl.full((BLOCK_M,), -1.0e30, tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    last_key = tl.minimum(ctx, prefix + (qblock + 1) * BLOCK_M)  # causal: later keys are never seen
+    last_key = tl.where(qblock * BLOCK_M < q_len, last_key, 0)
+    for n0 in range(0, last_key, BLOCK_N):
+        t = n0 + tl.arange(0, BLOCK_N)
+        mask_t = t < ctx
+        page = tl.load(tables_ptr + b * stride_tb + t // page_size, mask=mask_t, other=0).to(tl.int64)
+        off = t % page_size
+        row = page * stride_cp + off * stride_co + kvh * stride_ch
+        kv_mask = mask_t[:, None] & mask_d[None, :]
+        k = tl.load(k_cache_ptr + row[:, None] + d[None, :] * stride_cd, mask=kv_mask, other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if QUANT:
+            srow = page * stride_sp + off * stride_so + kvh * stride_sh
+            s = s * tl.load(k_scale_ptr + srow, mask=mask_t, other=0.0)[None, :]
+        visible = mask_t[None, :] & (t[None, :] <= qpos[:, None])
+        s = tl.where(visible, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if QUANT:
+            p = p * tl.load(v_scale_ptr + srow, mask=mask_t, other=0.0)[None, :]
+        v = tl.load(v_cache_ptr + row[:, None] + d[None, :] * stride_cd, mask=kv_mask, other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=mask_r[:, None] & mask_d[None, :])
+
+
+def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, sm_scale,
+                                   k_scale=None, v_scale=None, out=None, *, max_seqlen_q=None,
+                                   block_m=64, block_n=64):
+    check_paged_kv(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
+    check_tensor("cu_seqlens_q", cu_seqlens_q, dtypes=(torch.int32,), ndim=1, contiguous=True, device=q.device)
+    batch = block_tables.shape[0]
+    check(cu_seqlens_q.shape[0] == batch + 1,
+          f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries, expected batch + 1 = {batch + 1}")
+    for name, blk in (("block_m", block_m), ("block_n", block_n)):
+        check(blk >= 16 and blk & (blk - 1) == 0, f"{name} must be a power of two >= 16, got {blk}")
+    if out is not None:
+        check_tensor("out", out, dtypes=(q.dtype,), ndim=3, device=q.device)
+        check(out.shape == q.shape, f"out shape {tuple(out.shape)} != q shape {tuple(q.shape)}")
+        check(out.stride(2) == 1, f"out must be contiguous along head_dim, got strides {out.stride()}")
+    require_triton("paged_prefill_attention")
+    out = torch.empty_like(q) if out is None else out
+    if q.shape[0] == 0 or batch == 0:
+        return out
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())  # one device sync per prefill
+    if max_seqlen_q == 0:
+        return out
+    tokens, heads, head_dim = q.shape
+    kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
+    quant = k_cache.dtype == FP8
+    grid = (cdiv(max_seqlen_q, block_m), batch, heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, k_scale if quant else k_cache, v_scale if quant else v_cache,
+        block_tables, cu_seqlens_q, context_lens, out,
+        sm_scale * LOG2E, page_size, head_dim,
+        *q.stride(), *k_cache.stride(), *(k_scale.stride() if quant else (0, 0, 0)),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=heads // kv_heads, QUANT=quant, UPCAST_DOT=upcast_dot(q.dtype), PRECISION=dot_precision(q.dtype),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(head_dim)),
+        num_warps=4, num_stages=2,
+    )
+    return out
