@@ -1,0 +1,51 @@
+"""Kernel tests drive the Triton kernels on CPU through the Triton interpreter.
+
+triton.jit reads TRITON_INTERPRET when a kernel is decorated and triton decorates its own
+standard-library kernels when it is first imported, so the variable is set here, before
+the first `import triton`, and the kernel modules are reloaded under it (kernels/_triton.py
+skips the triton import on a CPU machine otherwise). The variable is then restored so that
+it does not leak into other test folders; an autouse fixture sets it again around each
+kernel test.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+
+_previous = os.environ.get("TRITON_INTERPRET")
+_late = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+os.environ["TRITON_INTERPRET"] = "1"
+try:
+    import triton  # noqa: F401
+    import triton.experimental.gluon  # noqa: F401  (imported lazily by launches; must load under the interpreter)
+
+    import kernels._triton
+
+    importlib.reload(kernels._triton)
+    for name in ("kv_store", "w4a16_gemm", "paged_decode_attention", "paged_prefill_attention"):
+        importlib.reload(importlib.import_module(f"kernels.{name}"))
+finally:
+    if _previous is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = _previous
+
+
+@pytest.fixture(autouse=True)
+def _interpreter(monkeypatch):
+    if _late:
+        pytest.fail("triton was imported before tests/kernels/conftest.py could set TRITON_INTERPRET=1; "
+                    "run `pytest tests/kernels` in its own process")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    import torch
+
+    torch.manual_seed(0)
