@@ -1,0 +1,276 @@
+"""LLMEngine: a step loop on its own thread; asyncio callers submit requests and read StreamChunks."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import torch
+import xxhash
+
+from backend.engine.block_manager import BlockManager
+from backend.engine.config import EngineConfig, kv_format_name
+from backend.engine.model_runner import ModelRunner
+from backend.engine.sampler import make_generator, sample
+from backend.engine.scheduler import Scheduler
+from backend.engine.sequence import Sequence, SeqStatus
+from backend.engine.stop import StopChecker
+from backend.model.llama import LlamaModel
+from backend.protocol import GenerateRequest, StreamChunk, TokenLogprob, Usage
+from backend.tokenizer import Tokenizer
+from cache_store.page_id import PageKeyContext
+
+log = logging.getLogger("edgeinfer.engine")
+
+
+class RequestError(ValueError):
+    def __init__(self, message: str, code: int = 400) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def model_fingerprint(path: str | Path) -> str:
+    path = Path(path)
+    h = xxhash.xxh3_64()
+    h.update((path / "config.json").read_bytes() if (path / "config.json").is_file() else b"")
+    for f in sorted(path.glob("*.safetensors")):
+        h.update(f.name.encode())
+        h.update(str(f.stat().st_size).encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 16))
+    return h.hexdigest()
+
+
+class EngineObserver:
+    """Hooks for metrics and the page store; the defaults do nothing."""
+
+    def on_step(self, engine: LLMEngine, batch, dt: float) -> None: ...
+    def on_first_token(self, seq: Sequence, ttft: float) -> None: ...
+    def on_token(self, seq: Sequence, itl: float) -> None: ...
+    def on_finish(self, seq: Sequence) -> None: ...
+    def on_pages_filled(self, seq: Sequence, pages: list[tuple[bytes, int]]) -> None: ...
+
+
+class LLMEngine:
+    def __init__(self, model: LlamaModel, tokenizer: Tokenizer | None, cfg: EngineConfig | None = None,
+                 fingerprint: str = "", model_name: str = "model") -> None:
+        self.cfg = cfg or EngineConfig()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.runner = ModelRunner(model, self.cfg)
+        self.blocks = BlockManager(self.runner.num_pages, self.cfg.page_size, self.cfg.enable_prefix_cache)
+        self.scheduler = Scheduler(self.cfg, self.blocks)
+        self.kv_format = kv_format_name(self.runner.kv_dtype)
+        self.fingerprint = fingerprint or f"{model.cfg.architecture}-{model.cfg.num_layers}-{model.cfg.hidden_size}"
+        self.max_model_len = min(self.cfg.max_model_len or model.cfg.max_position_embeddings,
+                                 model.cfg.max_position_embeddings)
+        eos = set(model.cfg.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer else set())
+        self.eos_ids = eos
+        self.observers: list[EngineObserver] = []
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._seqs: dict[str, Sequence] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.steps = 0
+        self.error: BaseException | None = None
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="edgeinfer-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._cmds.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    # ------------------------------------------------------------ public API (any thread / asyncio)
+    def key_context(self, namespace: str) -> PageKeyContext:
+        return PageKeyContext(self.cfg.cache_seed, namespace, self.fingerprint, self.kv_format, self.cfg.page_size)
+
+    def validate(self, req: GenerateRequest) -> None:
+        try:
+            req.sampling.validate()
+        except ValueError as e:
+            raise RequestError(str(e)) from e
+        n = len(req.prompt_token_ids)
+        if n == 0:
+            raise RequestError("prompt_token_ids is empty: expected at least 1 token")
+        vocab = self.model.cfg.vocab_size
+        bad = next((t for t in req.prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"prompt token id {bad} is out of range: expected 0 <= id < {vocab}")
+        if n >= self.max_model_len:
+            raise RequestError(f"prompt has {n} tokens; this model accepts at most {self.max_model_len - 1}", 400)
+        if self.blocks.pages_needed(n + 1) > self.blocks.num_pages:
+            raise RequestError(f"prompt of {n} tokens needs {self.blocks.pages_needed(n + 1)} KV pages; the KV "
+                               f"cache has {self.blocks.num_pages} pages of {self.cfg.page_size} tokens", 400)
+        if req.request_id in self._seqs:
+            raise RequestError(f"request_id {req.request_id!r} is already running", 409)
+        if not req.cache_namespace:
+            raise RequestError("cache_namespace is empty: expected the tenant's namespace")
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
+        """Yields StreamChunks; the last one carries finish_reason and usage. Cancelling the iterator aborts."""
+        self.validate(req)
+        if self.error is not None:
+            raise RequestError(f"engine failed: {self.error}", 503)
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[StreamChunk] = asyncio.Queue()
+
+        def emit(chunk: StreamChunk) -> None:
+            loop.call_soon_threadsafe(q.put_nowait, chunk)
+
+        seq = self._make_seq(req, emit)
+        self._seqs[req.request_id] = seq
+        self._cmds.put(("add", seq))
+        finished = False
+        try:
+            while True:
+                chunk = await q.get()
+                yield chunk
+                if chunk.finish_reason is not None:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(req.request_id)
+
+    def abort(self, request_id: str) -> bool:
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return False
+        self._cmds.put(("abort", seq))
+        return True
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ------------------------------------------------------------ engine thread
+    def _make_seq(self, req: GenerateRequest, emit) -> Sequence:
+        sp = req.sampling
+        max_new = min(sp.max_tokens, self.max_model_len - len(req.prompt_token_ids))
+
+        def emit_seq(seq: Sequence, ids: list[int], lps: list | None, text: str, reason: str | None) -> None:
+            usage = None
+            if reason is not None:
+                usage = Usage(len(seq.prompt_ids), len(seq.output_ids), seq.num_cached_prompt_tokens)
+            emit(StreamChunk(seq.request_id, token_ids=ids, text=text, logprobs=lps, finish_reason=reason,
+                             usage=usage))
+
+        seq = Sequence(req.request_id, req.prompt_token_ids, sp, self.key_context(req.cache_namespace), emit_seq)
+        seq.max_new_tokens = max_new
+        seq.generator = make_generator(sp.seed) if sp.temperature > 0 else None
+        seq.stop_checker = StopChecker(self.tokenizer, sp.stop, set(sp.stop_token_ids), self.eos_ids,
+                                       sp.ignore_eos, req.prompt_token_ids)
+        return seq
+
+    def _finish(self, seq: Sequence, reason: str, ids: list[int] | None = None, lps=None, text: str = "") -> None:
+        if seq.status == SeqStatus.FINISHED:
+            return
+        self.scheduler.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self._seqs.pop(seq.request_id, None)
+        seq.emit(seq, ids or [], lps, text, reason)
+        for o in self.observers:
+            o.on_finish(seq)
+
+    def _handle(self, cmd: str, seq: Sequence | None) -> None:
+        if cmd == "add":
+            self.scheduler.add(seq)
+        elif cmd == "abort" and seq.status != SeqStatus.FINISHED:
+            self._finish(seq, "abort", text=seq.stop_checker.flush() if seq.output_ids else "")
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while not self._stopping:
+            try:
+                block = not self.scheduler.has_work
+                while True:
+                    try:
+                        cmd, seq = self._cmds.get(block=block, timeout=0.5 if block else None)
+                    except queue.Empty:
+                        break
+                    self._handle(cmd, seq)
+                    block = False
+                if self.scheduler.has_work:
+                    self.step()
+            except Exception as e:  # a failed step must not hang clients: fail the batch, keep serving
+                log.exception("engine step failed")
+                self.error = None
+                for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+                    self._finish_error(seq, f"engine step failed: {type(e).__name__}: {e}")
+
+    def _finish_error(self, seq: Sequence, msg: str) -> None:
+        self.scheduler.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        self._seqs.pop(seq.request_id, None)
+        seq.emit(seq, [], None, "", "error")
+
+    def step(self) -> None:
+        t0 = time.monotonic()
+        batch = self.scheduler.schedule()
+        for seq in batch.out_of_room:
+            self._finish(seq, "length", text=seq.stop_checker.flush())
+        if batch.empty:
+            return
+        seqs, logits = self.runner.execute(batch)
+        for s in [*batch.decodes, *(s for s, _ in batch.prefills)]:
+            new = s.extend_hashes()
+            if new:
+                cached = self.blocks.register_full_pages(s, new)
+                if cached:
+                    for o in self.observers:
+                        o.on_pages_filled(s, cached)
+        now = time.monotonic()
+        if seqs:
+            for seq, (tok, lp) in zip(seqs, sample(seqs, logits)):
+                self._append_token(seq, tok, lp, now)
+        self.steps += 1
+        dt = time.monotonic() - t0
+        for o in self.observers:
+            o.on_step(self, batch, dt)
+
+    def _append_token(self, seq: Sequence, tok: int, lp: TokenLogprob | None, now: float) -> None:
+        seq.output_ids.append(tok)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            for o in self.observers:
+                o.on_first_token(seq, now - seq.arrival)
+        else:
+            for o in self.observers:
+                o.on_token(seq, now - seq.last_token_time)
+        seq.last_token_time = now
+        text, stopped = seq.stop_checker.push(tok)
+        lps = [lp] if lp is not None else None
+        if stopped:
+            self._finish(seq, "stop", [tok], lps, text)
+        elif len(seq.output_ids) >= seq.max_new_tokens:
+            self._finish(seq, "length", [tok], lps, text + seq.stop_checker.flush())
+        else:
+            seq.emit(seq, [tok], lps, text, None)
+
+
+def load_engine(model_dir: str | Path, cfg: EngineConfig | None = None, dtype: torch.dtype = torch.float32,
+                device: str = "cpu", model_name: str | None = None) -> LLMEngine:
+    from backend.model.llama import load_model
+
+    model_dir = Path(model_dir)
+    model = load_model(model_dir, dtype=dtype, device=device)
+    tok = Tokenizer.from_dir(model_dir, model_vocab_size=model.cfg.vocab_size)
+    return LLMEngine(model, tok, cfg, fingerprint=model_fingerprint(model_dir), model_name=model_name or model_dir.name)

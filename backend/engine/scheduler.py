@@ -1,0 +1,132 @@
+"""Continuous batching with chunked prefill and recompute preemption."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from backend.engine.block_manager import BlockManager
+from backend.engine.config import EngineConfig
+from backend.engine.sequence import Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledBatch:
+    decodes: list[Sequence] = field(default_factory=list)
+    prefills: list[tuple[Sequence, int]] = field(default_factory=list)   # (seq, tokens this step)
+    preempted: list[Sequence] = field(default_factory=list)
+    out_of_room: list[Sequence] = field(default_factory=list)           # can't grow even alone -> finish "length"
+
+    @property
+    def empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig, blocks: BlockManager, prefix_lookup=None) -> None:
+        self.cfg = cfg
+        self.blocks = blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.prefix_lookup = prefix_lookup   # optional callable(seq, hashes, local_match) -> PrefixMatch
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+
+    def _preempt(self, victim: Sequence, batch: ScheduledBatch) -> None:
+        self.running.remove(victim)
+        self.blocks.free(victim)
+        victim.num_computed_tokens = 0
+        victim.page_hashes = []
+        victim.status = SeqStatus.WAITING
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        batch.preempted.append(victim)
+
+    def _grow(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch, protected: set[int]) -> bool:
+        """Make room for seq to hold num_tokens, preempting the newest other running sequence if needed."""
+        while not self.blocks.ensure_capacity(seq, num_tokens):
+            victims = [s for s in reversed(self.running) if s is not seq and id(s) not in protected]
+            if not victims:
+                return False
+            self._preempt(victims[0], batch)
+        return True
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.cfg.max_num_batched_tokens
+        scheduled: set[int] = set()
+        for seq in [s for s in self.running if not s.is_prefilling]:
+            if seq not in self.running:      # preempted while making room for an older one
+                continue
+            if not self._grow(seq, seq.num_computed_tokens + 1, batch, scheduled):
+                if len(self.running) == 1:
+                    batch.out_of_room.append(seq)
+                else:
+                    self._preempt(seq, batch)
+                continue
+            batch.decodes.append(seq)
+            scheduled.add(id(seq))
+            budget -= 1
+        for seq in [s for s in self.running if s.is_prefilling]:
+            if budget <= 0:
+                break
+            if seq not in self.running:
+                continue
+            n = min(seq.num_uncomputed, budget)
+            if not self._grow(seq, seq.num_computed_tokens + n, batch, scheduled):
+                continue
+            batch.prefills.append((seq, n))
+            scheduled.add(id(seq))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            seq = self.waiting[0]
+            if not self._admit(seq, budget, batch):
+                break
+            self.waiting.popleft()
+            n = min(seq.num_uncomputed, budget)
+            batch.prefills.append((seq, n))
+            scheduled.add(id(seq))
+            budget -= n
+        return batch
+
+    def _admit(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> bool:
+        hashes = seq.prompt_page_hashes()
+        match = self.blocks.match_prefix(seq, hashes)
+        if self.prefix_lookup is not None:
+            match = self.prefix_lookup(seq, hashes, match)
+        p = self.blocks.page_size
+        pages = list(match.pages)
+        if len(pages) * p >= seq.num_tokens:     # keep >= 1 token to compute (its logits are needed)
+            pages = pages[:-1]
+        cached = len(pages) * p
+        n = min(seq.num_tokens - cached, budget)
+        need = self.blocks.pages_needed(cached + n) - len(pages)
+        if not self.blocks.can_allocate(need, pages):
+            return False
+        self.blocks.acquire_cached(pages)
+        seq.block_table = list(pages)
+        self.blocks.allocate(seq, need)
+        seq.num_computed_tokens = cached
+        seq.page_hashes = list(hashes[: len(pages)])
+        if not seq.admitted_once:
+            seq.num_cached_prompt_tokens = cached
+            seq.admitted_once = True
+            self.blocks.queries += len(seq.prompt_ids)
+            self.blocks.hits += cached
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        return True

@@ -1,0 +1,74 @@
+"""A request inside the engine: tokens, pages, sampling state, output channel."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+
+from backend.protocol import SamplingParams
+from cache_store.page_id import PageKeyContext, hash_page
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, key_ctx: PageKeyContext,
+                 emit: Callable[[Sequence, list[int], list | None, str | None], None]) -> None:
+        self.request_id = request_id
+        self.prompt_ids = list(prompt_ids)
+        self.output_ids: list[int] = []
+        self.sampling = sampling
+        self.key_ctx = key_ctx
+        self.emit = emit
+        self.status = SeqStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0        # tokens whose KV is in the cache
+        self.num_cached_prompt_tokens = 0   # prompt tokens served from the prefix cache (first admission)
+        self.page_hashes: list[bytes] = []  # hashes of the full pages so far
+        self.finish_reason: str | None = None
+        self.arrival = time.monotonic()
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.num_preemptions = 0
+        self.admitted_once = False
+        self.generator = None               # torch.Generator for seeded sampling
+        self.stop_checker = None            # set by the engine (stop strings, detokenizer)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_uncomputed > 1
+
+    def extend_hashes(self) -> list[bytes]:
+        """Hash newly full pages (of computed tokens); returns the new hashes."""
+        p = self.key_ctx.page_size
+        ids = self.all_ids
+        new = []
+        while (len(self.page_hashes) + 1) * p <= self.num_computed_tokens:
+            i = len(self.page_hashes)
+            parent = self.page_hashes[-1] if self.page_hashes else self.key_ctx.root
+            h = hash_page(parent, ids[i * p:(i + 1) * p])
+            self.page_hashes.append(h)
+            new.append(h)
+        return new
+
+    def prompt_page_hashes(self) -> list[bytes]:
+        from cache_store.page_id import page_hashes
+
+        return page_hashes(self.key_ctx, self.all_ids)

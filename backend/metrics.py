@@ -1,0 +1,84 @@
+"""Prometheus metrics of one backend (own registry, so several engines can live in one test process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from backend.engine.engine import EngineObserver
+
+_LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class BackendMetrics(EngineObserver):
+    def __init__(self, model: str) -> None:
+        r = self.registry = CollectorRegistry()
+        L = ["model"]
+        self.model = model
+        self.running = Gauge("edgeinfer_backend_requests_running", "Sequences in the running batch", L, registry=r)
+        self.waiting = Gauge("edgeinfer_backend_requests_waiting", "Sequences waiting for admission", L, registry=r)
+        self.pages_used = Gauge("edgeinfer_backend_kv_pages_used", "KV pages referenced by sequences", L, registry=r)
+        self.pages_free = Gauge("edgeinfer_backend_kv_pages_free", "KV pages free (incl. reusable cached)", L,
+                                registry=r)
+        self.pages_total = Gauge("edgeinfer_backend_kv_pages_total", "KV pages in the pool", L, registry=r)
+        self.hit_tokens = Counter("edgeinfer_backend_prefix_cache_hit_tokens", "Prompt tokens served from cache", L,
+                                  registry=r)
+        self.query_tokens = Counter("edgeinfer_backend_prefix_cache_query_tokens", "Prompt tokens looked up", L,
+                                    registry=r)
+        self.hit_rate = Gauge("edgeinfer_backend_prefix_cache_hit_rate", "hit tokens / query tokens", L, registry=r)
+        self.ttft = Histogram("edgeinfer_backend_ttft_seconds", "Time to first token", L, buckets=_LAT, registry=r)
+        self.itl = Histogram("edgeinfer_backend_inter_token_latency_seconds", "Inter-token latency", L,
+                             buckets=_LAT, registry=r)
+        self.preemptions = Counter("edgeinfer_backend_preemptions", "Sequences preempted (recompute)", L, registry=r)
+        self.finished = Counter("edgeinfer_backend_requests_finished", "Finished requests", L + ["reason"], registry=r)
+        self.prompt_tokens = Counter("edgeinfer_backend_prompt_tokens", "Prompt tokens", L, registry=r)
+        self.gen_tokens = Counter("edgeinfer_backend_generation_tokens", "Generated tokens", L, registry=r)
+        self.integrity_failures = Counter("edgeinfer_backend_integrity_failures",
+                                          "KV pages dropped because their tag/header/tokens did not match",
+                                          L + ["source"], registry=r)
+        self.weight_bytes = Gauge("edgeinfer_backend_weight_bytes", "Bytes of model weights", L, registry=r)
+        self.kv_bytes_per_token = Gauge("edgeinfer_backend_kv_bytes_per_token", "KV bytes per token (+scales)", L,
+                                        registry=r)
+        self.max_kv_tokens = Gauge("edgeinfer_backend_kv_max_tokens", "Tokens that fit in the KV budget", L,
+                                   registry=r)
+        self._hits = 0
+        self._queries = 0
+        self._preempt = 0
+
+    def on_step(self, engine, batch, dt: float) -> None:
+        m = self.model
+        self.running.labels(m).set(engine.num_running)
+        self.waiting.labels(m).set(engine.num_waiting)
+        b = engine.blocks
+        self.pages_used.labels(m).set(b.num_used)
+        self.pages_free.labels(m).set(b.num_free)
+        self.pages_total.labels(m).set(b.num_pages)
+        if b.queries != self._queries:
+            self.hit_tokens.labels(m).inc(b.hits - self._hits)
+            self.query_tokens.labels(m).inc(b.queries - self._queries)
+            self._hits, self._queries = b.hits, b.queries
+            self.hit_rate.labels(m).set(b.hits / max(b.queries, 1))
+        p = engine.scheduler.num_preemptions
+        if p != self._preempt:
+            self.preemptions.labels(m).inc(p - self._preempt)
+            self._preempt = p
+
+    def on_first_token(self, seq, ttft: float) -> None:
+        self.ttft.labels(self.model).observe(ttft)
+
+    def on_token(self, seq, itl: float) -> None:
+        self.itl.labels(self.model).observe(itl)
+
+    def on_finish(self, seq) -> None:
+        m = self.model
+        self.finished.labels(m, seq.finish_reason or "unknown").inc()
+        self.prompt_tokens.labels(m).inc(len(seq.prompt_ids))
+        self.gen_tokens.labels(m).inc(len(seq.output_ids))
+
+    def set_memory(self, engine) -> None:
+        m = self.model
+        self.weight_bytes.labels(m).set(engine.model.weight_bytes())
+        self.kv_bytes_per_token.labels(m).set(engine.runner.bytes_per_token)
+        self.max_kv_tokens.labels(m).set(engine.blocks.num_pages * engine.cfg.page_size)
+        self.pages_total.labels(m).set(engine.blocks.num_pages)
+        self.pages_free.labels(m).set(engine.blocks.num_free)
+        self.pages_used.labels(m).set(engine.blocks.num_used)

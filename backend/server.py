@@ -1,0 +1,294 @@
+"""Backend HTTP server (aiohttp + uvloop): the internal API of backend/protocol.py over one LLMEngine."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+from aiohttp import web
+from prometheus_client import generate_latest
+
+from backend.engine.config import EngineConfig
+from backend.engine.engine import LLMEngine, RequestError
+from backend.metrics import BackendMetrics
+from backend.protocol import AbortRequest, BackendInfo, GenerateRequest, StreamChunk, encode
+
+log = logging.getLogger("edgeinfer.backend")
+VERSION = os.environ.get("EDGEINFER_VERSION", "0.1.0")
+
+
+@dataclass
+class BackendState:
+    engine: LLMEngine
+    metrics: BackendMetrics
+    node_id: str
+    version: str = VERSION
+    operator_key: str | None = None
+    state: str = "active"
+    url: str = ""
+    in_flight: set[str] = field(default_factory=set)
+    started_at: float = field(default_factory=time.time)
+    extensions: list = field(default_factory=list)     # objects with async start(app)/stop(app)
+
+
+STATE = web.AppKey("state", BackendState)
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "code": status}}, status=status)
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    st = request.app[STATE]
+    if st.state != "active":
+        return _error(503, f"node {st.node_id} is {st.state}; not accepting new requests")
+    try:
+        req = msgspec.json.decode(await request.read(), type=GenerateRequest)
+    except msgspec.ValidationError as e:
+        return _error(422, f"invalid generate request: {e}")
+    except msgspec.DecodeError as e:
+        return _error(400, f"malformed JSON body: {e}")
+    engine = st.engine
+    try:
+        engine.validate(req)
+    except RequestError as e:
+        return _error(e.code, str(e))
+    resp = web.StreamResponse(headers={"content-type": "application/x-ndjson", "x-node-id": st.node_id})
+    await resp.prepare(request)
+    st.in_flight.add(req.request_id)
+    gen = engine.generate(req)
+    try:
+        async for chunk in gen:
+            await resp.write(encode(chunk) + b"\n")
+    except RequestError as e:
+        await resp.write(encode(StreamChunk(req.request_id, finish_reason="error", error=str(e),
+                                            error_code=e.code)) + b"\n")
+    except (ConnectionResetError, asyncio.CancelledError):
+        engine.abort(req.request_id)
+        raise
+    finally:
+        await gen.aclose()
+        st.in_flight.discard(req.request_id)
+    await resp.write_eof()
+    return resp
+
+
+async def abort(request: web.Request) -> web.Response:
+    try:
+        req = msgspec.json.decode(await request.read(), type=AbortRequest)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        return _error(400, f"invalid abort request: {e}")
+    return web.json_response({"aborted": request.app[STATE].engine.abort(req.request_id)})
+
+
+def backend_info(st: BackendState) -> BackendInfo:
+    e = st.engine
+    return BackendInfo(node_id=st.node_id, model=e.model_name, model_fingerprint=e.fingerprint,
+                       kv_format=e.kv_format, page_size=e.cfg.page_size, max_model_len=e.max_model_len,
+                       version=st.version, state=st.state)
+
+
+async def info(request: web.Request) -> web.Response:
+    return web.Response(body=encode(backend_info(request.app[STATE])), content_type="application/json")
+
+
+def load_report(st: BackendState) -> dict:
+    e = st.engine
+    b = e.blocks
+    return {"node_id": st.node_id, "state": st.state, "version": st.version, "model": e.model_name,
+            "running": e.num_running, "waiting": e.num_waiting, "in_flight": len(st.in_flight),
+            "kv_pages_used": b.num_used, "kv_pages_total": b.num_pages,
+            "prefix_cache_hit_rate": b.hits / max(b.queries, 1)}
+
+
+async def health(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    if st.engine._thread is None or not st.engine._thread.is_alive():
+        return _error(503, "engine thread is not running")
+    return web.json_response({"status": "ok", **load_report(st)})
+
+
+async def ready(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    if st.state != "active":
+        return _error(503, f"node is {st.state}")
+    return web.json_response({"status": "ready", **load_report(st)})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    st.metrics.on_step(st.engine, None, 0.0)
+    return web.Response(body=generate_latest(st.metrics.registry), content_type="text/plain")
+
+
+def _operator_ok(request: web.Request) -> bool:
+    key = request.app[STATE].operator_key
+    if not key:
+        return False
+    got = request.headers.get("authorization", "")
+    return hmac.compare_digest(got.encode(), f"Bearer {key}".encode())
+
+
+async def admin_drain(request: web.Request) -> web.Response:
+    if not _operator_ok(request):
+        return _error(401, "operator key required")
+    st = request.app[STATE]
+    st.state = "draining"
+    for ext in st.extensions:
+        if hasattr(ext, "on_drain"):
+            await ext.on_drain(request.app)
+    return web.json_response(load_report(st))
+
+
+async def admin_undrain(request: web.Request) -> web.Response:
+    if not _operator_ok(request):
+        return _error(401, "operator key required")
+    st = request.app[STATE]
+    st.state = "active"
+    for ext in st.extensions:
+        if hasattr(ext, "on_undrain"):
+            await ext.on_undrain(request.app)
+    return web.json_response(load_report(st))
+
+
+def make_app(state: BackendState) -> web.Application:
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app[STATE] = state
+
+    async def lifecycle(app: web.Application):
+        state.engine.start()
+        for ext in state.extensions:
+            await ext.start(app)
+        yield
+        for ext in reversed(state.extensions):
+            await ext.stop(app)
+        state.engine.stop()
+
+    app.cleanup_ctx.append(lifecycle)
+    app.add_routes([
+        web.post("/internal/generate", generate),
+        web.post("/internal/abort", abort),
+        web.get("/internal/info", info),
+        web.get("/health", health),
+        web.get("/ready", ready),
+        web.get("/metrics", metrics),
+        web.post("/admin/drain", admin_drain),
+        web.post("/admin/undrain", admin_undrain),
+    ])
+    return app
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="edgeinfer backend", description="Run one inference backend node.")
+    p.add_argument("--model", default=None, help="HF checkpoint directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model-name", default=None, help="name served to clients (default: directory name)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--node-id", default=None)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16", "fp8_e4m3"])
+    p.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
+    p.add_argument("--num-pages", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--no-prefix-cache", action="store_true")
+    p.add_argument("--redis-url", default=os.environ.get("EDGEINFER_REDIS_URL"))
+    p.add_argument("--redis-cluster", action="store_true")
+    p.add_argument("--store-tier", default="redis", choices=["redis", "host", "none"])
+    p.add_argument("--host-store-bytes", type=int, default=256 << 20)
+    p.add_argument("--cache-seed", default=os.environ.get("EDGEINFER_CACHE_SEED", "edgeinfer-dev-seed"))
+    p.add_argument("--operator-key", default=os.environ.get("EDGEINFER_OPERATOR_KEY"))
+    p.add_argument("--version", default=VERSION)
+    p.add_argument("--heartbeat", type=float, default=2.0)
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def build_state(args: argparse.Namespace) -> BackendState:
+    import torch
+
+    from backend.engine.engine import load_engine
+    from backend.model.gguf_import import ensure_default_model
+
+    model_dir = Path(args.model) if args.model else ensure_default_model()
+    cfg = EngineConfig(page_size=args.page_size, kv_cache_bytes=args.kv_cache_bytes, num_pages=args.num_pages,
+                       kv_dtype=args.kv_dtype, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                       cache_seed=args.cache_seed.encode(), enable_prefix_cache=not args.no_prefix_cache)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    engine = load_engine(model_dir, cfg, dtype=dtype, device=args.device, model_name=args.model_name)
+    node_id = args.node_id or f"{socket.gethostname()}-{args.port}-{uuid.uuid4().hex[:6]}"
+    m = BackendMetrics(engine.model_name)
+    engine.observers.append(m)
+    m.set_memory(engine)
+    st = BackendState(engine=engine, metrics=m, node_id=node_id, version=args.version,
+                      operator_key=args.operator_key, url=f"http://{args.host}:{args.port}")
+    log.info(json.dumps({"event": "memory", "model": engine.model_name, "weight_bytes": engine.model.weight_bytes(),
+                         "kv_dtype": engine.kv_format, "kv_bytes_per_token": engine.runner.bytes_per_token,
+                         "kv_pages": engine.blocks.num_pages, "page_size": cfg.page_size,
+                         "max_tokens_in_budget": engine.blocks.num_pages * cfg.page_size}))
+    try:
+        from backend.store_bridge import attach_page_store  # noqa: PLC0415
+    except ImportError:
+        attach_page_store = None
+    if attach_page_store is not None:
+        attach_page_store(st, args)
+    return st
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    try:
+        st = build_state(args)
+    except (ValueError, OSError, RuntimeError) as e:
+        print(f"edgeinfer backend: error: {e}", file=sys.stderr)
+        return 1
+    app = make_app(st)
+
+    async def serve() -> None:
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, args.host, args.port, reuse_address=True)
+        await site.start()
+        print(json.dumps({"event": "ready", "node_id": st.node_id, "url": st.url, "model": st.engine.model_name}),
+              flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        st.state = "draining"
+        deadline = time.monotonic() + 30
+        while st.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        await runner.cleanup()
+
+    asyncio.run(serve())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
