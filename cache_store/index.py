@@ -9,9 +9,14 @@ Cluster. Page hashes are namespace-salted, so tenants never match each other.
 from __future__ import annotations
 
 import abc
+import hashlib
 import threading
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+from redis.exceptions import NoScriptError
 
 from cache_store.keys import KeySpace
 from cache_store.resilience import RedisGuard
@@ -57,12 +62,40 @@ def leading_counts(holders: Sequence[set[str]]) -> dict[str, int]:
     return counts
 
 
+# KEYS: index keys in prefix order; ARGV[1]: ttl seconds. Returns {node, count, ...}.
+_LOOKUP_LUA = """
+local alive, counts = nil, {}
+for i, key in ipairs(KEYS) do
+  local members = redis.call('SMEMBERS', key)
+  local still, any = {}, false
+  for _, m in ipairs(members) do
+    if alive == nil or alive[m] then still[m] = true; any = true end
+  end
+  if not any then break end
+  alive = still
+  for m in pairs(alive) do counts[m] = i end
+  redis.call('EXPIRE', key, ARGV[1])
+end
+local out = {}
+for m, c in pairs(counts) do out[#out + 1] = m; out[#out + 1] = c end
+return out
+"""
+_LOOKUP_SHA = hashlib.sha1(_LOOKUP_LUA.encode()).hexdigest()
+
+
 class RedisPageIndex(PageIndex):
-    """Index in Redis (single server or Cluster); at most ceil(len(hashes)/chunk_pages) round trips
-    per lookup, stopping early once no node still holds the prefix."""
+    """Index in Redis (single server or Cluster).
+
+    Lookup walks the prefix server-side in one Lua call (one round trip; two
+    the first time a server sees the script). All keys of a lookup share the
+    {<model>} hash tag, so the script is legal on a cluster. With
+    server_side=False (scripting disabled) it pipelines SMEMBERS+EXPIRE in
+    chunks of chunk_pages, stopping once no node holds the prefix: at most
+    ceil(len(hashes) / chunk_pages) round trips.
+    """
 
     def __init__(self, client, *, ttl_s: int = 3600, keys: KeySpace | None = None,
-                 guard: RedisGuard | None = None, chunk_pages: int = 256) -> None:
+                 guard: RedisGuard | None = None, chunk_pages: int = 256, server_side: bool = True) -> None:
         if ttl_s <= 0 or chunk_pages <= 0:
             raise ValueError(f"ttl_s and chunk_pages must be positive, got {ttl_s}, {chunk_pages}")
         self.client = client
@@ -70,6 +103,7 @@ class RedisPageIndex(PageIndex):
         self.keys = keys or KeySpace()
         self.guard = guard or RedisGuard()
         self.chunk_pages = chunk_pages
+        self.server_side = server_side
         self.round_trips = 0
 
     async def _execute(self, fill) -> list:
@@ -94,18 +128,37 @@ class RedisPageIndex(PageIndex):
         return results is not None and not any(isinstance(r, Exception) for r in results)
 
     async def longest_prefix(self, model: str, hashes: Sequence[bytes]) -> dict[str, int]:
+        if not hashes:
+            return {}
+        if self.server_side:
+            return await self._longest_prefix_script(model, hashes)
+        return await self._longest_prefix_pipelined(model, hashes)
+
+    async def _longest_prefix_script(self, model: str, hashes: Sequence[bytes]) -> dict[str, int]:
+        prefix = self.keys.idx_prefix(model)
+        keys = [prefix + h.hex() for h in hashes]
+
+        async def run() -> list:
+            self.round_trips += 1
+            try:
+                return await self.client.evalsha(_LOOKUP_SHA, len(keys), *keys, self.ttl_s)
+            except NoScriptError:
+                self.round_trips += 1
+                return await self.client.eval(_LOOKUP_LUA, len(keys), *keys, self.ttl_s)
+
+        flat = await self.guard.run(run, None, "index lookup")
+        if not flat:
+            return {}
+        return {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+    async def _longest_prefix_pipelined(self, model: str, hashes: Sequence[bytes]) -> dict[str, int]:
         prefix = self.keys.idx_prefix(model)
         holders: list[set[str]] = []
         alive: set[str] | None = None
         for start in range(0, len(hashes), self.chunk_pages):
             chunk = [prefix + h.hex() for h in hashes[start:start + self.chunk_pages]]
-
-            def fill(pipe, chunk=chunk) -> None:
-                for key in chunk:
-                    pipe.smembers(key)
-                    pipe.expire(key, self.ttl_s)
-
-            results = await self.guard.run(lambda fill=fill: self._execute(fill), None, "index lookup")
+            results = await self.guard.run(partial(self._execute, self._lookup_fill(chunk)), None,
+                                           "index lookup")
             if results is None:
                 break
             for members in results[0::2]:
@@ -117,6 +170,14 @@ class RedisPageIndex(PageIndex):
             if not alive:
                 break
         return leading_counts(holders)
+
+    def _lookup_fill(self, keys: list[str]) -> Callable[[Any], None]:
+        def fill(pipe: Any) -> None:
+            for key in keys:
+                pipe.smembers(key)
+                pipe.expire(key, self.ttl_s)
+
+        return fill
 
     async def remove_node(self, model: str, node_id: str, hashes: Sequence[bytes]) -> bool:
         if not hashes:

@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from redis.exceptions import RedisError, ResponseError
 
@@ -116,7 +116,7 @@ def redis_client(url: str, *, cluster: bool = False, socket_timeout_s: float = 1
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
 
-    kwargs = dict(socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s,
+    kwargs: dict[str, Any] = dict(socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s,
                   retry=Retry(NoBackoff(), 0), decode_responses=False)
     if cluster:
         return RedisCluster.from_url(url, **kwargs)

@@ -22,7 +22,7 @@ class FakeClock:
         return self.now
 
 
-@pytest.fixture(params=["redis", "memory"])
+@pytest.fixture(params=["lua", "pipelined", "memory"])
 def make_index(request, redis_kind):
     if request.param == "memory":
         if redis_kind == "cluster":
@@ -30,7 +30,8 @@ def make_index(request, redis_kind):
         return lambda **kw: InMemoryPageIndex(**{k: v for k, v in kw.items() if k == "ttl_s"})
     redis = request.getfixturevalue("redis")
     guard = request.getfixturevalue("guard")
-    return lambda **kw: RedisPageIndex(redis, guard=guard, **kw)
+    server_side = request.param == "lua"
+    return lambda **kw: RedisPageIndex(redis, guard=guard, server_side=server_side, **kw)
 
 
 def test_leading_counts():
@@ -74,23 +75,36 @@ async def test_namespace_isolation(make_index, redis):
     assert await store.get_many(b) == [None] * 4
 
 
-async def test_one_round_trip_per_lookup_and_bounded_chunks(redis, guard):
+async def test_one_round_trip_per_lookup(redis, redis_kind, guard):
     index = RedisPageIndex(redis, guard=guard)
     h = chain(256)  # a 4k-token prompt
     await index.publish(MODEL, "a", h)
+    await index.publish(MODEL, "b", h[:100])
+    await redis.script_flush()  # RedisCluster sends it to every primary
     before = index.round_trips
-    assert await index.longest_prefix(MODEL, h) == {"a": 256}
-    assert index.round_trips - before == 1
+    assert await index.longest_prefix(MODEL, h) == {"a": 256, "b": 100}
+    assert index.round_trips - before == 2  # NOSCRIPT, then EVAL loads it
+    before = index.round_trips
+    assert await index.longest_prefix(MODEL, h) == {"a": 256, "b": 100}
+    assert await index.longest_prefix(MODEL, chain(256, "tenant-z")) == {}
+    assert index.round_trips - before == 2
+    assert guard.stats.command_errors == 0
 
-    chunked = RedisPageIndex(redis, guard=guard, chunk_pages=64)
+
+async def test_pipelined_lookup_round_trips_are_bounded(redis, guard):
+    h = chain(256)
+    chunked = RedisPageIndex(redis, guard=guard, chunk_pages=64, server_side=False)
+    await chunked.publish(MODEL, "a", h)
+    before = chunked.round_trips
     assert await chunked.longest_prefix(MODEL, h) == {"a": 256}
-    assert chunked.round_trips == 4
+    assert chunked.round_trips - before == 4
     assert await chunked.longest_prefix(MODEL, chain(256, "tenant-z")) == {}
-    assert chunked.round_trips == 5  # a miss stops after the first chunk
+    assert chunked.round_trips - before == 5  # a miss stops after the first chunk
 
 
-async def test_ttl_set_on_publish_and_refreshed_on_lookup(redis, guard):
-    index = RedisPageIndex(redis, guard=guard, ttl_s=300)
+@pytest.mark.parametrize("server_side", [True, False])
+async def test_ttl_set_on_publish_and_refreshed_on_lookup(redis, guard, server_side):
+    index = RedisPageIndex(redis, guard=guard, ttl_s=300, server_side=server_side)
     h = chain(3)
     await index.publish(MODEL, "a", h)
     key = KeySpace().idx(MODEL, h[0])
@@ -161,9 +175,9 @@ async def test_publish_only_after_ack_with_a_full_redis():
             index = InMemoryPageIndex()
             h = chain(12)
             acks = await store_and_publish(store, index, MODEL, "a", [(x, b"\xab" * 400_000) for x in h])
-            n = sum(acks)
-            assert 0 < n < 12 and acks == [True] * n + [False] * (12 - n)
-            assert await index.longest_prefix(MODEL, h) == {"a": n}
+            assert 0 < sum(acks) < 12, acks
+            for page, ok in zip(h, acks, strict=True):
+                assert await index.longest_prefix(MODEL, [page]) == ({"a": 1} if ok else {})
             assert store.guard.stats.command_errors == 0 and store.guard.stats.errors == 0
         finally:
             await client.aclose()
