@@ -1,0 +1,382 @@
+"""OpenAI-compatible handlers: /v1/chat/completions, /v1/completions, /v1/models."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import msgspec
+from aiohttp import web
+
+from backend.protocol import SamplingParams, StreamChunk
+from gateway.config import TenantConfig
+from gateway.errors import APIError, bad_value, from_validation_error
+from gateway.generation import Run, Target, merged, runs_open
+from gateway.models import ServedModel
+from gateway.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    CompletionChoice,
+    Delta,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    UsageInfo,
+    chat_decoder,
+    check_chat,
+    check_completion,
+    completion_decoder,
+    encode,
+    message_dicts,
+)
+from gateway.state import STATE, GatewayState
+from gateway.upstream import UpstreamBroken
+
+_SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache", "x-accel-buffering": "no"}
+_DONE = b"data: [DONE]\n\n"
+
+
+async def read_body(request: web.Request, st: GatewayState) -> bytes:
+    limit = st.cfg.server.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise APIError(413, f"request body of {request.content_length} bytes exceeds the limit of {limit} bytes",
+                       code="request_too_large")
+    try:
+        async with asyncio.timeout(st.cfg.server.body_read_timeout_s):
+            return await request.read()
+    except web.HTTPRequestEntityTooLarge as e:
+        raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large") from e
+    except TimeoutError as e:
+        raise APIError(408, f"request body not received within {st.cfg.server.body_read_timeout_s}s",
+                       code="timeout") from e
+
+
+def decode(decoder: msgspec.json.Decoder, body: bytes):
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as e:
+        raise from_validation_error(e) from e
+    except msgspec.DecodeError as e:
+        raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from e
+
+
+def served_model(st: GatewayState, tenant: TenantConfig, name: str) -> ServedModel:
+    model = st.models.get(name)
+    if model is None or not tenant.allows(name):
+        visible = sorted(m for m in st.models if tenant.allows(m))
+        if model is None:
+            raise APIError(404, f"unknown model {name!r}; serving: {', '.join(visible) or 'none'}",
+                           code="model_not_found", param="model")
+        raise APIError(403, f"model {name!r} is not enabled for this API key; allowed: {', '.join(visible) or 'none'}",
+                       code="model_not_allowed", param="model")
+    return model
+
+
+def sampling_params(req, max_tokens: int, seed: int | None, logprobs: bool, top_logprobs: int) -> SamplingParams:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    sp = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        min_p=req.min_p or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        seed=seed, stop=stop, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
+        logprobs=logprobs, top_logprobs=top_logprobs)
+    try:
+        sp.validate()
+    except ValueError as e:
+        raise bad_value(str(e).split("=", 1)[0], str(e)) from e
+    return sp
+
+
+class Job:
+    """Everything decided before any backend is contacted."""
+
+    def __init__(self, request: web.Request, st: GatewayState, tenant: TenantConfig, model: ServedModel,
+                 kind: str) -> None:
+        self.request, self.st, self.tenant, self.model, self.kind = request, st, tenant, model, kind
+        self.rid: str = request["request_id"]            # echoed to the client, may be the client's own
+        self.backend_id = uuid.uuid4().hex                 # unique per request on every backend
+        self.created = int(time.time())
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + self.backend_id
+        self.headers: dict[str, str] = {}
+
+    def limits(self, prompts: list[list[int]], requested: int | None) -> int:
+        """Checks prompt sizes against the tenant and the nodes; returns max_tokens per choice."""
+        st, tenant = self.st, self.tenant
+        nodes = st.pool.for_model(self.model.name)
+        if not nodes:
+            raise APIError(503, f"no healthy backend for model {self.model.name!r}", code="backend_unavailable",
+                           headers={"retry-after": "1"})
+        max_len = min(n.info.max_model_len for n in nodes)  # type: ignore[union-attr]
+        longest = max(len(p) for p in prompts)
+        if min(len(p) for p in prompts) == 0:
+            raise bad_value("prompt", "the prompt is empty")
+        if tenant.max_prompt_tokens and longest > tenant.max_prompt_tokens:
+            raise APIError(400, f"prompt has {longest} tokens; this API key allows at most "
+                                f"{tenant.max_prompt_tokens}", code="context_length_exceeded", param="messages")
+        if longest >= max_len:
+            raise APIError(400, f"prompt has {longest} tokens; the model's context is {max_len} tokens",
+                           code="context_length_exceeded", param="messages")
+        room = max_len - longest
+        if requested is None:
+            return min(st.cfg.server.default_max_tokens, room)
+        if requested > room:
+            raise APIError(400, f"prompt ({longest} tokens) + max_tokens ({requested}) exceeds the model's context "
+                                f"of {max_len} tokens", code="context_length_exceeded", param="max_tokens")
+        return requested
+
+    async def admit(self, prompt_tokens: int, n: int) -> None:
+        st, tenant = self.st, self.tenant
+        if tenant.tokens_per_min and prompt_tokens > tenant.tokens_per_min:
+            raise APIError(400, f"request needs {prompt_tokens} prompt tokens; this API key's budget is "
+                                f"{tenant.tokens_per_min} tokens/min", code="tokens_exceed_limit")
+        decision = await st.limiter.acquire(tenant, prompt_tokens)
+        self.headers.update(decision.headers(tenant))
+        if not decision.allowed:
+            st.metrics.rate_limited.labels(tenant.id, decision.limited_by).inc()
+            raise APIError(429, f"rate limit exceeded ({decision.limited_by} per minute); retry after "
+                                f"{decision.retry_after_s:.2f}s", code="rate_limit_exceeded", headers=self.headers)
+        if tenant.max_concurrent_streams and st.active.get(tenant.id, 0) >= tenant.max_concurrent_streams:
+            st.metrics.rate_limited.labels(tenant.id, "concurrency").inc()
+            raise APIError(429, f"too many concurrent requests: this API key allows "
+                                f"{tenant.max_concurrent_streams}", code="concurrency_limit_exceeded",
+                           headers={**self.headers, "retry-after": "1"})
+
+    def runs(self, prompts: list[list[int]], n: int, make_sampling) -> list[Run]:
+        return [Run(p * n + i, ids, make_sampling(i), f"{self.backend_id}-{p * n + i}")
+                for p, ids in enumerate(prompts) for i in range(n)]
+
+
+class Tally:
+    """Per-request token accounting, fed by the final chunk of each run."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.prompt = 0
+        self.completion = 0
+        self.cached = 0
+
+    def add(self, run: Run, chunk: StreamChunk) -> None:
+        u = chunk.usage
+        if u is None:
+            return
+        self.completion += u.completion_tokens
+        if run.index % self.n == 0:  # prompt counted once per prompt, as OpenAI does
+            self.prompt += u.prompt_tokens
+            self.cached += u.cached_tokens
+
+    def usage(self) -> UsageInfo:
+        return UsageInfo(self.prompt, self.completion, self.prompt + self.completion,
+                         PromptTokensDetails(self.cached))
+
+
+async def execute(job: Job, runs: list[Run], n: int, stream: bool, include_usage: bool,
+                  session: str) -> web.StreamResponse:
+    st, request = job.st, job.request
+    tenant, model = job.tenant, job.model
+    target = Target(model.name, tenant.namespace, session)
+    tally = Tally(n)
+    st.active[tenant.id] = st.active.get(tenant.id, 0) + 1
+    finished = False
+    t0: float = request["t0"]
+    try:
+        async with runs_open(st, target, runs):
+            request["node"] = ",".join(sorted({r.node.node_id for r in runs if r.node}))
+            request["route"] = runs[0].choice.decision if runs[0].choice else ""
+            if stream:
+                resp = await _stream(job, runs, tally, include_usage, t0)
+            else:
+                resp = await _collect(job, runs, tally, t0)
+            finished = True
+            if st.fill_index:
+                for r in runs:
+                    if r.choice is not None and r.choice.hashes:
+                        await st.index.publish(model.name, r.choice.node.node_id, r.choice.hashes)
+            return resp
+    finally:
+        st.active[tenant.id] -= 1
+        usage = tally.usage()
+        request["usage"] = usage
+        labels = (tenant.id, model.name)
+        st.metrics.prompt_tokens.labels(*labels).inc(usage.prompt_tokens)
+        st.metrics.completion_tokens.labels(*labels).inc(usage.completion_tokens)
+        st.metrics.cached_tokens.labels(*labels).inc(usage.prompt_tokens_details.cached_tokens)
+        if not finished and any(r.stream is not None and not r.stream.finished for r in runs):
+            st.metrics.aborts.labels(*labels).inc()
+        if usage.completion_tokens:
+            st.spawn(st.limiter.charge(tenant, usage.completion_tokens))
+
+
+def _error_event(message: str, code: str) -> bytes:
+    err = APIError(502, message, code=code)
+    return b"data: " + encode(err.body()) + b"\n\n"
+
+
+async def _stream(job: Job, runs: list[Run], tally: Tally, include_usage: bool, t0: float) -> web.StreamResponse:
+    st, model = job.st, job.model
+    resp = web.StreamResponse(headers={**_SSE_HEADERS, **job.headers, "x-request-id": job.rid})
+    await resp.prepare(job.request)
+    chat = job.kind == "chat"
+    labels = (job.tenant.id, model.name)
+    ttft_seen = False
+    last_t = {r.index: 0.0 for r in runs}
+    started: set[int] = set()
+    offsets = {r.index: 0 for r in runs}
+    itl = st.metrics.itl.labels(*labels)
+    try:
+        async for run, chunk, t in merged(runs):
+            if chunk.token_ids:
+                if not ttft_seen:
+                    st.metrics.ttft.labels(*labels).observe(t - t0)
+                    ttft_seen = True
+                if last_t[run.index]:
+                    itl.observe(t - last_t[run.index])
+                last_t[run.index] = t
+            if chunk.error is not None or chunk.finish_reason in ("abort", "error"):
+                await resp.write(_error_event(f"generation failed on the backend: {chunk.error or chunk.finish_reason}",
+                                              "backend_error"))
+                await resp.write(_DONE)
+                return resp
+            tally.add(run, chunk)
+            if not chunk.text and chunk.finish_reason is None and not chunk.logprobs:
+                continue
+            if chat:
+                delta = Delta(role=None if run.index in started else "assistant", content=chunk.text)
+                started.add(run.index)
+                lp = model.chat_logprobs(chunk.logprobs) if chunk.logprobs else None
+                out = ChatCompletionChunk(job.id, "chat.completion.chunk", job.created, model.name,
+                                          [ChatChunkChoice(run.index, delta, lp, chunk.finish_reason)])
+            else:
+                lp = model.completion_logprobs(chunk.logprobs, offsets[run.index]) if chunk.logprobs else None
+                offsets[run.index] += len(chunk.text)
+                out = Completion(job.id, "text_completion", job.created, model.name,
+                                 [CompletionChoice(run.index, chunk.text, lp, chunk.finish_reason)])
+            await resp.write(b"data: " + encode(out) + b"\n\n")
+    except UpstreamBroken as e:
+        await resp.write(_error_event(f"backend stream failed: {e}", "upstream_failed"))
+        await resp.write(_DONE)
+        return resp
+    if include_usage:
+        cls = ChatCompletionChunk if chat else Completion
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        await resp.write(b"data: " + encode(cls(job.id, obj, job.created, model.name, [], tally.usage())) + b"\n\n")
+    await resp.write(_DONE)
+    return resp
+
+
+async def _collect(job: Job, runs: list[Run], tally: Tally, t0: float) -> web.Response:
+    st, model = job.st, job.model
+    texts: dict[int, list[str]] = {r.index: [] for r in runs}
+    lps: dict[int, list] = {r.index: [] for r in runs}
+    reasons: dict[int, str | None] = {}
+    ttft_seen = False
+    try:
+        async for run, chunk, t in merged(runs):
+            if chunk.token_ids and not ttft_seen:
+                st.metrics.ttft.labels(job.tenant.id, model.name).observe(t - t0)
+                ttft_seen = True
+            if chunk.error is not None or chunk.finish_reason in ("abort", "error"):
+                raise APIError(502, f"generation failed on the backend: {chunk.error or chunk.finish_reason}",
+                               code="backend_error")
+            tally.add(run, chunk)
+            texts[run.index].append(chunk.text)
+            if chunk.logprobs:
+                lps[run.index].extend(chunk.logprobs)
+            if chunk.finish_reason is not None:
+                reasons[run.index] = chunk.finish_reason
+    except UpstreamBroken as e:
+        raise APIError(502, f"backend stream failed after it started: {e}", code="upstream_failed") from e
+    want_lp = runs[0].sampling.logprobs
+    if job.kind == "chat":
+        choices = [ChatChoice(i, AssistantMessage("assistant", "".join(texts[i])),
+                              model.chat_logprobs(lps[i]) if want_lp else None, reasons.get(i)) for i in texts]
+        body = encode(ChatCompletion(job.id, job.created, model.name, choices, tally.usage()))
+    else:
+        choices = [CompletionChoice(i, "".join(texts[i]), model.completion_logprobs(lps[i], 0) if want_lp else None,
+                                    reasons.get(i)) for i in texts]
+        body = encode(Completion(job.id, "text_completion", job.created, model.name, choices, tally.usage()))
+    return web.Response(body=body, content_type="application/json",
+                        headers={**job.headers, "x-request-id": job.rid})
+
+
+def _session(request: web.Request) -> str:
+    return request.headers.get("x-session-affinity", "")[:256]
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    st = request.app[STATE]
+    tenant = st.authenticate(request)
+    req = decode(chat_decoder, await read_body(request, st))
+    request["model"] = req.model
+    check_chat(req, st.cfg.server.max_n)
+    model = served_model(st, tenant, req.model)
+    prompt = await model.encode_chat(message_dicts(req.messages))
+    job = Job(request, st, tenant, model, "chat")
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = job.limits([prompt], requested)
+    await job.admit(len(prompt), req.n)
+    top = req.top_logprobs or 0
+
+    def make(i: int) -> SamplingParams:
+        return sampling_params(req, max_tokens, None if req.seed is None else req.seed + i, req.logprobs, top)
+
+    runs = job.runs([prompt], req.n, make)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return await execute(job, runs, req.n, req.stream, include_usage, _session(request))
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    st = request.app[STATE]
+    tenant = st.authenticate(request)
+    req = decode(completion_decoder, await read_body(request, st))
+    request["model"] = req.model
+    check_completion(req, st.cfg.server.max_n)
+    model = served_model(st, tenant, req.model)
+    p = req.prompt
+    if isinstance(p, str):
+        prompts = [await model.encode_prompt(p)]
+    elif isinstance(p[0], str):
+        prompts = [await model.encode_prompt(s) for s in p]  # type: ignore[arg-type]
+    elif isinstance(p[0], int):
+        prompts = [list(p)]  # type: ignore[arg-type]
+    else:
+        prompts = [list(x) for x in p]  # type: ignore[union-attr]
+    if len(prompts) * req.n > st.cfg.server.max_n:
+        raise bad_value("n", f"{len(prompts)} prompts x n={req.n} = {len(prompts) * req.n} choices exceeds the "
+                             f"limit of {st.cfg.server.max_n}")
+    for ids in prompts:
+        model.check_ids(ids)
+    job = Job(request, st, tenant, model, "completion")
+    max_tokens = job.limits(prompts, 16 if req.max_tokens is None else req.max_tokens)
+    await job.admit(sum(len(x) for x in prompts), req.n)
+    top = req.logprobs or 0
+
+    def make(i: int) -> SamplingParams:
+        return sampling_params(req, max_tokens, None if req.seed is None else req.seed + i,
+                               req.logprobs is not None, top)
+
+    runs = job.runs(prompts, req.n, make)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return await execute(job, runs, req.n, req.stream, include_usage, _session(request))
+
+
+async def list_models(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    tenant = st.authenticate(request)
+    cards = [ModelCard(name, st.started) for name in sorted(st.models) if tenant.allows(name)]
+    return web.Response(body=encode(ModelList(cards)), content_type="application/json")
+
+
+def new_request_id(header: str | None) -> str:
+    if header and len(header) <= 128 and header.replace("-", "").replace("_", "").isalnum():
+        return header
+    return uuid.uuid4().hex

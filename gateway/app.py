@@ -1,0 +1,180 @@
+"""The aiohttp application: one middleware (request id, errors -> OpenAI JSON, access log, metrics),
+routes, and the resources in cleanup_ctx (client session, node probes, Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from gateway import api
+from gateway.config import ConfigError, GatewayConfig
+from gateway.errors import APIError
+from gateway.openapi import openapi_document
+from gateway.state import STATE, GatewayState, build_state
+
+log = logging.getLogger("edgeinfer.gateway")
+access_log = logging.getLogger("edgeinfer.gateway.access")
+_encode = msgspec.json.Encoder().encode
+_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/models": "models"}
+
+
+def _error_response(e: APIError, request_id: str) -> web.Response:
+    return web.Response(status=e.status, body=_encode(e.body()), content_type="application/json",
+                        headers={**e.headers, "x-request-id": request_id})
+
+
+@web.middleware
+async def edge_middleware(request: web.Request, handler) -> web.StreamResponse:
+    st: GatewayState = request.app[STATE]
+    t0 = request["t0"] = time.perf_counter()
+    rid = request["request_id"] = api.new_request_id(request.headers.get("x-request-id"))
+    status, error = 500, None
+    st.inflight += 1
+    try:
+        if st.draining and request.path.startswith("/v1/"):
+            raise APIError(503, "the gateway is shutting down", code="shutting_down", headers={"retry-after": "1"})
+        resp = await handler(request)
+        status = resp.status
+        return resp
+    except APIError as e:
+        status, error = e.status, e.code
+        return _error_response(e, rid)
+    except web.HTTPException as e:
+        status, error = e.status, "http_error"
+        if e.status < 400:
+            raise
+        return _error_response(APIError(e.status, e.reason or "error", code=str(e.status)), rid)
+    except (ConnectionResetError, asyncio.CancelledError):
+        status, error = 499, "client_closed"
+        raise
+    except Exception as e:
+        log.exception("unhandled error in %s %s (request %s)", request.method, request.path, rid)
+        status, error = 500, "internal_error"
+        return _error_response(APIError(500, f"internal error ({type(e).__name__}); request id {rid}",
+                                        code="internal_error"), rid)
+    finally:
+        st.inflight -= 1
+        endpoint = _ENDPOINTS.get(request.path)
+        tenant = request.get("tenant", "")
+        model = request.get("model", "")
+        if endpoint is not None:
+            st.metrics.requests.labels(tenant, model, endpoint, str(status)).inc()
+            st.metrics.duration.labels(tenant, model, endpoint).observe(time.perf_counter() - t0)
+        if st.cfg.server.access_log and access_log.isEnabledFor(logging.INFO):
+            usage = request.get("usage")
+            rec = {"ts": round(time.time(), 3), "request_id": rid, "method": request.method, "path": request.path,
+                   "status": status, "ms": round((time.perf_counter() - t0) * 1000, 3), "tenant": tenant,
+                   "model": model, "node": request.get("node", ""), "route": request.get("route", ""),
+                   "error": error, "remote": request.remote}
+            if usage is not None:
+                rec.update(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                           cached_tokens=usage.prompt_tokens_details.cached_tokens)
+            access_log.info(_encode(rec).decode())
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    models = {m: len(st.pool.for_model(m)) for m in st.models}
+    ok = not st.draining and any(models.values())
+    return web.json_response({"ready": ok, "draining": st.draining, "nodes": models}, status=200 if ok else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    st.metrics.inflight.set(st.inflight)
+    limiter = st.limiter
+    st.metrics.limiter_fallbacks.set(getattr(limiter, "failures", 0))
+    return web.Response(body=st.metrics.render(), headers={"content-type": "text/plain; version=0.0.4"})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.Response(body=request.app["openapi"], content_type="application/json")
+
+
+async def admin_reload(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    st.check_admin(request)
+    try:
+        n = st.reload_tenants()
+    except ConfigError as e:
+        raise APIError(400, f"reload failed, keeping the current tenants: {e}", code="invalid_config") from e
+    return web.json_response({"reloaded": True, "tenants": n})
+
+
+async def admin_nodes(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    st.check_admin(request)
+    return web.json_response({n.node_id: {"url": n.url, "model": n.model, "ready": n.ready, "state": n.state,
+                                          "routable": n.routable, "inflight": n.inflight, "load": n.load}
+                              for n in st.pool.nodes.values()})
+
+
+async def _resources(app: web.Application):
+    st: GatewayState = app[STATE]
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=300, keepalive_timeout=60)
+    st.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                       timeout=aiohttp.ClientTimeout(total=None))
+    await st.pool.refresh()
+    probes = asyncio.get_running_loop().create_task(st.pool.run())
+    yield
+    probes.cancel()
+    await asyncio.gather(probes, return_exceptions=True)
+    await st.upstream.drain_aborts()
+    if st.tasks:
+        await asyncio.wait(list(st.tasks), timeout=5)
+    await st.session.close()
+    if st.redis is not None:
+        await st.redis.aclose()
+
+
+async def _on_shutdown(app: web.Application) -> None:
+    """Listening has stopped; let running requests finish (bounded by shutdown_grace_s)."""
+    st: GatewayState = app[STATE]
+    st.draining = True
+    deadline = time.monotonic() + st.cfg.server.shutdown_grace_s
+    while st.inflight > 0 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if st.inflight:
+        log.warning("shutdown grace of %.0fs over with %d requests still running; cancelling them",
+                    st.cfg.server.shutdown_grace_s, st.inflight)
+
+
+def create_app(cfg: GatewayConfig, *, state: GatewayState | None = None, **overrides) -> web.Application:
+    if state is None:
+        if cfg.server.redis_url and "redis_client" not in overrides:
+            import redis.asyncio as aioredis
+
+            from cache_store.index import RedisPageIndex
+            from cache_store.keys import KeySpace
+            from cache_store.registry import RedisNodeRegistry
+
+            client = aioredis.from_url(cfg.server.redis_url)
+            keys = KeySpace(cfg.server.key_prefix)
+            overrides.setdefault("registry", RedisNodeRegistry(client, keys=keys))
+            overrides.setdefault("index", RedisPageIndex(client, keys=keys))
+            overrides["redis_client"] = client
+        state = build_state(cfg, **overrides)
+    app = web.Application(middlewares=[edge_middleware], client_max_size=cfg.server.max_body_bytes)
+    app[STATE] = state
+    app["openapi"] = _encode(openapi_document())
+    app.router.add_post("/v1/chat/completions", api.chat_completions)
+    app.router.add_post("/v1/completions", api.completions)
+    app.router.add_get("/v1/models", api.list_models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
+    app.router.add_post("/admin/reload", admin_reload)
+    app.router.add_get("/admin/nodes", admin_nodes)
+    app.cleanup_ctx.append(_resources)
+    app.on_shutdown.append(_on_shutdown)
+    return app

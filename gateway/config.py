@@ -1,0 +1,153 @@
+"""Gateway configuration from TOML, validated with msgspec (a bad or unknown setting is an error).
+
+Only `[[tenants]]` is hot-reloadable (SIGHUP or POST /admin/reload); the rest needs a restart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tomllib
+from pathlib import Path
+
+import msgspec
+
+DEFAULT_CONFIG = Path(__file__).with_name("default_config.toml")
+DEMO_API_KEY = "sk-edgeinfer-demo"
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_n: int = 8
+    default_max_tokens: int = 512
+    body_read_timeout_s: float = 30.0
+    connect_timeout_s: float = 2.0
+    first_byte_timeout_s: float = 120.0     # queueing + prefill on the backend
+    chunk_timeout_s: float = 60.0           # max gap between two chunks of a stream
+    keepalive_timeout_s: float = 75.0
+    shutdown_grace_s: float = 30.0
+    health_interval_s: float = 1.0
+    max_attempts: int = 3                   # nodes tried before the first byte
+    admin_key_sha256: str = ""              # empty: admin endpoints disabled
+    page_seed_env: str = "EDGEINFER_PAGE_SEED"
+    page_seed: str = ""                     # hex; the env var wins; must equal the backends' seed
+    redis_url: str = ""                     # empty: single-node mode (in-process limiter and index)
+    key_prefix: str = "ei"
+    index_fill: str = "auto"                # "gateway" | "backends" | "auto" (gateway iff no redis)
+    route_load_cost_tokens: int = 32        # one in-flight request costs as much as this many cached tokens
+    route_affinity_tokens: int = 256        # bonus of the x-session-affinity node, in cached tokens
+    access_log: bool = True
+
+
+class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str
+    tokenizer: str                          # checkpoint directory with tokenizer.json
+
+
+class NodeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    id: str
+    url: str
+    model: str
+
+
+class TenantConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    id: str
+    api_key_sha256: list[str]
+    models: list[str] = msgspec.field(default_factory=lambda: ["*"])
+    cache_group: str = ""                   # share the prefix cache with tenants of the same group
+    requests_per_min: int = 0               # 0: unlimited
+    tokens_per_min: int = 0
+    max_concurrent_streams: int = 0
+    max_prompt_tokens: int = 0
+
+    @property
+    def namespace(self) -> str:
+        return self.cache_group or f"tenant:{self.id}"
+
+    def allows(self, model: str) -> bool:
+        return "*" in self.models or model in self.models
+
+
+class GatewayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    server: ServerConfig = ServerConfig()
+    models: list[ModelConfig] = []
+    nodes: list[NodeConfig] = []
+    tenants: list[TenantConfig] = []
+    source: str = ""
+
+    @property
+    def seed(self) -> bytes:
+        raw = os.environ.get(self.server.page_seed_env) or self.server.page_seed
+        try:
+            return bytes.fromhex(raw)
+        except ValueError as e:
+            raise ConfigError(f"page seed must be hex ({self.server.page_seed_env} or server.page_seed)") from e
+
+    @property
+    def fill_index_at_gateway(self) -> bool:
+        return self.server.index_fill == "gateway" or (self.server.index_fill == "auto" and not self.server.redis_url)
+
+
+def hash_key(api_key: str) -> str:
+    return hashlib.sha256(api_key.encode()).hexdigest()
+
+
+def _check(cfg: GatewayConfig) -> GatewayConfig:
+    s = cfg.server
+    for name in ("max_body_bytes", "max_n", "default_max_tokens", "max_attempts"):
+        if getattr(s, name) < 1:
+            raise ConfigError(f"server.{name}={getattr(s, name)} must be >= 1")
+    if s.index_fill not in ("gateway", "backends", "auto"):
+        raise ConfigError(f"server.index_fill={s.index_fill!r}: expected gateway, backends or auto")
+    names = [m.name for m in cfg.models]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"duplicate model names in [[models]]: {names}")
+    for n in cfg.nodes:
+        if n.model not in names:
+            raise ConfigError(f"node {n.id!r} serves model {n.model!r}, which has no [[models]] entry; "
+                              f"configured: {', '.join(names) or 'none'}")
+    seen: dict[str, str] = {}
+    ids = set()
+    for t in cfg.tenants:
+        if t.id in ids:
+            raise ConfigError(f"duplicate tenant id {t.id!r}")
+        ids.add(t.id)
+        for h in t.api_key_sha256:
+            if len(h) != 64 or any(c not in "0123456789abcdef" for c in h.lower()):
+                raise ConfigError(f"tenant {t.id!r}: api_key_sha256 entries must be 64 hex chars "
+                                  f"(sha256 of the key; `edgeinfer gateway hash-key KEY`)")
+            if h.lower() in seen:
+                raise ConfigError(f"tenants {seen[h.lower()]!r} and {t.id!r} share an API key")
+            seen[h.lower()] = t.id
+        for name in ("requests_per_min", "tokens_per_min", "max_concurrent_streams", "max_prompt_tokens"):
+            if getattr(t, name) < 0:
+                raise ConfigError(f"tenant {t.id!r}: {name}={getattr(t, name)} must be >= 0 (0: unlimited)")
+    cfg.seed  # noqa: B018 - validates the hex
+    return cfg
+
+
+def parse(data: dict, source: str = "") -> GatewayConfig:
+    try:
+        cfg = msgspec.convert({**data, "source": source}, GatewayConfig)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"{source or 'config'}: {e}") from e
+    return _check(cfg)
+
+
+def load(path: str | Path) -> GatewayConfig:
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"{path}: {e}") from e
+    cfg = parse(data, str(path))
+    base = path.parent
+    models = [m if m.tokenizer == "default" or Path(m.tokenizer).is_absolute()
+              else msgspec.structs.replace(m, tokenizer=str(base / m.tokenizer)) for m in cfg.models]
+    return msgspec.structs.replace(cfg, models=models)

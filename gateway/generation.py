@@ -1,0 +1,143 @@
+"""Fan-out of one API request into backend generate streams: routing, retry before the first byte,
+merging the n streams, abort on exit.
+
+A Run is one choice (one backend request). `start_all` routes and opens every run, retrying each on
+another node while nothing was received; once a run has its first chunk it is pinned to its node.
+Leaving `runs_open` for any reason (client gone, error, shutdown) aborts every run not finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from backend.protocol import GenerateRequest, SamplingParams, StreamChunk
+from gateway.errors import APIError
+from gateway.nodes import Node
+from gateway.routing import Choice
+from gateway.upstream import BackendRejected, Retryable, UpstreamBroken, UpstreamStream
+
+
+@dataclass
+class Run:
+    index: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    request_id: str
+    stream: UpstreamStream | None = None
+    first: StreamChunk | None = None
+    choice: Choice | None = None
+    node: Node | None = None
+    tried: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Target:
+    model: str
+    namespace: str
+    session: str = ""
+
+
+async def start(st, target: Target, run: Run) -> None:
+    cfg = st.cfg.server
+    last: Exception | None = None
+    greq = GenerateRequest(run.request_id, run.prompt_ids, run.sampling, target.namespace, target.model)
+    for _ in range(cfg.max_attempts):
+        nodes = [n for n in st.pool.for_model(target.model) if n.node_id not in run.tried]
+        if not nodes:
+            break
+        choice = (await st.router.rank(target.model, target.namespace, run.prompt_ids, nodes, target.session))[0]
+        node = choice.node
+        run.tried.append(node.node_id)
+        node.inflight += 1
+        try:
+            run.stream, run.first = await st.upstream.open(node, greq)
+        except Retryable as e:
+            node.inflight -= 1
+            node.mark_failed()
+            st.metrics.retries.labels(target.model, node.node_id).inc()
+            last = e
+            continue
+        except BackendRejected as e:
+            node.inflight -= 1
+            raise APIError(e.status, str(e), code="backend_rejected") from e
+        except BaseException:
+            node.inflight -= 1
+            raise
+        run.choice, run.node = choice, node
+        st.metrics.routing.labels(target.model, choice.decision).inc()
+        return
+    detail = f": last error: {last}" if last else ""
+    raise APIError(503, f"no healthy backend for model {target.model!r} (tried {len(run.tried)} "
+                        f"node(s){detail})", code="backend_unavailable", headers={"retry-after": "1"})
+
+
+def finish(st, run: Run) -> None:
+    if run.stream is None:
+        return
+    run.stream.close()
+    if run.node is not None:
+        run.node.inflight -= 1
+        run.node = None
+
+
+@asynccontextmanager
+async def runs_open(st, target: Target, runs: list[Run]):
+    try:
+        if len(runs) == 1:
+            await start(st, target, runs[0])
+        else:
+            results = await asyncio.gather(*(start(st, target, r) for r in runs), return_exceptions=True)
+            for r in results:
+                if isinstance(r, BaseException):
+                    raise r
+        yield runs
+    finally:
+        for r in runs:
+            finish(st, r)
+
+
+async def _chunks(run: Run) -> AsyncIterator[StreamChunk]:
+    assert run.stream is not None and run.first is not None
+    chunk: StreamChunk | None = run.first
+    while chunk is not None:
+        yield chunk
+        if chunk.finish_reason is not None or chunk.error is not None:
+            return
+        chunk = await run.stream.next()
+    raise UpstreamBroken(f"node {run.stream.node.node_id} closed the stream without a final chunk")
+
+
+async def merged(runs: list[Run]) -> AsyncIterator[tuple[Run, StreamChunk, float]]:
+    """(run, chunk, arrival time) in arrival order; UpstreamBroken propagates."""
+    if len(runs) == 1:
+        async for c in _chunks(runs[0]):
+            yield runs[0], c, time.perf_counter()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(run: Run) -> None:
+        try:
+            async for c in _chunks(run):
+                queue.put_nowait((run, c, time.perf_counter()))
+            queue.put_nowait((run, None, 0.0))
+        except UpstreamBroken as e:
+            queue.put_nowait((run, e, 0.0))
+
+    tasks = [asyncio.ensure_future(pump(r)) for r in runs]
+    try:
+        live = len(runs)
+        while live:
+            run, item, t = await queue.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield run, item, t
+    finally:
+        for task in tasks:
+            task.cancel()

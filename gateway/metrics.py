@@ -1,0 +1,41 @@
+"""Prometheus metrics, one registry per app (tests run several apps in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        p = "edgeinfer_gateway_"
+        self.requests = Counter(p + "requests_total", "HTTP requests by outcome",
+                                ["tenant", "model", "endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens_total", "prompt tokens", ["tenant", "model"], registry=r)
+        self.completion_tokens = Counter(p + "completion_tokens_total", "generated tokens",
+                                         ["tenant", "model"], registry=r)
+        self.cached_tokens = Counter(p + "cached_tokens_total", "prompt tokens served from the prefix cache",
+                                     ["tenant", "model"], registry=r)
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "request arrival to first token",
+                              ["tenant", "model"], buckets=_LATENCY, registry=r)
+        self.itl = Histogram(p + "inter_token_latency_seconds", "gap between streamed token chunks",
+                             ["tenant", "model"], buckets=_ITL, registry=r)
+        self.duration = Histogram(p + "request_duration_seconds", "request arrival to last byte",
+                                  ["tenant", "model", "endpoint"], buckets=_LATENCY, registry=r)
+        self.rate_limited = Counter(p + "rate_limit_rejections_total", "429s by limit",
+                                    ["tenant", "limit"], registry=r)
+        self.routing = Counter(p + "routing_decisions_total", "node choice: prefix hit, affinity or load fallback",
+                               ["model", "decision"], registry=r)
+        self.retries = Counter(p + "upstream_retries_total", "node failed before the first byte; tried another",
+                               ["model", "node"], registry=r)
+        self.aborts = Counter(p + "client_aborts_total", "client went away; backend request aborted",
+                              ["tenant", "model"], registry=r)
+        self.inflight = Gauge(p + "inflight_requests", "requests being served", registry=r)
+        self.limiter_fallbacks = Gauge(p + "ratelimit_redis_failures", "Redis limiter calls that fell back",
+                                       registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,80 @@
+"""Per-model gateway state: the tokenizer (chat template -> ids) and token strings for logprobs."""
+
+from __future__ import annotations
+
+import asyncio
+from functools import lru_cache
+from pathlib import Path
+
+from backend.protocol import TokenLogprob
+from backend.tokenizer import Tokenizer, TokenizerError
+from gateway.errors import APIError
+from gateway.schemas import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+
+_OFFLOAD_CHARS = 8192  # longer prompts are tokenized in a thread so the event loop keeps streaming
+
+
+def resolve_tokenizer_dir(spec: str) -> Path:
+    if spec == "default":
+        from backend.model.gguf_import import ensure_default_model
+
+        return ensure_default_model()
+    return Path(spec)
+
+
+class ServedModel:
+    def __init__(self, name: str, tokenizer: Tokenizer) -> None:
+        self.name = name
+        self.tokenizer = tokenizer
+        self.token_str = lru_cache(maxsize=65536)(self._token_str)
+
+    @classmethod
+    def load(cls, name: str, tokenizer_spec: str) -> ServedModel:
+        return cls(name, Tokenizer.from_dir(resolve_tokenizer_dir(tokenizer_spec)))
+
+    def _token_str(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    async def _run(self, fn, *args, size: int):
+        try:
+            if size > _OFFLOAD_CHARS:
+                return await asyncio.to_thread(fn, *args)
+            return fn(*args)
+        except TokenizerError as e:
+            raise APIError(400, str(e), code="tokenization_failed") from e
+        except Exception as e:  # jinja2 TemplateError (raise_exception in the template), bad input
+            raise APIError(400, f"cannot apply the chat template: {type(e).__name__}: {e}",
+                           code="invalid_messages", param="messages") from e
+
+    async def encode_chat(self, messages: list[dict]) -> list[int]:
+        size = sum(len(m["content"]) for m in messages)
+        return await self._run(self.tokenizer.encode_chat, messages, size=size)
+
+    async def encode_prompt(self, prompt: str) -> list[int]:
+        return await self._run(lambda p: self.tokenizer.encode(p, add_special_tokens=True), prompt, size=len(prompt))
+
+    def check_ids(self, ids: list[int]) -> None:
+        vocab = self.tokenizer.vocab_size
+        for t in ids:
+            if not 0 <= t < vocab:
+                raise APIError(400, f"prompt token id {t} is out of range [0, {vocab})", param="prompt",
+                               code="invalid_value")
+
+    def chat_logprobs(self, items: list[TokenLogprob]) -> ChatLogprobs:
+        out = []
+        for lp in items:
+            s = self.token_str(lp.token_id)
+            top = [TopLogprob(self.token_str(t), v, list(self.token_str(t).encode())) for t, v in lp.top]
+            out.append(ChatTokenLogprob(s, lp.logprob, list(s.encode()), top))
+        return ChatLogprobs(out)
+
+    def completion_logprobs(self, items: list[TokenLogprob], offset: int) -> CompletionLogprobs:
+        tokens, lps, tops, offsets = [], [], [], []
+        for lp in items:
+            s = self.token_str(lp.token_id)
+            tokens.append(s)
+            lps.append(lp.logprob)
+            tops.append({self.token_str(t): v for t, v in lp.top})
+            offsets.append(offset)
+            offset += len(s)
+        return CompletionLogprobs(tokens, lps, tops, offsets)

@@ -1,0 +1,180 @@
+"""Per-tenant requests/min and tokens/min as GCRA (generic cell rate algorithm).
+
+Each limit L per 60 s has an emission interval T = 60000/L ms and a burst tolerance of one window
+(tau = 60000 ms): a request of cost c is admitted iff max(TAT, now) + c*T - now <= tau, and then
+TAT advances by c*T. Requests and tokens are checked together and charged all-or-nothing.
+Prompt tokens are charged on admission, completion tokens after the response (`charge`, never
+rejected: it may push the tenant into debt so the next request waits).
+
+RedisLimiter runs both limits in one Lua script (atomic, Redis clock) so many gateways share one
+budget; LocalLimiter is the same arithmetic in-process, for single-node mode and as the fallback
+when Redis fails (fail-soft: counted in metrics, logged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from typing import NamedTuple
+
+from gateway.config import TenantConfig
+
+log = logging.getLogger(__name__)
+WINDOW_MS = 60_000.0
+
+
+class Decision(NamedTuple):
+    allowed: bool
+    retry_after_s: float
+    limited_by: str                       # "requests" | "tokens" | ""
+    remaining: dict[str, int]             # per limit name
+    reset_s: dict[str, float]             # time until the limit is fully replenished
+
+    def headers(self, tenant: TenantConfig) -> dict[str, str]:
+        h: dict[str, str] = {}
+        for name, limit in (("requests", tenant.requests_per_min), ("tokens", tenant.tokens_per_min)):
+            if limit:
+                h[f"x-ratelimit-limit-{name}"] = str(limit)
+                h[f"x-ratelimit-remaining-{name}"] = str(max(0, self.remaining.get(name, 0)))
+                h[f"x-ratelimit-reset-{name}"] = f"{self.reset_s.get(name, 0.0):.3f}s"
+        if not self.allowed:
+            h["retry-after"] = str(max(1, math.ceil(self.retry_after_s)))
+        return h
+
+
+UNLIMITED = Decision(True, 0.0, "", {}, {})
+
+
+def _limits(t: TenantConfig, tokens: int) -> list[tuple[str, float, int]]:
+    out = []
+    if t.requests_per_min:
+        out.append(("requests", WINDOW_MS / t.requests_per_min, 1))
+    if t.tokens_per_min:
+        out.append(("tokens", WINDOW_MS / t.tokens_per_min, tokens))
+    return out
+
+
+def gcra(tats: list[float], limits: list[tuple[str, float, int]], now: float, force: bool
+         ) -> tuple[Decision, list[float]]:
+    allowed, retry, by = True, 0.0, ""
+    new_tats, remaining, reset = [], {}, {}
+    for tat, (name, interval, cost) in zip(tats, limits, strict=True):
+        tat = max(tat, now)
+        new_tat = tat + cost * interval
+        diff = new_tat - now
+        if diff > WINDOW_MS and not force:
+            allowed = False
+            if diff - WINDOW_MS > retry:
+                retry, by = diff - WINDOW_MS, name
+        new_tats.append(new_tat)
+    for tat, new_tat, (name, interval, _) in zip(tats, new_tats, limits, strict=True):
+        held = (new_tat if allowed else max(tat, now)) - now
+        remaining[name] = int((WINDOW_MS - held) // interval)
+        reset[name] = held / 1000.0
+    return Decision(allowed, retry / 1000.0, by, remaining, reset), new_tats if allowed else tats
+
+
+class LocalLimiter:
+    def __init__(self, clock=time.monotonic) -> None:
+        self._clock = clock
+        self._tat: dict[tuple[str, str], float] = {}
+
+    async def acquire(self, tenant: TenantConfig, tokens: int, force: bool = False) -> Decision:
+        limits = _limits(tenant, tokens)
+        if not limits:
+            return UNLIMITED
+        now = self._clock() * 1000.0
+        tats = [self._tat.get((tenant.id, name), now) for name, _, _ in limits]
+        decision, new = gcra(tats, limits, now, force)
+        for (name, _, _), tat in zip(limits, new, strict=True):
+            self._tat[(tenant.id, name)] = tat
+        if len(self._tat) > 100_000:
+            self._tat = {k: v for k, v in self._tat.items() if v > now}
+        return decision
+
+    async def charge(self, tenant: TenantConfig, tokens: int) -> None:
+        if tenant.tokens_per_min and tokens > 0:
+            t = TenantConfig(id=tenant.id, api_key_sha256=[], tokens_per_min=tenant.tokens_per_min)
+            await self.acquire(t, tokens, force=True)
+
+
+_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+local force = ARGV[1] == '1'
+local n = #KEYS
+local window = tonumber(ARGV[2])
+local tats, news = {}, {}
+local allowed, retry, by = 1, 0, 0
+for i = 1, n do
+  local interval = tonumber(ARGV[1 + 2 * i])
+  local cost = tonumber(ARGV[2 + 2 * i])
+  local tat = tonumber(redis.call('GET', KEYS[i]) or now)
+  if tat < now then tat = now end
+  tats[i] = tat
+  news[i] = tat + cost * interval
+  local diff = news[i] - now
+  if diff > window and not force then
+    allowed = 0
+    if diff - window > retry then retry = diff - window; by = i end
+  end
+end
+local out = {allowed, math.ceil(retry), by}
+for i = 1, n do
+  local interval = tonumber(ARGV[1 + 2 * i])
+  local held = tats[i] - now
+  if allowed == 1 then
+    held = news[i] - now
+    redis.call('SET', KEYS[i], string.format('%.3f', news[i]), 'PX', math.ceil(held) + 1)
+  end
+  out[#out + 1] = math.floor((window - held) / interval)
+  out[#out + 1] = math.ceil(held)
+end
+return out
+"""
+
+
+class RedisLimiter:
+    """Keys `<prefix>:rl:{<tenant>}:requests|tokens` (hash tag: one slot per tenant, so the script's keys
+    are co-located on a Redis Cluster)."""
+
+    def __init__(self, client, prefix: str = "ei", timeout_s: float = 0.25) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.timeout_s = timeout_s
+        self.fallback = LocalLimiter()
+        self.failures = 0
+        self._script = client.register_script(_LUA)
+
+    def _key(self, tenant: str, name: str) -> str:
+        return f"{self.prefix}:rl:{{{tenant}}}:{name}"
+
+    async def acquire(self, tenant: TenantConfig, tokens: int, force: bool = False) -> Decision:
+        limits = _limits(tenant, tokens)
+        if not limits:
+            return UNLIMITED
+        args: list = ["1" if force else "0", WINDOW_MS]
+        for _, interval, cost in limits:
+            args += [repr(interval), cost]
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                out = await self._script(keys=[self._key(tenant.id, n) for n, _, _ in limits], args=args)
+        except Exception as e:  # Redis down or slow: keep serving on the in-process budget
+            self.failures += 1
+            if self.failures == 1 or self.failures % 1000 == 0:
+                log.warning("redis rate limiter failed (%s: %s); using the in-process limiter",
+                            type(e).__name__, e)
+            return await self.fallback.acquire(tenant, tokens, force)
+        allowed, retry_ms, by = int(out[0]), int(out[1]), int(out[2])
+        remaining, reset = {}, {}
+        for i, (name, _, _) in enumerate(limits):
+            remaining[name] = int(out[3 + 2 * i])
+            reset[name] = int(out[4 + 2 * i]) / 1000.0
+        return Decision(bool(allowed), retry_ms / 1000.0, limits[by - 1][0] if by else "", remaining, reset)
+
+    async def charge(self, tenant: TenantConfig, tokens: int) -> None:
+        if tenant.tokens_per_min and tokens > 0:
+            t = TenantConfig(id=tenant.id, api_key_sha256=[], tokens_per_min=tenant.tokens_per_min)
+            await self.acquire(t, tokens, force=True)

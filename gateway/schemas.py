@@ -1,0 +1,256 @@
+"""OpenAI-compatible wire schema (requests and responses), validated with msgspec at the HTTP boundary.
+
+Rule: a body that is not JSON -> 400; a wrong type, missing or unknown field -> 422 (msgspec);
+a value out of range or an unsupported feature -> 400 (checked in validate_*).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from gateway.errors import bad_value
+
+Role = Literal["system", "user", "assistant", "tool", "developer"]
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+    role: Role
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+    # vLLM-style extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    # accepted for client compatibility; only their neutral values are allowed
+    logit_bias: dict[str, float] | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+
+class ChatCompletionRequest(_Sampling, kw_only=True):
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    prompt: str | list[str | int | list[int]]   # text, texts, token ids or lists of token ids
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+def check_common(req: _Sampling, max_n: int) -> None:
+    if not 1 <= req.n <= max_n:
+        raise bad_value("n", f"n={req.n} is invalid: expected an integer in [1, {max_n}]")
+    if req.stream_options is not None and not req.stream:
+        raise bad_value("stream_options", "stream_options is only allowed when stream=true")
+    if req.logit_bias:
+        raise bad_value("logit_bias", "logit_bias is not supported", code="unsupported_parameter")
+    if req.max_tokens is not None and req.max_tokens < 1:
+        raise bad_value("max_tokens", f"max_tokens={req.max_tokens} is invalid: expected an integer >= 1")
+
+
+def check_chat(req: ChatCompletionRequest, max_n: int) -> None:
+    check_common(req, max_n)
+    if req.tools:
+        raise bad_value("tools", "tools / function calling are not supported", code="unsupported_parameter")
+    if req.response_format not in (None, {"type": "text"}):
+        raise bad_value("response_format", "only response_format {\"type\": \"text\"} is supported",
+                        code="unsupported_parameter")
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise bad_value("top_logprobs", "top_logprobs requires logprobs=true")
+        if not 0 <= req.top_logprobs <= 20:
+            raise bad_value("top_logprobs", f"top_logprobs={req.top_logprobs} is invalid: expected [0, 20]")
+    if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
+        raise bad_value("max_completion_tokens",
+                        f"max_completion_tokens={req.max_completion_tokens} is invalid: expected an integer >= 1")
+    for i, m in enumerate(req.messages):
+        if isinstance(m.content, list):
+            for j, part in enumerate(m.content):
+                if part.type != "text" or part.text is None:
+                    raise bad_value(f"messages[{i}].content[{j}]",
+                                    f"content part type {part.type!r} is not supported; only 'text' parts",
+                                    code="unsupported_parameter")
+
+
+def check_completion(req: CompletionRequest, max_n: int) -> None:
+    check_common(req, max_n)
+    if req.echo:
+        raise bad_value("echo", "echo=true is not supported", code="unsupported_parameter")
+    if req.suffix:
+        raise bad_value("suffix", "suffix is not supported", code="unsupported_parameter")
+    if req.best_of not in (None, req.n):
+        raise bad_value("best_of", "best_of must equal n (server-side best-of is not supported)",
+                        code="unsupported_parameter")
+    if req.logprobs is not None and not 0 <= req.logprobs <= 5:
+        raise bad_value("logprobs", f"logprobs={req.logprobs} is invalid: expected an integer in [0, 5]")
+    if isinstance(req.prompt, list):
+        if not req.prompt:
+            raise bad_value("prompt", "prompt must not be an empty list")
+        kinds = {type(p) for p in req.prompt}
+        if len(kinds) != 1:
+            raise bad_value("prompt", "prompt must be a string, a list of strings, a list of token ids "
+                                      "or a list of lists of token ids (not a mix)")
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    out = []
+    for m in messages:
+        content = m.content
+        if isinstance(content, list):
+            content = "".join(p.text or "" for p in content)
+        d: dict[str, Any] = {"role": m.role, "content": content or ""}
+        if m.name is not None:
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+# ---- responses ---------------------------------------------------------------------------------
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0
+
+
+class UsageInfo(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatTokenLogprob]
+
+
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class AssistantMessage(msgspec.Struct):
+    role: str
+    content: str
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletion(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    object: str = "chat.completion"
+
+
+class Delta(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct, omit_defaults=True):
+    id: str
+    object: str                       # "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None    # present only with stream_options.include_usage
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class Completion(msgspec.Struct, omit_defaults=True):
+    id: str
+    object: str                       # "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    created: int
+    owned_by: str = "edgeinfer"
+    object: str = "model"
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+completion_decoder = msgspec.json.Decoder(CompletionRequest)
+encode = msgspec.json.Encoder().encode

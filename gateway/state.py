@@ -1,0 +1,106 @@
+"""Everything one gateway process holds, built from the config (the app's single typed AppKey)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+
+from cache_store.index import InMemoryPageIndex
+from gateway import config as config_mod
+from gateway.config import GatewayConfig, TenantConfig
+from gateway.errors import APIError
+from gateway.metrics import Metrics
+from gateway.models import ServedModel
+from gateway.nodes import Node, NodePool
+from gateway.ratelimit import LocalLimiter, RedisLimiter
+from gateway.routing import Router
+from gateway.tenants import TenantTable
+from gateway.upstream import Upstream
+
+log = logging.getLogger("edgeinfer.gateway")
+
+
+@dataclass(eq=False)
+class GatewayState:
+    cfg: GatewayConfig
+    models: dict[str, ServedModel]
+    tenants: TenantTable
+    metrics: Metrics
+    pool: NodePool
+    router: Router
+    upstream: Upstream
+    limiter: LocalLimiter | RedisLimiter
+    index: object
+    fill_index: bool
+    redis: object | None = None
+    session: aiohttp.ClientSession | None = None
+    active: dict[str, int] = field(default_factory=dict)   # tenant id -> requests in flight
+    inflight: int = 0
+    draining: bool = False
+    started: int = field(default_factory=lambda: int(time.time()))
+    tasks: set[asyncio.Task] = field(default_factory=set)
+
+    def authenticate(self, request: web.Request) -> TenantConfig:
+        tenant = self.tenants.authenticate(request.headers.get("authorization"))
+        request["tenant"] = tenant.id
+        return tenant
+
+    def check_admin(self, request: web.Request) -> None:
+        want = self.cfg.server.admin_key_sha256
+        if not want:
+            raise APIError(404, "admin endpoints are disabled (set server.admin_key_sha256)", code="not_found")
+        _, _, key = (request.headers.get("authorization") or "").partition(" ")
+        if not hmac.compare_digest(hashlib.sha256(key.strip().encode()).hexdigest(), want.lower()):
+            raise APIError(401, "invalid admin key", code="invalid_api_key")
+
+    def reload_tenants(self) -> int:
+        """Re-read [[tenants]] from the config file; on error keep the current table and raise ConfigError."""
+        if not self.cfg.source:
+            raise config_mod.ConfigError("the gateway was started without a config file; nothing to reload")
+        fresh = config_mod.load(self.cfg.source)
+        self.tenants = TenantTable(fresh.tenants)
+        log.info("reloaded %d tenants from %s", len(self.tenants), self.cfg.source)
+        return len(self.tenants)
+
+    def spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def get_session(self) -> aiohttp.ClientSession:
+        assert self.session is not None, "client session is created in the app's cleanup_ctx"
+        return self.session
+
+
+def build_state(cfg: GatewayConfig, models: dict[str, ServedModel] | None = None, registry=None,
+                index=None, redis_client=None) -> GatewayState:
+    if models is None:
+        models = {m.name: ServedModel.load(m.name, m.tokenizer) for m in cfg.models}
+    s = cfg.server
+    metrics = Metrics()
+    holder: dict = {}
+
+    def session() -> aiohttp.ClientSession:
+        return holder["state"].get_session()
+
+    nodes = [Node(n.id, n.url, n.model) for n in cfg.nodes]
+    pool = NodePool(session, nodes, registry=registry, interval_s=s.health_interval_s)
+    if index is None:
+        index = InMemoryPageIndex()
+    router = Router(index, cfg.seed, s.route_load_cost_tokens, s.route_affinity_tokens)
+    upstream = Upstream(session, s.connect_timeout_s, s.first_byte_timeout_s, s.chunk_timeout_s)
+    limiter = RedisLimiter(redis_client, s.key_prefix) if redis_client is not None else LocalLimiter()
+    st = GatewayState(cfg, models, TenantTable(cfg.tenants), metrics, pool, router, upstream, limiter, index,
+                      fill_index=cfg.fill_index_at_gateway, redis=redis_client)
+    holder["state"] = st
+    return st
+
+
+STATE = web.AppKey("edgeinfer_gateway_state", GatewayState)
