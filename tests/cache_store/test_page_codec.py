@@ -1,3 +1,4 @@
+import dataclasses
 import random
 import struct
 
@@ -129,7 +130,7 @@ def test_collision_guard(field, reason):
                                     dict(model_fingerprint="other-model")])
 def test_header_disagrees_with_engine(change):
     blob, expect, _ = make_page(random.Random(12))
-    other = PageFormat(**{**FMT.__dict__, **change})
+    other = dataclasses.replace(FMT, **change)
     miss = decode(blob, expect._replace(format=other))
     assert_miss(miss, MissReason.FORMAT_MISMATCH)
     assert next(iter(change)) in miss.detail
@@ -137,9 +138,9 @@ def test_header_disagrees_with_engine(change):
 
 def test_body_size_checked_when_engine_knows_it():
     blob, expect, _ = make_page(random.Random(13))
-    ok = PageFormat(**{**FMT.__dict__, "body_nbytes": BODY_BYTES})
+    ok = dataclasses.replace(FMT, body_nbytes=BODY_BYTES)
     assert isinstance(decode(blob, expect._replace(format=ok)), DecodedPage)
-    short = PageFormat(**{**FMT.__dict__, "body_nbytes": BODY_BYTES + 2})
+    short = dataclasses.replace(FMT, body_nbytes=BODY_BYTES + 2)
     assert_miss(decode(blob, expect._replace(format=short)), MissReason.BODY_SIZE)
 
 
