@@ -278,12 +278,18 @@ async def _collect(job: Job, runs: list[Run], tally: Tally, t0: float) -> web.Re
     texts: dict[int, list[str]] = {r.index: [] for r in runs}
     lps: dict[int, list] = {r.index: [] for r in runs}
     reasons: dict[int, str | None] = {}
+    last_t = {r.index: 0.0 for r in runs}
+    itl = st.metrics.itl.labels(job.tenant.id, model.name)
     ttft_seen = False
     try:
         async for run, chunk, t in merged(runs):
-            if chunk.token_ids and not ttft_seen:
-                st.metrics.ttft.labels(job.tenant.id, model.name).observe(t - t0)
-                ttft_seen = True
+            if chunk.token_ids:
+                if not ttft_seen:
+                    st.metrics.ttft.labels(job.tenant.id, model.name).observe(t - t0)
+                    ttft_seen = True
+                if last_t[run.index]:
+                    itl.observe(t - last_t[run.index])
+                last_t[run.index] = t
             if chunk.error is not None or chunk.finish_reason in ("abort", "error"):
                 raise APIError(502, f"generation failed on the backend: {chunk.error or chunk.finish_reason}",
                                code="backend_error")

@@ -186,8 +186,8 @@ def _serve(argv: list[str]) -> int:
     cmd = [sys.executable, "-m", "backend.server", "--model", str(model_dir), "--host", "127.0.0.1",
            "--port", str(port), "--node-id", "local-0", *args.backend_arg]
     env = dict(os.environ)
-    if not (env.get(cfg.server.page_seed_env) or cfg.server.page_seed):
-        env[cfg.server.page_seed_env] = os.urandom(16).hex()  # one seed for this machine's gateway + backend
+    if not env.get(cfg.server.page_seed_env):  # a fresh secret shared by this machine's gateway and backend
+        env[cfg.server.page_seed_env] = os.urandom(16).hex()
         os.environ[cfg.server.page_seed_env] = env[cfg.server.page_seed_env]
     print(f"edgeinfer serve: starting backend: {' '.join(cmd)}", flush=True)
     proc = subprocess.Popen(cmd, env=env)

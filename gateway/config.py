@@ -35,8 +35,8 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     health_interval_s: float = 1.0
     max_attempts: int = 3                   # nodes tried before the first byte
     admin_key_sha256: str = ""              # empty: admin endpoints disabled
-    page_seed_env: str = "EDGEINFER_PAGE_SEED"
-    page_seed: str = ""                     # hex; the env var wins; must equal the backends' seed
+    page_seed_env: str = "EDGEINFER_CACHE_SEED"  # same variable backend.server reads for --cache-seed
+    page_seed: str = "edgeinfer-dev-seed"   # the env var wins; must equal the backends' --cache-seed
     redis_url: str = ""                     # empty: single-node mode (in-process limiter and index)
     key_prefix: str = "ei"
     index_fill: str = "auto"                # "gateway" | "backends" | "auto" (gateway iff no redis)
@@ -83,11 +83,8 @@ class GatewayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def seed(self) -> bytes:
-        raw = os.environ.get(self.server.page_seed_env) or self.server.page_seed
-        try:
-            return bytes.fromhex(raw)
-        except ValueError as e:
-            raise ConfigError(f"page seed must be hex ({self.server.page_seed_env} or server.page_seed)") from e
+        """Deployment secret mixed into every page hash (UTF-8 bytes, as backend.server's --cache-seed)."""
+        return (os.environ.get(self.server.page_seed_env) or self.server.page_seed).encode()
 
     @property
     def fill_index_at_gateway(self) -> bool:
@@ -128,7 +125,6 @@ def _check(cfg: GatewayConfig) -> GatewayConfig:
         for name in ("requests_per_min", "tokens_per_min", "max_concurrent_streams", "max_prompt_tokens"):
             if getattr(t, name) < 0:
                 raise ConfigError(f"tenant {t.id!r}: {name}={getattr(t, name)} must be >= 0 (0: unlimited)")
-    cfg.seed  # noqa: B018 - validates the hex
     return cfg
 
 

@@ -40,7 +40,7 @@ class Choice(NamedTuple):
 def affinity_node(session: str, nodes: Sequence[Node]) -> Node | None:
     if not session or not nodes:
         return None
-    return max(nodes, key=lambda n: xxhash.xxh64_intdigest(f"{session}\x00{n.node_id}"))
+    return max(nodes, key=lambda n: xxhash.xxh64_intdigest(f"{session}\x00{n.node_id}".encode()))
 
 
 class Router:

@@ -49,7 +49,7 @@ def tenant(**kw) -> dict:
 def gateway_config(tokenizer_dir: Path, stubs: list[StubBackend], tenants: list[dict] | None = None,
                    source: str = "", **server) -> dict:
     data = {
-        "server": {"health_interval_s": 0.2, "shutdown_grace_s": 5.0, "page_seed": "00" * 16, **server},
+        "server": {"health_interval_s": 0.2, "shutdown_grace_s": 5.0, "page_seed": "test-seed", **server},
         "models": [{"name": MODEL, "tokenizer": str(tokenizer_dir)}],
         "nodes": [{"id": s.node_id, "url": s.url, "model": MODEL} for s in stubs],  # type: ignore[attr-defined]
         "tenants": tenants if tenants is not None else [tenant()],

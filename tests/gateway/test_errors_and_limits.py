@@ -1,0 +1,169 @@
+"""Status codes and OpenAI error bodies: 400/403/404/413/422/429/503, rate limits in Redis and in-process."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import requests
+
+from gateway import config as config_mod
+from tests.gateway.conftest import DEMO_KEY, MODEL, OTHER_KEY, client, tenant
+
+MSGS = [{"role": "user", "content": "hi"}]
+AUTH = {"authorization": f"Bearer {DEMO_KEY}"}
+
+
+def post(gw, body, path="/v1/chat/completions", **kw):
+    kw.setdefault("headers", AUTH)
+    if body is not None:
+        kw["json"] = body
+    return requests.post(gw.url + path, timeout=10, **kw)
+
+
+def test_model_not_allowed_is_403_and_unknown_model_404(harness):
+    tenants = [tenant(models=["other-model"]), tenant(id="t2", api_key_sha256=[config_mod.hash_key(OTHER_KEY)])]
+    gw = harness.gateway([harness.stub()], tenants=tenants)
+    with pytest.raises(openai.PermissionDeniedError) as e:
+        client(gw).chat.completions.create(model=MODEL, messages=MSGS)
+    assert e.value.body["code"] == "model_not_allowed" and e.value.body["param"] == "model"
+    with pytest.raises(openai.NotFoundError):
+        client(gw, key=OTHER_KEY).chat.completions.create(model="nope", messages=MSGS)
+    assert client(gw).models.list().data == []
+
+
+@pytest.mark.parametrize("extra, status, param", [
+    ({"temperature": -1}, 400, "temperature"),
+    ({"top_p": 0}, 400, "top_p"),
+    ({"n": 100}, 400, "n"),
+    ({"top_logprobs": 3}, 400, "top_logprobs"),
+    ({"max_tokens": 0}, 400, "max_tokens"),
+    ({"max_tokens": 10_000}, 400, "max_tokens"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ({"n": "two"}, 422, "n"),
+    ({"temperature": "hot"}, 422, "temperature"),
+    ({"not_a_field": 1}, 422, "not_a_field"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, 422, "messages[0].role"),
+    ({"messages": []}, 422, "messages"),
+])
+def test_bad_params(harness, extra, status, param):
+    gw = harness.gateway([harness.stub()])
+    r = post(gw, {"model": MODEL, "messages": MSGS, **extra})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
+
+
+def test_openai_client_sees_400_and_422(harness):
+    gw = harness.gateway([harness.stub()])
+    with pytest.raises(openai.BadRequestError):
+        client(gw).chat.completions.create(model=MODEL, messages=MSGS, temperature=-3)
+    with pytest.raises(openai.UnprocessableEntityError):
+        client(gw).chat.completions.create(model=MODEL, messages=MSGS, extra_body={"top_k": "many"})
+
+
+def test_not_json_is_400(harness):
+    gw = harness.gateway([harness.stub()])
+    r = post(gw, None, data=b"{not json", headers={**AUTH, "content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+
+
+def test_body_too_large_is_413(harness):
+    gw = harness.gateway([harness.stub()], max_body_bytes=10_000)
+    with pytest.raises(openai.APIStatusError) as e:
+        client(gw).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x" * 20_000}])
+    assert e.value.status_code == 413 and e.value.body["code"] == "request_too_large"
+
+
+def test_tenant_prompt_limit_is_400(harness):
+    gw = harness.gateway([harness.stub()], tenants=[tenant(max_prompt_tokens=10)])
+    with pytest.raises(openai.BadRequestError) as e:
+        client(gw).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "y" * 50}])
+    assert e.value.body["code"] == "context_length_exceeded"
+
+
+def test_no_healthy_backend_is_503(harness):
+    stub = harness.stub()
+    stub.behaviour.ready = False
+    gw = harness.gateway([stub])
+    with pytest.raises(openai.InternalServerError) as e:
+        client(gw).chat.completions.create(model=MODEL, messages=MSGS)
+    assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "1"
+
+
+def test_unknown_route_is_openai_json_404(harness):
+    gw = harness.gateway([harness.stub()])
+    r = requests.get(gw.url + "/v1/nothing", timeout=5)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+def _limit_429(gw):
+    c = client(gw)
+    ok = c.chat.completions.with_raw_response.create(model=MODEL, messages=MSGS, max_tokens=1)
+    assert ok.headers["x-ratelimit-limit-requests"] == "2"
+    assert ok.headers["x-ratelimit-remaining-requests"] == "1"
+    c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=1)
+    with pytest.raises(openai.RateLimitError) as e:
+        c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=1)
+    h = e.value.response.headers
+    assert int(h["retry-after"]) >= 1 and h["x-ratelimit-remaining-requests"] == "0"
+    assert e.value.body["code"] == "rate_limit_exceeded"
+    m = requests.get(gw.url + "/metrics", timeout=5).text
+    assert 'edgeinfer_gateway_rate_limit_rejections_total{limit="requests",tenant="demo"} 1.0' in m
+
+
+def test_requests_per_min_in_process(harness):
+    _limit_429(harness.gateway([harness.stub()], tenants=[tenant(requests_per_min=2)]))
+
+
+@pytest.fixture(scope="module")
+def valkey():
+    from tests.redis_server import ValkeyServer
+
+    with ValkeyServer() as server:
+        yield server
+
+
+def test_requests_per_min_in_redis_shared_by_two_gateways(harness, valkey):
+    import redis
+
+    redis.Redis.from_url(valkey.url).flushall()
+    stub = harness.stub()
+    gw1 = harness.gateway([stub], tenants=[tenant(requests_per_min=2)], redis_url=valkey.url)
+    gw2 = harness.gateway([stub], tenants=[tenant(requests_per_min=2)], redis_url=valkey.url)
+    client(gw1).chat.completions.create(model=MODEL, messages=MSGS, max_tokens=1)
+    client(gw2).chat.completions.create(model=MODEL, messages=MSGS, max_tokens=1)
+    with pytest.raises(openai.RateLimitError):
+        client(gw1).chat.completions.create(model=MODEL, messages=MSGS, max_tokens=1)
+    keys = sorted(k.decode() for k in redis.Redis.from_url(valkey.url).keys("ei:rl:*"))
+    assert keys == ["ei:rl:{demo}:requests"]
+
+
+def test_tokens_per_min_in_redis(harness, valkey):
+    import redis
+
+    redis.Redis.from_url(valkey.url).flushall()
+    gw = harness.gateway([harness.stub()], tenants=[tenant(tokens_per_min=100)], redis_url=valkey.url)
+    c = client(gw)
+    r = c.chat.completions.with_raw_response.create(model=MODEL, messages=[{"role": "user", "content": "a" * 20}],
+                                                    max_tokens=30)
+    prompt_tokens = r.parse().usage.prompt_tokens
+    assert int(r.headers["x-ratelimit-remaining-tokens"]) == 100 - prompt_tokens
+    # completion tokens are charged after the response: the budget is now below one more prompt
+    with pytest.raises(openai.RateLimitError) as e:
+        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a" * 20}], max_tokens=1)
+    assert "tokens" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError):  # can never fit in the budget
+        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a" * 200}], max_tokens=1)
+
+
+def test_concurrent_stream_limit(harness):
+    stub = harness.stub()
+    stub.behaviour.token_delay_s = 0.02
+    gw = harness.gateway([stub], tenants=[tenant(max_concurrent_streams=1)])
+    c = client(gw)
+    stream = c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=40, stream=True)
+    next(iter(stream))
+    with pytest.raises(openai.RateLimitError) as e:
+        c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=1)
+    assert e.value.body["code"] == "concurrency_limit_exceeded"
+    stream.close()
