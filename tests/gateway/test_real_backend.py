@@ -1,0 +1,166 @@
+"""End to end with the real backend (backend.server subprocesses) on the real SmolLM2-135M model:
+the openai client through the gateway, a two-node routing test, and `edgeinfer serve`."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+import requests
+
+from tests.gateway.conftest import DEMO_KEY, aclient, client, parsed, tenant
+
+pytestmark = pytest.mark.slow
+SEED = "real-backend-test-seed"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Backend:
+    def __init__(self, model_dir, node_id: str) -> None:
+        self.node_id = node_id
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "backend.server", "--model", str(model_dir), "--port", str(self.port),
+               "--node-id", node_id, "--max-num-seqs", "4", "--kv-cache-bytes", str(64 << 20), "--log-level",
+               "WARNING"]
+        self.proc = subprocess.Popen(cmd, env={**os.environ, "EDGEINFER_CACHE_SEED": SEED},
+                                     stdout=subprocess.DEVNULL)
+
+    def wait_ready(self, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"backend {self.node_id} exited with {self.proc.returncode}"
+            try:
+                if requests.get(self.url + "/ready", timeout=1).status_code == 200:
+                    return
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"backend {self.node_id} not ready after {timeout_s}s")
+
+    def prompt_tokens(self) -> float:
+        m = re.search(r"^edgeinfer_backend_prompt_tokens_total\{[^}]*\} (\S+)$",
+                      requests.get(self.url + "/metrics", timeout=5).text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from backend.model.gguf_import import ensure_default_model
+
+    return ensure_default_model()
+
+
+@pytest.fixture(scope="module")
+def backends(model_dir):
+    nodes = [Backend(model_dir, "real-a"), Backend(model_dir, "real-b")]
+    try:
+        for b in nodes:
+            b.wait_ready()
+        yield nodes
+    finally:
+        for b in nodes:
+            b.stop()
+
+
+def real_gateway(harness, model_dir, nodes):
+    name = requests.get(nodes[0].url + "/internal/info", timeout=5).json()["model"]
+    cfg = parsed({"server": {"page_seed": SEED, "health_interval_s": 0.5},
+                  "models": [{"name": name, "tokenizer": str(model_dir)}],
+                  "nodes": [{"id": b.node_id, "url": b.url, "model": name} for b in nodes],
+                  "tenants": [tenant()]})
+    return harness.gateway([], cfg=cfg), name
+
+
+async def test_openai_client_against_real_backend(harness, model_dir, backends):
+    gw, name = real_gateway(harness, model_dir, backends[:1])
+    msgs = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+    r = client(gw).chat.completions.create(model=name, messages=msgs, max_tokens=8, temperature=0)
+    assert r.choices[0].message.content.strip() and r.usage.completion_tokens <= 8
+    assert r.choices[0].finish_reason in ("stop", "length")
+    again = client(gw).chat.completions.create(model=name, messages=msgs, max_tokens=8, temperature=0)
+    assert again.choices[0].message.content == r.choices[0].message.content  # greedy is deterministic
+    c = aclient(gw)
+    stream = await c.chat.completions.create(model=name, messages=msgs, max_tokens=8, temperature=0, stream=True,
+                                             stream_options={"include_usage": True})
+    chunks = [ch async for ch in stream]
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == r.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    comp = await c.completions.create(model=name, prompt="1, 2, 3, 4,", max_tokens=4, temperature=0, logprobs=2)
+    assert comp.choices[0].text and len(comp.choices[0].logprobs.tokens) == comp.usage.completion_tokens
+    await c.close()
+
+
+def test_second_turn_routes_to_prefix_holder_and_reports_cached_tokens(harness, model_dir, backends):
+    gw, name = real_gateway(harness, model_dir, backends)
+    c = client(gw)
+    system = ("You are a helpful assistant for a hardware store. You answer questions about tools, paint, "
+              "garden supplies and plumbing parts. Keep answers short and friendly.")
+    convo = [{"role": "system", "content": system}, {"role": "user", "content": "Do you sell hammers?"}]
+    before = {b.node_id: b.prompt_tokens() for b in backends}
+    t1 = c.chat.completions.create(model=name, messages=convo, max_tokens=12, temperature=0)
+    grew = [b for b in backends if b.prompt_tokens() > before[b.node_id]]
+    assert len(grew) == 1
+    holder = grew[0]
+    convo += [{"role": "assistant", "content": t1.choices[0].message.content},
+              {"role": "user", "content": "And nails?"}]
+    mid = {b.node_id: b.prompt_tokens() for b in backends}
+    t2 = c.chat.completions.create(model=name, messages=convo, max_tokens=8, temperature=0)
+    assert holder.prompt_tokens() > mid[holder.node_id]
+    assert all(b.prompt_tokens() == mid[b.node_id] for b in backends if b is not holder)
+    assert t2.usage.prompt_tokens_details.cached_tokens >= 48  # at least the system prompt's pages
+    m = requests.get(gw.url + "/metrics", timeout=5).text
+    assert re.search(r'edgeinfer_gateway_routing_decisions_total\{decision="prefix",model="[^"]+"\} 1\.0', m)
+
+
+def test_edgeinfer_serve_runs_gateway_and_backend(tmp_path):
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "ops.cli", "serve", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        lines = []
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "".join(lines)
+            lines.append(line)
+            if "ready:" in line:
+                break
+        assert f"http://127.0.0.1:{port}/v1" in lines[-1] and DEMO_KEY in lines[-1]
+        model = re.search(r"model=(\S+)", lines[-1]).group(1)
+        r = requests.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60,
+                          headers={"authorization": f"Bearer {DEMO_KEY}"},
+                          json={"model": model, "max_tokens": 5, "messages": [{"role": "user", "content": "Hi"}]})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] >= 1
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-nope", max_retries=0).models.list()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
