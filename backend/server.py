@@ -65,6 +65,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
         engine.validate(req)
     except RequestError as e:
         return _error(e.code, str(e))
+    for ext in st.extensions:      # e.g. the page store: fetch + verify + upload pages beyond the local cache
+        if hasattr(ext, "before_generate"):
+            await ext.before_generate(request.app, req)
     resp = web.StreamResponse(headers={"content-type": "application/x-ndjson", "x-node-id": st.node_id})
     await resp.prepare(request)
     st.in_flight.add(req.request_id)

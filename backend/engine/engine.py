@@ -145,6 +145,28 @@ class LLMEngine:
             if not finished:
                 self.abort(req.request_id)
 
+    async def call_in_engine(self, fn, *args):
+        """Run fn(*args) on the engine thread between steps (safe access to blocks/runner); await its result."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def done(ok: bool, value) -> None:
+            if not fut.done():
+                fut.set_result(value) if ok else fut.set_exception(value)
+
+        def run() -> None:
+            try:
+                value, ok = fn(*args), True
+            except Exception as e:  # delivered to the awaiting caller
+                value, ok = e, False
+            loop.call_soon_threadsafe(done, ok, value)
+
+        if self._thread is None:
+            run()
+        else:
+            self._cmds.put(("call", run))
+        return await fut
+
     def abort(self, request_id: str) -> bool:
         seq = self._seqs.get(request_id)
         if seq is None:
@@ -193,6 +215,8 @@ class LLMEngine:
     def _handle(self, cmd: str, seq: Sequence | None) -> None:
         if cmd == "add":
             self.scheduler.add(seq)
+        elif cmd == "call":
+            seq()
         elif cmd == "abort" and seq.status != SeqStatus.FINISHED:
             self._finish(seq, "abort", text=seq.stop_checker.flush() if seq.output_ids else "")
 

@@ -82,6 +82,12 @@ class ModelConfig:
         if act not in ("silu", "swish"):
             raise CheckpointError(f"{source}: hidden_act={act!r} is unsupported; expected 'silu'")
         rope_scaling = raw.get("rope_scaling")
+        rope_theta = raw.get("rope_theta", 10000.0)
+        params = raw.get("rope_parameters")     # transformers >= 5 layout: theta + scaling in one dict
+        if isinstance(params, dict):
+            rope_theta = params.get("rope_theta", rope_theta)
+            if params.get("rope_type", params.get("type", "default")) != "default":
+                rope_scaling = params
         if rope_scaling is not None:
             rtype = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
             if rtype not in SUPPORTED_ROPE_TYPES:
@@ -105,7 +111,7 @@ class ModelConfig:
             head_dim=raw.get("head_dim") or hidden // heads,
             vocab_size=need("vocab_size"),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            rope_theta=float(rope_theta),
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),

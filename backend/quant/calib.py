@@ -1,0 +1,73 @@
+"""Offline text for calibration and evaluation, and teacher-forced forwards through the paged model.
+
+Calibration and evaluation text come from different files (disjoint by construction):
+  calibration: the tqdm package's METADATA (its README; tqdm is a runtime dependency)
+  evaluation:  CPython's Lib/idlelib/NEWS.txt (ships with the interpreter)
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+
+import torch
+
+from backend.engine.config import EngineConfig
+from backend.engine.model_runner import ModelRunner
+from backend.model.llama import AttentionMetadata, LlamaModel
+
+
+def calibration_text() -> tuple[str, str]:
+    dist = importlib.metadata.distribution("tqdm")
+    text = dist.read_text("METADATA")
+    if not text:
+        raise FileNotFoundError("tqdm METADATA not found: cannot calibrate")
+    return text, f"tqdm-{dist.version}.dist-info/METADATA"
+
+
+def eval_text() -> tuple[str, str]:
+    import idlelib
+
+    path = Path(idlelib.__file__).parent / "NEWS.txt"
+    return path.read_text(encoding="utf-8"), f"CPython {path.parent.name}/NEWS.txt"
+
+
+def token_chunks(ids: list[int], num: int, length: int) -> list[list[int]]:
+    if len(ids) < num * length:
+        raise ValueError(f"text has {len(ids)} tokens; need {num} x {length}")
+    return [ids[i * length:(i + 1) * length] for i in range(num)]
+
+
+def paged_prefill(model: LlamaModel, chunks: list[list[int]], kv_dtype: str = "auto", page_size: int = 16,
+                  scale_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One teacher-forced forward of several sequences through the paged KV pool -> hidden [sum(len), h].
+
+    scale_dtype (fp8 only) replaces the pool's float32 per-token scales, to measure a cheaper layout
+    with the torch references (the Triton launchers accept float32 only).
+    """
+    pages_per = [(len(c) + page_size - 1) // page_size for c in chunks]
+    runner = ModelRunner(model, EngineConfig(page_size=page_size, num_pages=sum(pages_per), kv_dtype=kv_dtype))
+    if scale_dtype is not None:
+        for kv in runner.kv:
+            if kv.k_scale is not None:
+                kv.k_scale, kv.v_scale = kv.k_scale.to(scale_dtype), kv.v_scale.to(scale_dtype)
+    dev = model.device
+    width = max(pages_per)
+    tables = torch.zeros((len(chunks), width), dtype=torch.int32)
+    slots, first = [], 0
+    for b, (c, n) in enumerate(zip(chunks, pages_per)):
+        tables[b, :n] = torch.arange(first, first + n, dtype=torch.int32)
+        slots += [first * page_size + i for i in range(len(c))]
+        first += n
+    cu = [0]
+    for c in chunks:
+        cu.append(cu[-1] + len(c))
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev), num_decode=0,
+        decode_block_tables=torch.zeros((0, 1), dtype=torch.int32, device=dev),
+        decode_context_lens=torch.zeros(0, dtype=torch.int32, device=dev),
+        prefill_block_tables=tables.to(dev), prefill_cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+        prefill_context_lens=torch.tensor([len(c) for c in chunks], dtype=torch.int32, device=dev))
+    ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=dev)
+    pos = torch.tensor([i for c in chunks for i in range(len(c))], dtype=torch.long, device=dev)
+    return model(ids, pos, runner.kv, meta)

@@ -1,0 +1,72 @@
+"""`quantization_config` in config.json: parse and validate, naming the file and the field on error."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from backend.model.config import CheckpointError
+
+EDGEINFER_METHOD = "edgeinfer-w4a16"
+PACKING = "uint8-k2-lo-even"           # qweight [N, K//2] uint8, low nibble = even k (kernels' layout)
+LAYOUTS = {
+    EDGEINFER_METHOD: "edgeinfer: <prefix>.qweight [N,K//2] uint8, .scales/.zeros [N,K//G] fp16",
+    "awq": "AutoAWQ GEMM (version 'gemm'): .qweight [K,N//8] int32, .qzeros [K//G,N//8] int32, .scales [K//G,N] fp16",
+    "gptq": "GPTQ (checkpoint_format 'gptq' or 'gptq_v2', desc_act false): .qweight [K//8,N] int32, "
+            ".qzeros [K//G,N//8] int32, .scales [K//G,N] fp16, optional .g_idx",
+}
+SCHEMES = {"w4a16-g128": 128, "w4a16-g64": 64, "w4a16-g32": 32}
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    quant_method: str           # edgeinfer-w4a16 | awq | gptq
+    bits: int
+    group_size: int             # along K; see packing.effective_group_size for K not divisible
+    zero_point: bool            # asymmetric (explicit zeros) vs symmetric (q - 8)
+    layout: str                 # edgeinfer | awq-gemm | gptq | gptq_v2
+    method: str = ""            # how it was made: rtn | awq (edgeinfer only)
+
+    @classmethod
+    def from_dict(cls, raw: object, source: str) -> QuantConfig:
+        where = f"{source}: quantization_config"
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{where} must be a JSON object, got {type(raw).__name__}")
+        qm = raw.get("quant_method")
+        if qm not in LAYOUTS:
+            raise CheckpointError(f"{where}.quant_method={qm!r} is unsupported; supported layouts: "
+                                  + "; ".join(f"{k!r} = {v}" for k, v in LAYOUTS.items()))
+        bits = raw.get("bits", raw.get("w_bit"))
+        if bits != 4:
+            raise CheckpointError(f"{where}.bits={bits!r} is unsupported: only 4-bit weights")
+        gs = raw.get("group_size", raw.get("q_group_size"))
+        if not isinstance(gs, int) or isinstance(gs, bool) or gs < 32 or gs % 32:
+            raise CheckpointError(f"{where}.group_size={gs!r} is invalid: expected a positive multiple of 32 "
+                                  "(per-channel -1 is unsupported)")
+        if qm == EDGEINFER_METHOD:
+            zp = raw.get("zero_point")
+            if not isinstance(zp, bool):
+                raise CheckpointError(f"{where}.zero_point={zp!r} is invalid: expected true or false")
+            packing = raw.get("packing")
+            if packing != PACKING:
+                raise CheckpointError(f"{where}.packing={packing!r} is unsupported; expected {PACKING!r}")
+            return cls(qm, 4, gs, zp, "edgeinfer", str(raw.get("method", "")))
+        if qm == "awq":
+            version = str(raw.get("version", "gemm")).lower()
+            if version != "gemm":
+                raise CheckpointError(f"{where}.version={version!r} is unsupported; only AutoAWQ 'gemm' packing")
+            zp = raw.get("zero_point", True)
+            if zp is not True:
+                raise CheckpointError(f"{where}.zero_point={zp!r} is unsupported: AutoAWQ GEMM needs zero_point true")
+            return cls(qm, 4, gs, True, "awq-gemm")
+        fmt = raw.get("checkpoint_format", "gptq")
+        if fmt not in ("gptq", "gptq_v2"):
+            raise CheckpointError(f"{where}.checkpoint_format={fmt!r} is unsupported; expected 'gptq' or 'gptq_v2'")
+        if raw.get("desc_act", False):
+            raise CheckpointError(f"{where}.desc_act=true (act-order) is unsupported; re-export with desc_act=false")
+        return cls(qm, 4, gs, True, fmt)
+
+
+def edgeinfer_config(group_size: int, method: str, zero_point: bool = True, **extra) -> dict:
+    return {"quant_method": EDGEINFER_METHOD, "bits": 4, "group_size": group_size, "zero_point": zero_point,
+            "packing": PACKING, "method": method, "modules_not_converted": ["model.embed_tokens", "lm_head"],
+            **extra}

@@ -1,0 +1,148 @@
+"""`edgeinfer model quantize SRC DST --scheme w4a16-g128 --method rtn|awq`.
+
+Writes DST atomically (a temporary sibling directory renamed into place): model.safetensors with
+`<hf prefix>.qweight/.scales/.zeros` per linear, the other tensors unchanged (AWQ edits RMSNorm weights),
+tokenizer files copied, and config.json with an `edgeinfer-w4a16` quantization_config.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from backend.model.config import CheckpointError, ModelConfig
+from backend.model.llama import LlamaModel, load_model
+from backend.quant.format import SCHEMES, edgeinfer_config
+from backend.quant.packing import effective_group_size, group_quantize_tensor
+
+log = logging.getLogger("edgeinfer.quant")
+METHODS = ("rtn", "awq")
+COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
+
+
+class QuantizeError(ValueError):
+    pass
+
+
+def parse_scheme(scheme: str) -> int:
+    if scheme not in SCHEMES:
+        raise QuantizeError(f"unknown scheme {scheme!r}; supported: {', '.join(SCHEMES)}")
+    return SCHEMES[scheme]
+
+
+def _split(cfg: ModelConfig, i: int) -> dict[str, list[tuple[str, int]]]:
+    """Fused module -> [(hf prefix, rows)] in concatenation order."""
+    p = f"model.layers.{i}."
+    return {"qkv": [(p + "self_attn.q_proj", cfg.q_size), (p + "self_attn.k_proj", cfg.kv_size),
+                    (p + "self_attn.v_proj", cfg.kv_size)],
+            "o": [(p + "self_attn.o_proj", cfg.hidden_size)],
+            "gate_up": [(p + "mlp.gate_proj", cfg.intermediate_size), (p + "mlp.up_proj", cfg.intermediate_size)],
+            "down": [(p + "mlp.down_proj", cfg.hidden_size)]}
+
+
+def quantized_tensors(model: LlamaModel, group_size: int, clips: dict[str, torch.Tensor] | None = None,
+                      progress: bool = True) -> dict[str, torch.Tensor]:
+    cfg = model.cfg
+    out: dict[str, torch.Tensor] = {}
+    for i, layer in enumerate(tqdm(model.layers, desc="quantize", unit="layer", disable=not progress)):
+        mods = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj,
+                "gate_up": layer.mlp.gate_up_proj, "down": layer.mlp.down_proj}
+        for key, parts in _split(cfg, i).items():
+            w, b = mods[key].weight.data.float(), mods[key].bias
+            g = effective_group_size(w.shape[1], group_size)
+            clip = clips.get(f"{i}.{key}") if clips else None
+            row = 0
+            for name, rows in parts:
+                sl = slice(row, row + rows)
+                q, s, z = group_quantize_tensor(w[sl], g, clip=None if clip is None else clip[sl])
+                out[name + ".qweight"], out[name + ".scales"], out[name + ".zeros"] = q, s, z
+                if b is not None:
+                    out[name + ".bias"] = b.data[sl].clone()
+                row += rows
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = layer.input_layernorm.weight.data.clone()
+        out[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight.data.clone()
+    out["model.embed_tokens.weight"] = model.embed_tokens.data.clone()
+    out["model.norm.weight"] = model.norm.weight.data.clone()
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = model.lm_head.data.clone()
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def calibration_chunks(src: Path, num: int, length: int) -> tuple[list[list[int]], str]:
+    from backend.quant.calib import calibration_text, token_chunks
+    from backend.tokenizer import Tokenizer
+
+    text, name = calibration_text()
+    ids = Tokenizer.from_dir(src).encode(text)
+    num = min(num, len(ids) // length)
+    if num < 1:
+        raise QuantizeError(f"calibration text {name} has {len(ids)} tokens, fewer than one chunk of {length}")
+    return token_chunks(ids, num, length), name
+
+
+def quantize_checkpoint(src: str | Path, dst: str | Path, scheme: str = "w4a16-g128", method: str = "awq",
+                        calib_chunks: int = 8, calib_len: int = 512, progress: bool = True) -> Path:
+    src, dst = Path(src), Path(dst)
+    group_size = parse_scheme(scheme)
+    if method not in METHODS:
+        raise QuantizeError(f"unknown method {method!r}; supported: {', '.join(METHODS)}")
+    cfg = ModelConfig.from_dir(src)
+    if cfg.quantization is not None:
+        raise QuantizeError(f"{src}/config.json already has a quantization_config; quantize an unquantized model")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise QuantizeError(f"{dst}: destination exists and is not an empty directory")
+    torch.manual_seed(0)
+    model = load_model(src, torch.float32, "cpu")
+    extra: dict = {"scheme": scheme}
+    clips = None
+    if method == "awq":
+        from backend.quant.awq import apply_awq, collect_stats
+
+        chunks, calib_name = calibration_chunks(src, calib_chunks, calib_len)
+        t0 = time.time()
+        stats = collect_stats(model, chunks)
+        clips = apply_awq(model, stats, group_size)
+        extra["calibration"] = {"source": calib_name, "sequences": len(chunks), "tokens_per_sequence": calib_len,
+                                "seconds": round(time.time() - t0, 1)}
+    tensors = quantized_tensors(model, group_size, clips, progress)
+
+    raw = json.loads((src / "config.json").read_text())
+    raw["quantization_config"] = edgeinfer_config(group_size, method, **extra)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "quantized_from": src.name})
+        (tmp / "config.json").write_text(json.dumps(raw, indent=2))
+        for f in COPY_FILES:
+            if (src / f).is_file():
+                shutil.copy2(src / f, tmp / f)
+        os.chmod(tmp, 0o755)
+        for f in tmp.iterdir():
+            os.chmod(f, 0o644)
+        if dst.exists():
+            dst.rmdir()
+        os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
+
+
+def main(args) -> int:
+    try:
+        out = quantize_checkpoint(args.src, args.dst, args.scheme, args.method)
+    except (QuantizeError, CheckpointError, FileNotFoundError) as e:
+        print(f"error: {e}")
+        return 2
+    print(f"wrote {out} ({args.scheme}, {args.method})")
+    return 0

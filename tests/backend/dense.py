@@ -1,0 +1,48 @@
+"""Drive the paged model directly for one sequence (prefill then greedy decode) — a test helper."""
+
+from __future__ import annotations
+
+import torch
+
+from backend.model.llama import AttentionMetadata, LayerKV, LlamaModel
+
+
+def fresh_kv(model: LlamaModel, num_pages: int, page_size: int = 16) -> list[LayerKV]:
+    c = model.cfg
+    shape = (num_pages, page_size, c.num_kv_heads, c.head_dim)
+    return [LayerKV(torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
+            for _ in range(c.num_layers)]
+
+
+def _none_tables(width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.zeros((0, width), dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
+
+
+def prefill_logits(model: LlamaModel, ids: list[int], kv: list[LayerKV], page_size: int = 16) -> torch.Tensor:
+    n = len(ids)
+    width = kv[0].k.shape[0]
+    table = torch.randperm(width, generator=torch.Generator().manual_seed(1)).to(torch.int32)[None]
+    slots = torch.tensor([int(table[0, i // page_size]) * page_size + i % page_size for i in range(n)])
+    dt, dc = _none_tables(width)
+    meta = AttentionMetadata(slots, 0, dt, dc, table, torch.tensor([0, n], dtype=torch.int32),
+                             torch.tensor([n], dtype=torch.int32))
+    prefill_logits.table = table
+    return model.compute_logits(model(torch.tensor(ids), torch.arange(n), kv, meta))
+
+
+def greedy(model: LlamaModel, ids: list[int], steps: int, num_pages: int = 64, page_size: int = 16) -> tuple[
+        torch.Tensor, list[int]]:
+    kv = fresh_kv(model, num_pages, page_size)
+    logits = prefill_logits(model, ids, kv, page_size)
+    table = prefill_logits.table
+    out = [int(logits[-1].argmax())]
+    pos = len(ids)
+    for _ in range(steps - 1):
+        slot = torch.tensor([int(table[0, pos // page_size]) * page_size + pos % page_size])
+        meta = AttentionMetadata(slot, 1, table, torch.tensor([pos + 1], dtype=torch.int32),
+                                 torch.zeros((0, table.shape[1]), dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                                 torch.zeros(0, dtype=torch.int32))
+        h = model(torch.tensor([out[-1]]), torch.tensor([pos]), kv, meta)
+        out.append(int(model.compute_logits(h)[-1].argmax()))
+        pos += 1
+    return logits, out
