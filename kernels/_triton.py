@@ -9,6 +9,7 @@ that cannot launch.
 
 from __future__ import annotations
 
+import functools
 import os
 import types
 
@@ -54,25 +55,38 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+@functools.cache
 def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4  # interpreter: keep grids small, still exercise split paths
 
 
-def check(cond: bool, msg: str) -> None:
+def check(cond: bool, message) -> None:
+    """Raise ValueError(message()) when cond is false; the message is only built on failure."""
     if not cond:
-        raise ValueError(msg)
+        raise ValueError(message())
 
 
 def check_tensor(name: str, t, *, dtypes=None, ndim=None, contiguous=False, device=None) -> None:
-    check(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if ndim is not None:
-        check(t.dim() == ndim, f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
-    if dtypes is not None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
         names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
-        check(t.dtype in dtypes, f"{name} dtype must be one of ({names}), got {t.dtype}")
-    if contiguous:
-        check(t.is_contiguous(), f"{name} must be contiguous, got strides {t.stride()} for shape {tuple(t.shape)}")
-    if device is not None:
-        check(t.device == device, f"{name} is on {t.device}, expected {device}")
+        raise ValueError(f"{name} dtype must be one of ({names}), got {t.dtype}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {t.stride()} for shape {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
+
+
+def check_fp8_scale(name: str, scale, cache: torch.Tensor) -> None:
+    # scale: [num_pages, page_size, kv_heads] float32, beside a float8_e4m3fn cache
+    if scale is None:
+        raise ValueError(f"{name} is required with a float8_e4m3fn cache")
+    check_tensor(name, scale, dtypes=(torch.float32,), ndim=3, contiguous=True, device=cache.device)
+    if scale.shape != cache.shape[:3]:
+        raise ValueError(f"{name} shape {tuple(scale.shape)} != [num_pages, page_size, kv_heads] = "
+                         f"{tuple(cache.shape[:3])}")

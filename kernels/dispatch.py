@@ -13,8 +13,11 @@ import warnings
 
 import torch
 
-from kernels import _triton, kv_store as _kv, paged_decode_attention as _decode
-from kernels import paged_prefill_attention as _prefill, w4a16_gemm as _gemm
+from kernels import _triton
+from kernels import kv_store as _kv
+from kernels import paged_decode_attention as _decode
+from kernels import paged_prefill_attention as _prefill
+from kernels import w4a16_gemm as _gemm
 
 MODES = ("auto", "reference", "triton")
 

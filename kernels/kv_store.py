@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import check, check_tensor, jit, next_pow2, require_triton, tl, triton
+from kernels._triton import check, check_fp8_scale, check_tensor, jit, next_pow2, require_triton, tl, triton
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -112,23 +112,20 @@ def _check(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None
     check_tensor("k_cache", k_cache, dtypes=CACHE_DTYPES, ndim=4, contiguous=True, device=key.device)
     check_tensor("v_cache", v_cache, dtypes=CACHE_DTYPES, ndim=4, contiguous=True, device=key.device)
     check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int64,), ndim=1, contiguous=True, device=key.device)
-    check(value.shape == key.shape, f"value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
-    check(value.stride() == key.stride(), f"value strides {value.stride()} != key strides {key.stride()}")
-    check(v_cache.shape == k_cache.shape, f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
-    check(v_cache.dtype == k_cache.dtype, f"v_cache dtype {v_cache.dtype} != k_cache dtype {k_cache.dtype}")
+    check(value.shape == key.shape, lambda: f"value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
+    check(value.stride() == key.stride(), lambda: f"value strides {value.stride()} != key strides {key.stride()}")
+    check(v_cache.shape == k_cache.shape, lambda: f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
+    check(v_cache.dtype == k_cache.dtype, lambda: f"v_cache dtype {v_cache.dtype} != k_cache dtype {k_cache.dtype}")
     check(key.shape[1:] == k_cache.shape[2:],
-          f"key [T, kv_heads, head_dim] = {tuple(key.shape)} does not match k_cache "
+          lambda: f"key [T, kv_heads, head_dim] = {tuple(key.shape)} does not match k_cache "
           f"[num_pages, page_size, kv_heads, head_dim] = {tuple(k_cache.shape)}")
     check(slot_mapping.shape[0] == key.shape[0],
-          f"slot_mapping has {slot_mapping.shape[0]} slots for {key.shape[0]} tokens")
+          lambda: f"slot_mapping has {slot_mapping.shape[0]} slots for {key.shape[0]} tokens")
     if k_cache.dtype == FP8:
-        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-            check(s is not None, f"{name} is required with a float8_e4m3fn cache")
-            check_tensor(name, s, dtypes=(torch.float32,), ndim=3, contiguous=True, device=key.device)
-            check(s.shape == k_cache.shape[:3],
-                  f"{name} shape {tuple(s.shape)} != [num_pages, page_size, kv_heads] = {tuple(k_cache.shape[:3])}")
+        check_fp8_scale("k_scale", k_scale, k_cache)
+        check_fp8_scale("v_scale", v_scale, k_cache)
     else:
-        check(k_scale is None and v_scale is None, f"k_scale/v_scale are only for fp8 caches, cache is {k_cache.dtype}")
+        check(k_scale is None and v_scale is None, lambda: f"k_scale/v_scale are only for fp8 caches, cache is {k_cache.dtype}")
 
 
 def kv_store_triton(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:

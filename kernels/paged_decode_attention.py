@@ -11,7 +11,18 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import cdiv, check, check_tensor, jit, next_pow2, num_sms, require_triton, tl, upcast_dot
+from kernels._triton import (
+    cdiv,
+    check,
+    check_fp8_scale,
+    check_tensor,
+    jit,
+    next_pow2,
+    num_sms,
+    require_triton,
+    tl,
+    upcast_dot,
+)
 
 FP8 = torch.float8_e4m3fn
 ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -127,10 +138,10 @@ def _decode_reduce_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, head_dim, stride_ob, s
     mask_d = d < head_dim
     part = (b * tl.num_programs(1) + h) * NUM_SPLITS + s
     m = tl.load(m_ptr + part, mask=mask_s, other=-1.0e30)
-    l = tl.load(l_ptr + part, mask=mask_s, other=0.0)
+    lsum = tl.load(l_ptr + part, mask=mask_s, other=0.0)
     acc = tl.load(acc_ptr + part[:, None] * head_dim + d[None, :], mask=mask_s[:, None] & mask_d[None, :], other=0.0)
     w = tl.exp2(m - tl.max(m, axis=0))
-    total = tl.sum(l * w, axis=0)
+    total = tl.sum(lsum * w, axis=0)
     o = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=mask_d)
 
@@ -141,25 +152,22 @@ def check_paged_kv(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_s
     check_tensor("k_cache", k_cache, dtypes=(*ACT_DTYPES, FP8), ndim=4, contiguous=True, device=dev)
     check_tensor("v_cache", v_cache, dtypes=(*ACT_DTYPES, FP8), ndim=4, contiguous=True, device=dev)
     check_tensor("block_tables", block_tables, dtypes=(torch.int32,), ndim=2, device=dev)
-    check(block_tables.stride(1) == 1, f"block_tables must be contiguous along pages, got strides {block_tables.stride()}")
+    check(block_tables.stride(1) == 1, lambda: f"block_tables must be contiguous along pages, got strides {block_tables.stride()}")
     check_tensor("context_lens", context_lens, dtypes=(torch.int32,), ndim=1, contiguous=True, device=dev)
-    check(v_cache.shape == k_cache.shape, f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
-    check(v_cache.dtype == k_cache.dtype, f"v_cache dtype {v_cache.dtype} != k_cache dtype {k_cache.dtype}")
+    check(v_cache.shape == k_cache.shape, lambda: f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
+    check(v_cache.dtype == k_cache.dtype, lambda: f"v_cache dtype {v_cache.dtype} != k_cache dtype {k_cache.dtype}")
     heads, head_dim = q.shape[1:]
     kv_heads = k_cache.shape[2]
-    check(heads % kv_heads == 0, f"q heads = {heads} must be a multiple of kv_heads = {kv_heads}")
-    check(k_cache.shape[3] == head_dim, f"q head_dim = {head_dim} != k_cache head_dim = {k_cache.shape[3]}")
+    check(heads % kv_heads == 0, lambda: f"q heads = {heads} must be a multiple of kv_heads = {kv_heads}")
+    check(k_cache.shape[3] == head_dim, lambda: f"q head_dim = {head_dim} != k_cache head_dim = {k_cache.shape[3]}")
     check(context_lens.shape[0] == block_tables.shape[0],
-          f"context_lens has {context_lens.shape[0]} sequences, block_tables has {block_tables.shape[0]}")
+          lambda: f"context_lens has {context_lens.shape[0]} sequences, block_tables has {block_tables.shape[0]}")
     if k_cache.dtype == FP8:
-        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-            check(s is not None, f"{name} is required with a float8_e4m3fn cache")
-            check_tensor(name, s, dtypes=(torch.float32,), ndim=3, contiguous=True, device=dev)
-            check(s.shape == k_cache.shape[:3],
-                  f"{name} shape {tuple(s.shape)} != [num_pages, page_size, kv_heads] = {tuple(k_cache.shape[:3])}")
+        check_fp8_scale("k_scale", k_scale, k_cache)
+        check_fp8_scale("v_scale", v_scale, k_cache)
     else:
-        check(k_cache.dtype == q.dtype, f"k_cache dtype {k_cache.dtype} != q dtype {q.dtype} (only fp8 caches convert)")
-        check(k_scale is None and v_scale is None, f"k_scale/v_scale are only for fp8 caches, cache is {k_cache.dtype}")
+        check(k_cache.dtype == q.dtype, lambda: f"k_cache dtype {k_cache.dtype} != q dtype {q.dtype} (only fp8 caches convert)")
+        check(k_scale is None and v_scale is None, lambda: f"k_scale/v_scale are only for fp8 caches, cache is {k_cache.dtype}")
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -175,12 +183,12 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_len
                                   k_scale=None, v_scale=None, out=None, *, num_splits=None, block_n=64):
     check_paged_kv(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     batch, heads, head_dim = q.shape
-    check(q.shape[0] == block_tables.shape[0], f"q has {batch} sequences, block_tables has {block_tables.shape[0]}")
-    check(block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n must be a power of two >= 16, got {block_n}")
+    check(q.shape[0] == block_tables.shape[0], lambda: f"q has {batch} sequences, block_tables has {block_tables.shape[0]}")
+    check(block_n >= 16 and block_n & (block_n - 1) == 0, lambda: f"block_n must be a power of two >= 16, got {block_n}")
     if out is not None:
         check_tensor("out", out, dtypes=(q.dtype,), ndim=3, device=q.device)
-        check(out.shape == q.shape, f"out shape {tuple(out.shape)} != q shape {tuple(q.shape)}")
-        check(out.stride(2) == 1, f"out must be contiguous along head_dim, got strides {out.stride()}")
+        check(out.shape == q.shape, lambda: f"out shape {tuple(out.shape)} != q shape {tuple(q.shape)}")
+        check(out.stride(2) == 1, lambda: f"out must be contiguous along head_dim, got strides {out.stride()}")
     require_triton("paged_decode_attention")
     out = torch.empty_like(q) if out is None else out
     if batch == 0:
@@ -189,7 +197,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_len
     max_tokens = block_tables.shape[1] * page_size  # an upper bound known without a device sync
     if num_splits is None:
         num_splits = pick_num_splits(batch, kv_heads, max_tokens, block_n, q.device)
-    check(num_splits >= 1, f"num_splits must be >= 1, got {num_splits}")
+    check(num_splits >= 1, lambda: f"num_splits must be >= 1, got {num_splits}")
     split_size = cdiv(cdiv(max(max_tokens, 1), num_splits), block_n) * block_n
     quant = k_cache.dtype == FP8
     if num_splits > 1:

@@ -103,13 +103,13 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens
     check_tensor("cu_seqlens_q", cu_seqlens_q, dtypes=(torch.int32,), ndim=1, contiguous=True, device=q.device)
     batch = block_tables.shape[0]
     check(cu_seqlens_q.shape[0] == batch + 1,
-          f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries, expected batch + 1 = {batch + 1}")
-    for name, blk in (("block_m", block_m), ("block_n", block_n)):
-        check(blk >= 16 and blk & (blk - 1) == 0, f"{name} must be a power of two >= 16, got {blk}")
+          lambda: f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries, expected batch + 1 = {batch + 1}")
+    check(block_m >= 16 and block_m & (block_m - 1) == 0, lambda: f"block_m must be a power of two >= 16, got {block_m}")
+    check(block_n >= 16 and block_n & (block_n - 1) == 0, lambda: f"block_n must be a power of two >= 16, got {block_n}")
     if out is not None:
         check_tensor("out", out, dtypes=(q.dtype,), ndim=3, device=q.device)
-        check(out.shape == q.shape, f"out shape {tuple(out.shape)} != q shape {tuple(q.shape)}")
-        check(out.stride(2) == 1, f"out must be contiguous along head_dim, got strides {out.stride()}")
+        check(out.shape == q.shape, lambda: f"out shape {tuple(out.shape)} != q shape {tuple(q.shape)}")
+        check(out.stride(2) == 1, lambda: f"out must be contiguous along head_dim, got strides {out.stride()}")
     require_triton("paged_prefill_attention")
     out = torch.empty_like(q) if out is None else out
     if q.shape[0] == 0 or batch == 0:

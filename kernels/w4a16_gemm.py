@@ -118,18 +118,18 @@ def _check(x, qweight, scales, zeros, group_size, out) -> None:
     m, k = x.shape
     n = qweight.shape[0]
     check(isinstance(group_size, int) and group_size >= 32 and group_size % 32 == 0,
-          f"group_size must be a positive multiple of 32, got {group_size}")
-    check(k % group_size == 0, f"K = {k} (x.shape[1]) must be a multiple of group_size = {group_size}")
-    check(qweight.shape[1] * 2 == k, f"qweight shape {tuple(qweight.shape)} must be [N, K//2] = [N, {k // 2}]")
+          lambda: f"group_size must be a positive multiple of 32, got {group_size}")
+    check(k % group_size == 0, lambda: f"K = {k} (x.shape[1]) must be a multiple of group_size = {group_size}")
+    check(qweight.shape[1] * 2 == k, lambda: f"qweight shape {tuple(qweight.shape)} must be [N, K//2] = [N, {k // 2}]")
     check(scales.shape == (n, k // group_size),
-          f"scales shape {tuple(scales.shape)} must be [N, K//group_size] = [{n}, {k // group_size}]")
+          lambda: f"scales shape {tuple(scales.shape)} must be [N, K//group_size] = [{n}, {k // group_size}]")
     if zeros is not None:
         check_tensor("zeros", zeros, dtypes=(torch.float16,), ndim=2, contiguous=True, device=x.device)
-        check(zeros.shape == scales.shape, f"zeros shape {tuple(zeros.shape)} != scales shape {tuple(scales.shape)}")
+        check(zeros.shape == scales.shape, lambda: f"zeros shape {tuple(zeros.shape)} != scales shape {tuple(scales.shape)}")
     if out is not None:
         check_tensor("out", out, dtypes=(x.dtype,), ndim=2, device=x.device)
-        check(out.shape == (m, n), f"out shape {tuple(out.shape)} must be [M, N] = [{m}, {n}]")
-        check(out.stride(1) == 1, f"out must be contiguous along N, got strides {out.stride()}")
+        check(out.shape == (m, n), lambda: f"out shape {tuple(out.shape)} must be [M, N] = [{m}, {n}]")
+        check(out.stride(1) == 1, lambda: f"out must be contiguous along N, got strides {out.stride()}")
 
 
 def w4a16_gemm_triton(x, qweight, scales, zeros=None, group_size=128, out=None):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from typing import NamedTuple
 
 import torch
@@ -10,6 +12,31 @@ import torch
 from kernels.kv_store import kv_store_reference
 
 FP8 = torch.float8_e4m3fn
+# EDGEINFER_KERNEL_TEST_DEVICE=cuda runs the same tests compiled on a GPU (no interpreter)
+DEVICE = torch.device(os.environ.get("EDGEINFER_KERNEL_TEST_DEVICE", "cpu"))
+
+
+def on_device(fn):
+    """Run a launcher on DEVICE with CPU-built arguments; in-place results are copied back."""
+    if DEVICE.type == "cpu":
+        return fn
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        moved = {}
+
+        def move(x):
+            if isinstance(x, torch.Tensor):
+                moved[id(x)] = (x, x.to(DEVICE))
+                return moved[id(x)][1]
+            return x
+
+        result = fn(*[move(a) for a in args], **{k: move(v) for k, v in kwargs.items()})
+        for cpu, dev in moved.values():
+            cpu.copy_(dev.cpu())
+        return result.cpu() if isinstance(result, torch.Tensor) else result
+
+    return wrapper
 
 
 class PagedKV(NamedTuple):

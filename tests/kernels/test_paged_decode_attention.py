@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from kernel_cases import FP8, build_paged_kv, naive_attention
+from kernel_cases import FP8, build_paged_kv, naive_attention, on_device
 
 import kernels
 from kernels.paged_decode_attention import (
@@ -37,7 +37,7 @@ def make_case(heads, kv_heads, dtype, cache_dtype, lens=CONTEXT_LENS, page_size=
 
 
 def run(fn, q, kv, **kw):
-    return fn(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, 1 / math.sqrt(HEAD_DIM),
+    return on_device(fn)(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.context_lens, 1 / math.sqrt(HEAD_DIM),
               kv.k_scale, kv.v_scale, **kw)
 
 
@@ -70,7 +70,8 @@ def test_default_splits_and_dispatch_with_out(monkeypatch):
     ref = run(paged_decode_attention_reference, q, kv)
     out = torch.full_like(q, float("nan"))
     monkeypatch.setenv("EDGEINFER_KERNELS", "triton")
-    assert run(kernels.paged_decode_attention, q, kv, out=out) is out
+    result = run(kernels.paged_decode_attention, q, kv, out=out)
+    assert torch.equal(result, out)  # written into out and returned
     torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
 
 

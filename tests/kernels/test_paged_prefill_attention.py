@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from kernel_cases import FP8, build_paged_kv, naive_attention
+from kernel_cases import FP8, build_paged_kv, naive_attention, on_device
 
 import kernels
 from kernels.paged_prefill_attention import paged_prefill_attention_reference, paged_prefill_attention_triton
@@ -36,7 +36,7 @@ def make_case(heads, kv_heads, dtype, cache_dtype, sequences=SEQUENCES, page_siz
 
 
 def run(fn, q, cu, kv, **kw):
-    return fn(q, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.context_lens, 1 / math.sqrt(HEAD_DIM),
+    return on_device(fn)(q, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.context_lens, 1 / math.sqrt(HEAD_DIM),
               kv.k_scale, kv.v_scale, **kw)
 
 
@@ -45,7 +45,7 @@ def run(fn, q, cu, kv, **kw):
 def test_reference_matches_dense_causal_attention(heads, kv_heads, cache_dtype):
     q, cu, kv = make_case(heads, kv_heads, torch.float32, cache_dtype)
     out = run(paged_prefill_attention_reference, q, cu, kv)
-    for b, (n, m) in enumerate(SEQUENCES):
+    for b, (_, m) in enumerate(SEQUENCES):
         if m == 0:
             continue
         s = int(cu[b])
@@ -78,7 +78,8 @@ def test_dispatch_with_out_and_default_blocks(monkeypatch):
     ref = run(paged_prefill_attention_reference, q, cu, kv)
     out = torch.full_like(q, float("nan"))
     monkeypatch.setenv("EDGEINFER_KERNELS", "triton")
-    assert run(kernels.paged_prefill_attention, q, cu, kv, out=out) is out
+    result = run(kernels.paged_prefill_attention, q, cu, kv, out=out)
+    assert torch.equal(result, out)  # written into out and returned
     torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
 
 

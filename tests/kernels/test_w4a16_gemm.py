@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_cases import on_device
 
 import kernels
 from kernels.w4a16_gemm import (
@@ -59,7 +60,7 @@ def test_kernel_matches_reference(shape, dtype, symmetric):
     qweight, scales, zeros = group_quantize_tensor(torch.randn(n, k), g, symmetric)
     x = torch.randn(m, k, dtype=dtype)
     ref = w4a16_gemm_reference(x, qweight, scales, zeros, g).float()
-    out = w4a16_gemm_triton(x, qweight, scales, zeros, g)
+    out = on_device(w4a16_gemm_triton)(x, qweight, scales, zeros, g)
     assert out.dtype == dtype and out.shape == (m, n)
     tol = TOLERANCE[dtype] * ref.abs().max().item()
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=TOLERANCE[dtype])
@@ -70,7 +71,8 @@ def test_out_argument_and_strided_activations(monkeypatch):
     x = torch.randn(256, 7, dtype=torch.float16).t()  # [7, 256], K stride 7: strided loads
     out = torch.full((7, 41), float("nan"), dtype=torch.float16)
     monkeypatch.setenv("EDGEINFER_KERNELS", "triton")
-    assert kernels.w4a16_gemm(x, qweight, scales, zeros, 128, out=out) is out
+    result = on_device(kernels.w4a16_gemm)(x, qweight, scales, zeros, 128, out=out)
+    assert torch.equal(result, out)  # written into out and returned
     ref = w4a16_gemm_reference(x, qweight, scales, zeros, 128)
     torch.testing.assert_close(out, ref, atol=4e-3 * ref.abs().max().item(), rtol=4e-3)
 
