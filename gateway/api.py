@@ -206,12 +206,12 @@ async def execute(job: Job, runs: list[Run], n: int, stream: bool, include_usage
         st.active[tenant.id] -= 1
         usage = tally.usage()
         request["usage"] = usage
-        labels = (tenant.id, model.name)
-        st.metrics.prompt_tokens.labels(*labels).inc(usage.prompt_tokens)
-        st.metrics.completion_tokens.labels(*labels).inc(usage.completion_tokens)
-        st.metrics.cached_tokens.labels(*labels).inc(usage.prompt_tokens_details.cached_tokens)
+        series = st.metrics.series(tenant.id, model.name)
+        series.prompt_tokens.inc(usage.prompt_tokens)
+        series.completion_tokens.inc(usage.completion_tokens)
+        series.cached_tokens.inc(usage.prompt_tokens_details.cached_tokens)
         if not finished and any(r.stream is not None and not r.stream.finished for r in runs):
-            st.metrics.aborts.labels(*labels).inc()
+            series.aborts.inc()
         if usage.completion_tokens:
             st.spawn(st.limiter.charge(tenant, usage.completion_tokens))
 
@@ -226,17 +226,17 @@ async def _stream(job: Job, runs: list[Run], tally: Tally, include_usage: bool, 
     resp = web.StreamResponse(headers={**_SSE_HEADERS, **job.headers, "x-request-id": job.rid})
     await resp.prepare(job.request)
     chat = job.kind == "chat"
-    labels = (job.tenant.id, model.name)
+    series = st.metrics.series(job.tenant.id, model.name)
     ttft_seen = False
     last_t = {r.index: 0.0 for r in runs}
     started: set[int] = set()
     offsets = {r.index: 0 for r in runs}
-    itl = st.metrics.itl.labels(*labels)
+    itl = series.itl
     try:
         async for run, chunk, t in merged(runs):
             if chunk.token_ids:
                 if not ttft_seen:
-                    st.metrics.ttft.labels(*labels).observe(t - t0)
+                    series.ttft.observe(t - t0)
                     ttft_seen = True
                 if last_t[run.index]:
                     itl.observe(t - last_t[run.index])
@@ -279,13 +279,14 @@ async def _collect(job: Job, runs: list[Run], tally: Tally, t0: float) -> web.Re
     lps: dict[int, list] = {r.index: [] for r in runs}
     reasons: dict[int, str | None] = {}
     last_t = {r.index: 0.0 for r in runs}
-    itl = st.metrics.itl.labels(job.tenant.id, model.name)
+    series = st.metrics.series(job.tenant.id, model.name)
+    itl = series.itl
     ttft_seen = False
     try:
         async for run, chunk, t in merged(runs):
             if chunk.token_ids:
                 if not ttft_seen:
-                    st.metrics.ttft.labels(job.tenant.id, model.name).observe(t - t0)
+                    series.ttft.observe(t - t0)
                     ttft_seen = True
                 if last_t[run.index]:
                     itl.observe(t - last_t[run.index])

@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+
+
+class TenantModelSeries(NamedTuple):
+    """Children of the per-(tenant, model) series, resolved once (labels() costs a few us per call)."""
+
+    prompt_tokens: object
+    completion_tokens: object
+    cached_tokens: object
+    ttft: object
+    itl: object
+    aborts: object
 
 
 class Metrics:
@@ -36,6 +49,16 @@ class Metrics:
         self.inflight = Gauge(p + "inflight_requests", "requests being served", registry=r)
         self.limiter_fallbacks = Gauge(p + "ratelimit_redis_failures", "Redis limiter calls that fell back",
                                        registry=r)
+
+        self._series: dict[tuple[str, str], TenantModelSeries] = {}
+
+    def series(self, tenant: str, model: str) -> TenantModelSeries:
+        s = self._series.get((tenant, model))
+        if s is None:
+            s = self._series[(tenant, model)] = TenantModelSeries(
+                *(m.labels(tenant, model) for m in (self.prompt_tokens, self.completion_tokens, self.cached_tokens,
+                                                    self.ttft, self.itl, self.aborts)))
+        return s
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
