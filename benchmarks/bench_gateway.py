@@ -161,7 +161,7 @@ async def measure(args, gw_port: int, stub_port: int, tokenizer_dir: str, pids: 
     out: dict = {"prompt_tokens": len(prompt)}
     conn = aiohttp.TCPConnector(limit=256)
     async with aiohttp.ClientSession(connector=conn) as session:
-        for name, (url, body, headers) in targets.items():  # warm-up: connections, caches, JIT-free paths
+        for url, body, headers in targets.values():  # warm-up: connections, caches
             await asyncio.gather(*(_one(session, url, body, headers) for _ in range(200)))
         for name, (url, body, headers) in targets.items():
             out[f"{name}_fixed_rate"] = await fixed_rate(session, url, body, headers, args.rate, args.seconds)

@@ -98,7 +98,7 @@ class NodePool:
                 node.down_until = 0.0
             if was != ready:
                 log.info("node %s (%s) is %s", node.node_id, node.url, "ready" if ready else "not ready")
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, msgspec.MsgspecError) as e:
+        except (TimeoutError, aiohttp.ClientError, OSError, msgspec.MsgspecError) as e:
             if node.ready:
                 log.warning("node %s (%s) probe failed: %s: %s", node.node_id, node.url, type(e).__name__, e)
             node.ready = False

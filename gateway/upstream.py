@@ -53,7 +53,7 @@ class UpstreamStream:
                 line = await self._resp.content.readline()
                 while line == b"\n":
                     line = await self._resp.content.readline()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
             raise UpstreamBroken(f"node {self.node.node_id}: stream failed: {type(e).__name__}: {e}") from e
         if not line:
             return None
@@ -99,7 +99,7 @@ class Upstream:
                     raise Retryable(f"node {node.node_id}: HTTP {resp.status}: {body}")
                 stream = UpstreamStream(node, req.request_id, resp, self.chunk_timeout_s, self.abort)
                 first = await stream.next()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, UpstreamBroken) as e:
+        except (TimeoutError, aiohttp.ClientError, OSError, UpstreamBroken) as e:
             if resp is not None:
                 resp.close()
                 self.abort(node, req.request_id)
@@ -132,7 +132,7 @@ class Upstream:
             async with session.post(node.abort_url, data=_encode(AbortRequest(request_id)), headers=_JSON,
                                     timeout=aiohttp.ClientTimeout(total=5)) as r:
                 await r.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
             log.info("abort of %s on node %s failed: %s", request_id, node.node_id, e)
 
     async def drain_aborts(self) -> None:

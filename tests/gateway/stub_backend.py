@@ -57,7 +57,7 @@ class StubBackend:
         best = 0
         for old in self.history.get(namespace, []):
             n = 0
-            for a, b in zip(old, ids):
+            for a, b in zip(old, ids, strict=False):
                 if a != b:
                     break
                 n += 1

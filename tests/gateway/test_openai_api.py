@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import requests
 import openai
 import pytest
+import requests
 
 from tests.gateway.conftest import MODEL, aclient, client
 from tests.gateway.stub_backend import PHRASE
