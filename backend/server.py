@@ -214,6 +214,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--redis-cluster", action="store_true")
     p.add_argument("--store-tier", default="redis", choices=["redis", "host", "none"])
     p.add_argument("--host-store-bytes", type=int, default=256 << 20)
+    p.add_argument("--store-fetch-timeout", type=float, default=1.0,
+                   help="seconds a request may spend fetching KV pages from the store before computing them")
+    p.add_argument("--redis-key-prefix", default="ei", help="prefix of every Redis key (same as the gateway's)")
     p.add_argument("--cache-seed", default=os.environ.get("EDGEINFER_CACHE_SEED", "edgeinfer-dev-seed"))
     p.add_argument("--operator-key", default=os.environ.get("EDGEINFER_OPERATOR_KEY"))
     p.add_argument("--version", default=VERSION)

@@ -147,7 +147,8 @@ class RedisPageStore(PageStore):
         fill(pipe)
         return await pipe.execute(raise_on_error=False)
 
-    async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+    async def get_many(self, keys: Sequence[bytes], timeout_s: float | None = None) -> list[bytes | None]:
+        """`timeout_s` overrides the store's per-call timeout (a caller with a deadline passes what is left)."""
         if not keys:
             return []
         names = [self.keys.page(k) for k in keys]
@@ -159,7 +160,8 @@ class RedisPageStore(PageStore):
                 else:
                     pipe.get(name)
 
-        results = await self.guard.run(lambda: self._execute(fill), None, "page get", self.timeout_s)
+        results = await self.guard.run(lambda: self._execute(fill), None, "page get",
+                                       self.timeout_s if timeout_s is None else timeout_s)
         if results is None:
             self.stats.misses += len(keys)
             return [None] * len(keys)
@@ -197,3 +199,64 @@ class RedisPageStore(PageStore):
         results = await self.guard.run(lambda: self._execute(fill), None, "page delete", self.timeout_s)
         if results is not None:
             self.stats.deletes += sum(r == 1 for r in results)
+
+
+class TieredPageStore(PageStore):
+    """Several tiers read nearest first (e.g. host memory, then Redis), written to all.
+
+    - get_many_sourced: per key (blob, tier name) or None; each tier is asked
+      once (one pipeline for Redis), only for the keys the nearer tiers lacked.
+    - put_many: one ack per item, True when at least one tier holds the blob
+      (this node can serve it, so it may be indexed under this node).
+    - delete_many: from every tier; delete_from(name, keys): from one tier (an
+      integrity failure is the business of the tier the bad bytes came from).
+    """
+
+    def __init__(self, tiers: Sequence[tuple[str, PageStore]]) -> None:
+        if not tiers:
+            raise ValueError("TieredPageStore needs at least one tier")
+        self.tiers = list(tiers)
+        self._by_name = dict(self.tiers)
+
+    def tier(self, name: str) -> PageStore | None:
+        return self._by_name.get(name)
+
+    async def get_many_sourced(self, keys: Sequence[bytes],
+                               timeout_s: float | None = None) -> list[tuple[bytes, str] | None]:
+        out: list[tuple[bytes, str] | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
+        for name, store in self.tiers:
+            if not todo:
+                break
+            want = [keys[i] for i in todo]
+            if isinstance(store, RedisPageStore):
+                blobs = await store.get_many(want, timeout_s=timeout_s)
+            else:
+                blobs = await store.get_many(want)
+            still = []
+            for i, blob in zip(todo, blobs, strict=True):
+                if blob is None:
+                    still.append(i)
+                else:
+                    out[i] = (blob, name)
+            todo = still
+        return out
+
+    async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        return [None if r is None else r[0] for r in await self.get_many_sourced(keys)]
+
+    async def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
+        acks = [False] * len(items)
+        for _, store in self.tiers:
+            for i, ok in enumerate(await store.put_many(items)):
+                acks[i] = acks[i] or ok
+        return acks
+
+    async def delete_many(self, keys: Sequence[bytes]) -> None:
+        for _, store in self.tiers:
+            await store.delete_many(keys)
+
+    async def delete_from(self, name: str, keys: Sequence[bytes]) -> None:
+        store = self._by_name.get(name)
+        if store is not None:
+            await store.delete_many(keys)
