@@ -131,26 +131,26 @@ def bench_gemm(quick: bool, peak: float) -> list[dict]:
     return rows
 
 
-def make_decode_case(batch: int, context: int, fp8: bool):
-    from kernels.kv_store import kv_store_triton
+def make_decode_case(batch: int, context: int, fp8: bool, device: str = "cuda"):
+    import kernels
 
     pages_per_seq = math.ceil(context / PAGE_SIZE)
     num_pages = batch * pages_per_seq
     dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
     shape = (num_pages, PAGE_SIZE, KV_HEADS, HEAD_DIM)
-    k_cache = torch.empty(shape, device="cuda", dtype=dtype)
-    v_cache = torch.empty(shape, device="cuda", dtype=dtype)
-    k_scale = torch.empty(shape[:3], device="cuda") if fp8 else None
-    v_scale = torch.empty(shape[:3], device="cuda") if fp8 else None
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    k_cache = torch.empty(shape, device=device, dtype=dtype)
+    v_cache = torch.empty(shape, device=device, dtype=dtype)
+    k_scale = torch.empty(shape[:3], device=device) if fp8 else None
+    v_scale = torch.empty(shape[:3], device=device) if fp8 else None
+    gen = torch.Generator(device=device).manual_seed(0)
     chunk = 1 << 16  # fill through kv_store in chunks to bound the temporary bf16 rows
     for start in range(0, num_pages * PAGE_SIZE, chunk):
-        slots = torch.arange(start, min(start + chunk, num_pages * PAGE_SIZE), device="cuda")
-        kv = torch.randn(2, len(slots), KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
-        kv_store_triton(kv[0], kv[1], k_cache, v_cache, slots, k_scale, v_scale)
-    tables = torch.randperm(num_pages, device="cuda", generator=gen).int().reshape(batch, pages_per_seq)
-    lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
-    q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+        slots = torch.arange(start, min(start + chunk, num_pages * PAGE_SIZE), device=device)
+        kv = torch.randn(2, len(slots), KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
+        kernels.kv_store(kv[0], kv[1], k_cache, v_cache, slots, k_scale, v_scale)  # Triton on CUDA
+    tables = torch.randperm(num_pages, device=device, generator=gen).int().reshape(batch, pages_per_seq)
+    lens = torch.full((batch,), context, device=device, dtype=torch.int32)
+    q = torch.randn(batch, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
     return q, k_cache, v_cache, tables, lens, k_scale, v_scale
 
 

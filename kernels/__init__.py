@@ -10,6 +10,9 @@ variable EDGEINFER_KERNELS=reference forces the reference on CUDA too):
                           k_scale=None, v_scale=None) -> out
   w4a16_gemm(x, qweight, scales, zeros=None, group_size=128) -> out
 
+Every op except kv_store also accepts out= (written and returned). EDGEINFER_KERNELS=triton
+forces the Triton kernels (on CPU only under TRITON_INTERPRET=1). Details: docs/KERNELS.md.
+
 Layouts (shape comments are the contract):
   k_cache, v_cache: [num_pages, page_size, kv_heads, head_dim]  (fp32/fp16/bf16, or float8_e4m3fn)
   k_scale, v_scale: [num_pages, page_size, kv_heads] float32      (only with fp8 caches: per token-head)

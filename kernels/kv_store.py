@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import check, check_fp8_scale, check_tensor, jit, next_pow2, require_triton, tl, triton
+from kernels._triton import check, check_fp8_scale, check_tensor, jit, next_pow2, require_triton, tl
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -143,5 +143,3 @@ def kv_store_triton(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_
         BLOCK_H=next_pow2(kv_heads), BLOCK_D=next_pow2(head_dim), QUANT=quant,
     )
 
-
-__all__ = ["kv_store_reference", "kv_store_triton", "fp8_scale", "quantize_fp8", "triton"]

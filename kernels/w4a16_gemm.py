@@ -61,7 +61,7 @@ class GemmConfig(NamedTuple):
     num_stages: int
 
 
-DECODE = GemmConfig(16, 64, 128, 4, 4)  # M <= 16: weight-bandwidth bound, many N tiles
+DECODE = GemmConfig(16, 32, 128, 4, 4)  # M <= 16: weight-bandwidth bound; narrow N tiles fill the SMs
 MIDDLE = GemmConfig(64, 64, 64, 4, 3)
 PREFILL = GemmConfig(128, 128, 64, 8, 3)  # M >= 256: compute bound, big tiles for reuse
 
