@@ -258,13 +258,14 @@ class PageStoreBridge(EngineObserver):
         except Exception:  # noqa: BLE001 - never break a step over publishing
             log.exception("could not queue pages for publishing")
 
-    def _enqueue_from_engine(self, pages: list[tuple[bytes, int]]) -> int:
+    def _enqueue_from_engine(self, pages: list[tuple[bytes, int]], again: bool = False) -> int:
+        """Engine thread. again=True re-publishes pages published before (the store may have lost them)."""
         cache = self.engine.blocks.cache
         chosen = []
         dropped = 0
         for h, page in pages:
             hit = cache.get(h)
-            if hit is None or hit.page != page or h in self._published:
+            if hit is None or hit.page != page or (h in self._published and not again):
                 continue
             with self._pending_lock:
                 if self._pending_bytes + self.page_bytes > self.max_pending_bytes:
@@ -319,18 +320,22 @@ class PageStoreBridge(EngineObserver):
         while len(self._published) > self._published_memory:
             self._published.popitem(last=False)
 
-    async def publish_hot_pages(self, max_bytes: int | None = None) -> int:
-        """Queue every page of the local prefix cache not yet published (e.g. on drain). Returns pages queued."""
+    async def publish_hot_pages(self, max_bytes: int | None = None, again: bool = True) -> int:
+        """Queue the pages of the local prefix cache for publishing (on drain: all of them, since the store may
+        have evicted or lost what was published before). Bounded by max_bytes. Returns pages queued."""
         if self.store is None or self._loop is None:
             return 0
         budget = self.max_pending_bytes if max_bytes is None else max_bytes
         candidates = await self.engine.call_in_engine(
-            lambda: [(h, c.page) for h, c in list(self.engine.blocks.cache.items()) if h not in self._published])
+            lambda: [(h, c.page) for h, c in list(self.engine.blocks.cache.items())
+                     if again or h not in self._published])
         queued = 0
         for start in range(0, len(candidates), 64):
-            if (queued + 1) * self.page_bytes > budget:
+            room = budget // self.page_bytes - queued
+            if room <= 0:
                 break
-            queued += await self.engine.call_in_engine(self._enqueue_from_engine, candidates[start:start + 64])
+            queued += await self.engine.call_in_engine(self._enqueue_from_engine,
+                                                       candidates[start:start + min(64, room)], again)
         return queued
 
     # ------------------------------------------------------------ fetch
@@ -436,8 +441,10 @@ class PageStoreBridge(EngineObserver):
         if uploaded:
             self.stats.fetch_hit_requests += 1
             self._count("uploaded", uploaded)
+            held = hashes[first:first + uploaded]
+            for h in held:                 # already in the store: a drain need not publish them again
+                self._remember(h)
             if self.index is not None:     # this node now holds them too (background; a hint for routing)
-                held = hashes[first:first + uploaded]
                 task = asyncio.create_task(self.index.publish(self.model, self.node_id, held))
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)

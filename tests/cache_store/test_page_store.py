@@ -153,3 +153,23 @@ def test_rejects_nonsense_settings():
         HostPageStore(0)
     with pytest.raises(ValueError, match="ttl_s must be positive"):
         RedisPageStore(object(), ttl_s=0)
+
+
+async def test_tiered_store_reads_nearest_first_writes_all_and_deletes_per_tier(redis, guard):
+    from cache_store.store import HostPageStore, RedisPageStore, TieredPageStore
+
+    host = HostPageStore(1 << 20)
+    remote = RedisPageStore(redis, guard=guard, timeout_s=2.0)
+    tiers = TieredPageStore([("host", host), ("redis", remote)])
+    keys = [bytes([i]) * 16 for i in range(4)]
+    assert await tiers.put_many([(k, b"v" + k) for k in keys[:2]]) == [True, True]
+    await host.delete_many([keys[1]])
+    await remote.put_many([(keys[2], b"r2")])
+    before = remote.round_trips
+    got = await tiers.get_many_sourced(keys)
+    assert got == [(b"v" + keys[0], "host"), (b"v" + keys[1], "redis"), (b"r2", "redis"), None]
+    assert remote.round_trips - before == 1          # one pipeline for everything the host tier lacked
+    await tiers.delete_from("redis", [keys[0]])
+    assert await remote.get_many([keys[0]]) == [None] and host.get(keys[0]) == b"v" + keys[0]
+    await tiers.delete_many(keys)
+    assert await tiers.get_many(keys) == [None] * 4
