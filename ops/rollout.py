@@ -119,7 +119,9 @@ class Rollout:
         self.say("-", f"rolling back {len(touched)} node(s): " + ", ".join(f"{t.node_id} -> {t.version}"
                                                                          for t in touched))
         stuck = []
-        for t in reversed(touched):
+        for i, t in enumerate(reversed(touched)):
+            if i and self.opts.settle_s > 0:
+                time.sleep(self.opts.settle_s)
             try:
                 self.replace(t, t.version)
             except GateFailed as e:
