@@ -30,37 +30,47 @@ LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the extra parallelism
 
 
-def gather_pages(cache, scale, block_tables, context_lens, num_tokens):
-    """-> [B, num_tokens, kv_heads, head_dim] float32 (fp8 dequantized); rows past context are 0."""
+def gather_pages(cache, scale, block_tables, context_lens, num_tokens, dtype=torch.float32):
+    """-> ([B, num_tokens, kv_heads, head_dim] in `dtype` (fp8 dequantized), valid [B, num_tokens] bool).
+
+    Rows past a sequence's context hold whatever the pool holds there (finite: the pool is zero-initialised
+    and only ever written with finite values); callers mask them with `valid`.
+    """
     page_size = cache.shape[1]
     num_pages = cdiv(num_tokens, page_size)
     used = torch.arange(num_pages, device=cache.device)[None, :] < (context_lens[:, None] + page_size - 1) // page_size
     pages = torch.where(used, block_tables[:, :num_pages].long(), 0)  # padding entries may be garbage
     # pages: [B, num_pages]
-    x = cache[pages].flatten(1, 2)[:, :num_tokens].float()
+    x = cache[pages].flatten(1, 2)[:, :num_tokens]
     if scale is not None:
-        x = x * scale[pages].flatten(1, 2)[:, :num_tokens, :, None]
+        x = x.float() * scale[pages].flatten(1, 2)[:, :num_tokens, :, None]
+    x = x.to(dtype)
     valid = torch.arange(num_tokens, device=cache.device)[None, :] < context_lens[:, None]
-    return x * valid[:, :, None, None], valid
+    return x, valid
+
+
+def _compute_dtype(q: torch.Tensor) -> torch.dtype:
+    # fp32 everywhere on CPU (bf16/fp16 matmuls there are slow and less exact); half types stay on GPU
+    return torch.float32 if q.device.type == "cpu" else q.dtype
 
 
 def paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, sm_scale,
                                      k_scale=None, v_scale=None, out=None):
     # q: [B, heads, head_dim] -> out [B, heads, head_dim]; an empty context gives zeros
     batch, heads, head_dim = q.shape
-    kv_heads = k_cache.shape[2]
     num_tokens = int(context_lens.max()) if batch else 0
-    k, valid = gather_pages(k_cache, k_scale, block_tables, context_lens, num_tokens)
-    v, _ = gather_pages(v_cache, v_scale, block_tables, context_lens, num_tokens)
-    # k, v: [B, N, kv_heads, D]; q grouped: [B, kv_heads, group, D]
-    qg = q.float().reshape(batch, kv_heads, heads // kv_heads, head_dim)
-    scores = qg @ k.permute(0, 2, 3, 1) * sm_scale  # [B, kv_heads, group, N]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.nan_to_num(scores.softmax(-1), nan=0.0)
-    y = (probs @ v.transpose(1, 2)).reshape(batch, heads, head_dim).to(q.dtype)
-    if out is None:
-        return y
-    return out.copy_(y)
+    if num_tokens == 0:
+        y = torch.zeros_like(q)
+        return y if out is None else out.copy_(y)
+    cd = _compute_dtype(q)
+    k, valid = gather_pages(k_cache, k_scale, block_tables, context_lens, num_tokens, cd)
+    v, _ = gather_pages(v_cache, v_scale, block_tables, context_lens, num_tokens, cd)
+    # k, v: [B, N, kv_heads, D] -> [B, kv_heads, N, D]; q: [B, heads, 1, D]; GQA inside SDPA
+    y = torch.nn.functional.scaled_dot_product_attention(
+        q.to(cd)[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, None, :],
+        scale=sm_scale, enable_gqa=True)
+    y = torch.nan_to_num(y[:, :, 0, :], nan=0.0).to(q.dtype)   # all-masked rows (empty context) -> 0
+    return y if out is None else out.copy_(y)
 
 
 @jit

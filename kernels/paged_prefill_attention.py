@@ -11,15 +11,21 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import cdiv, check, check_tensor, jit, next_pow2, require_triton, tl, upcast_dot
-from kernels.paged_decode_attention import FP8, LOG2E, check_paged_kv, dot_precision, gather_pages
+from kernels.paged_decode_attention import (
+    FP8,
+    LOG2E,
+    _compute_dtype,
+    check_paged_kv,
+    dot_precision,
+    gather_pages,
+)
 
 
 def paged_prefill_attention_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, sm_scale,
                                       k_scale=None, v_scale=None, out=None):
     # q: [T, heads, head_dim] packed by cu_seqlens_q -> out [T, heads, head_dim]
     out = torch.empty_like(q) if out is None else out
-    heads, kv_heads = q.shape[1], k_cache.shape[2]
-    group = heads // kv_heads
+    cd = _compute_dtype(q)
     bounds = cu_seqlens_q.tolist()
     lens = context_lens.tolist()
     for b, n in enumerate(lens):
@@ -27,13 +33,18 @@ def paged_prefill_attention_reference(q, k_cache, v_cache, block_tables, cu_seql
         if e == s:
             continue
         table, length = block_tables[b : b + 1], context_lens[b : b + 1]
-        k = gather_pages(k_cache, k_scale, table, length, n)[0][0].repeat_interleave(group, 1)
-        v = gather_pages(v_cache, v_scale, table, length, n)[0][0].repeat_interleave(group, 1)
-        # k, v: [n, heads, D]
-        scores = torch.einsum("qhd,khd->hqk", q[s:e].float(), k) * sm_scale
-        future = torch.arange(n, device=q.device)[None, :] > torch.arange(n - (e - s), n, device=q.device)[:, None]
-        scores.masked_fill_(future[None], float("-inf"))
-        out[s:e] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+        k = gather_pages(k_cache, k_scale, table, length, n, cd)[0][0].transpose(0, 1)
+        v = gather_pages(v_cache, v_scale, table, length, n, cd)[0][0].transpose(0, 1)
+        # k, v: [kv_heads, n, D]; q: [heads, q_len, D]; query i sits at position n - q_len + i
+        qb, k, v = q[s:e].to(cd).transpose(0, 1)[None], k[None], v[None]   # 4-D: SDPA's fused CPU path
+        if e - s == n:
+            y = torch.nn.functional.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=sm_scale,
+                                                                 enable_gqa=True)
+        else:
+            allowed = torch.arange(n, device=q.device)[None, :] <= torch.arange(n - (e - s), n, device=q.device)[:, None]
+            y = torch.nn.functional.scaled_dot_product_attention(qb, k, v, attn_mask=allowed, scale=sm_scale,
+                                                                 enable_gqa=True)
+        out[s:e] = y[0].transpose(0, 1).to(q.dtype)
     return out
 
 
