@@ -9,7 +9,13 @@
    valkey-server on loopback (the cheapest "transfer" a page can have).
 3. Redis round trips per prefix lookup (1k and 4k token prompts), single
    server and 3-node cluster.
-4. TTFT cold vs cross-node hit: not measured yet (see the marked section).
+4. TTFT for a 1k- and a 4k-token prompt, cold vs a cross-node hit: two LLMEngines in this process, each
+   with its own KV pool and its own PageStoreBridge (host tier + Redis tier, the backend's default), sharing
+   one valkey-server. A prefills the prompt (cold) and publishes its pages; B then serves the same prompt
+   in the same namespace, fetching + verifying + uploading the pages (cross-node hit; B's local cache is
+   dropped before each repeat so every repeat is a cross-node hit); B also runs it cold in a fresh
+   namespace. TTFT = before_generate (the fetch) + time to the first token. Also the Redis round trips of
+   each request's fetch. (--skip-ttft to leave it out.)
 
 Writes benchmarks/results/bench_cache.json.
 """
@@ -201,12 +207,118 @@ def print_report(r: dict) -> None:
         for k, v in res.items():
             print(f"{mode:16s} {k:12s} {v['pages']:4d} pages: {v['round_trips_hit']:.0f} round trip(s) on a hit, "
                   f"{v['round_trips_miss']} on a miss, {v['lookup_ms_median']:.2f} ms median")
-    print(f"\n== TTFT cold vs cross-node hit ==\n{r['ttft_cold_vs_cross_node_hit']['status']}")
+    t = r["ttft_cold_vs_cross_node_hit"]
+    print("\n== TTFT cold vs cross-node hit (two engines in one process, own KV pools, one valkey) ==")
+    if "status" in t:
+        print(t["status"])
+        return
+    print(f"model {t['model']} {t['dtype']}, kv {t['kv_format']}, {t['page_bytes']} B/page, "
+          f"threads {t['torch_threads']}")
+    for k, v in t["prompts"].items():
+        print(f"{k:>5s} tokens: cold {v['cold_ttft_s']:.2f} s (A) / {v['cold_fresh_ns_ttft_s']:.2f} s (B, fresh ns)"
+              f" | cross-node hit {v['hit_ttft_s']:.3f} s (median of {v['hit_repeats']}; fetch+verify+upload "
+              f"{v['hit_fetch_s']:.3f} s, {v['hit_cached_tokens']} cached tokens, {v['hit_MB']:.0f} MB) | "
+              f"hit/cold = {v['hit_vs_cold']:.3f}x (goal <= 0.3x at 4k) | redis round trips: "
+              f"{v['hit_fetch_round_trips']} per hit fetch, {v['cold_fetch_round_trips']} per cold miss, "
+              f"{v['publish_round_trips']} to publish")
+
+
+async def bench_ttft(url: str, args) -> dict:
+    import torch
+
+    from backend.engine.config import EngineConfig
+    from backend.engine.engine import load_engine
+    from backend.model.gguf_import import ensure_default_model
+    from backend.protocol import GenerateRequest, SamplingParams
+    from backend.store_bridge import PageStoreBridge
+    from cache_store.store import HostPageStore, TieredPageStore
+
+    lengths = [int(x) for x in args.ttft_tokens.split(",")]
+    model_dir = ensure_default_model()
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    pages = max(lengths) // 16 + 40
+    engines, bridges, redis_stores = [], [], []
+    for node in ("A", "B"):
+        e = load_engine(model_dir, EngineConfig(num_pages=pages, cache_seed=b"bench"), dtype=dtype)
+        e.start()
+        client = redis_client(url, socket_timeout_s=5)
+        guard = RedisGuard(timeout_s=2)
+        rs = RedisPageStore(client, guard=guard, timeout_s=5)
+        store = TieredPageStore([("host", HostPageStore(1 << 30)), ("redis", rs)])
+        br = PageStoreBridge(e, node_id=node, store=store, index=RedisPageIndex(client, guard=guard),
+                             redis_client=client, fetch_timeout_s=10)
+        await br.start()
+        engines.append(e)
+        bridges.append(br)
+        redis_stores.append(rs)
+    (ea, eb), (ba, bb), (ra, _rb) = engines, bridges, redis_stores
+    rng = np.random.default_rng(5)
+
+    async def run(engine, bridge, prompt, ns) -> tuple[float, float, int, int]:
+        req = GenerateRequest(f"r{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=1, temperature=0.0,
+                                                                                ignore_eos=True), ns)
+        rs = bridge.store.tier("redis")
+        rt = rs.round_trips
+        t0 = time.perf_counter()
+        await bridge.before_generate(None, req)
+        t_fetch = time.perf_counter() - t0
+        fetch_rt = rs.round_trips - rt
+        ttft, usage = None, None
+        async for ch in engine.generate(req):
+            if ttft is None and ch.token_ids:
+                ttft = time.perf_counter() - t0
+            usage = ch.usage or usage
+        return ttft, t_fetch, usage.cached_tokens, fetch_rt
+
+    out: dict = {"model": ea.model_name, "dtype": args.dtype, "kv_format": ea.kv_format,
+                 "page_bytes": ea.runner.page_bytes, "torch_threads": torch.get_num_threads(), "prompts": {}}
+    try:
+        # warm-up (first-call allocations) on both engines, in a namespace nothing else uses
+        warm = rng.integers(100, 40000, 64).tolist()
+        await run(ea, ba, warm, "warm")
+        await run(eb, bb, warm, "warm2")
+        for n in lengths:
+            prompt = rng.integers(100, 40000, n).tolist()
+            rt = ra.round_trips
+            cold, _, cached, cold_miss_rt = await run(ea, ba, prompt, "bench")
+            assert cached == 0
+            await ba.flush(60)
+            publish_rt = ra.round_trips - rt - cold_miss_rt
+            hashes = page_hashes(ea.key_context("bench"), prompt)
+            hits, fetches, rts = [], [], []
+            for _ in range(args.hit_repeats):
+                await eb.call_in_engine(lambda hs=hashes: [eb.blocks.drop_cached(h) for h in hs])
+                ttft, t_fetch, cached_hit, hit_rt = await run(eb, bb, prompt, "bench")
+                rts.append(hit_rt)
+                hits.append(ttft)
+                fetches.append(t_fetch)
+                assert cached_hit >= (n - 1) // 16 * 16, cached_hit
+            fresh, _, _, _ = await run(eb, bb, prompt, "bench-fresh")
+            await bb.flush(60)
+            hit = statistics.median(hits)
+            out["prompts"][str(n)] = {
+                "cold_ttft_s": cold, "cold_fresh_ns_ttft_s": fresh, "hit_ttft_s": hit, "hit_ttft_all_s": hits,
+                "hit_fetch_s": statistics.median(fetches), "hit_repeats": len(hits), "hit_cached_tokens": cached_hit,
+                "hit_MB": cached_hit // 16 * ea.runner.page_bytes / 1e6,
+                "hit_vs_cold": hit / min(cold, fresh), "hit_fetch_round_trips": statistics.median(rts),
+                "cold_fetch_round_trips": cold_miss_rt, "publish_round_trips": publish_rt,
+                "publish_note": "store pipelines of <= 16 MB + one index pipeline each, in the background",
+            }
+    finally:
+        for br in bridges:
+            await br.stop()
+        for e in engines:
+            e.stop()
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="shorter timing loops")
+    ap.add_argument("--skip-ttft", action="store_true", help="leave out the TTFT part (loads the model)")
+    ap.add_argument("--ttft-tokens", default="1024,4096", help="prompt lengths for the TTFT part")
+    ap.add_argument("--hit-repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
     results: dict = {
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
@@ -223,14 +335,11 @@ def main() -> None:
     with ValkeyCluster(3) as cluster:
         results["lookup"]["cluster3_lua"] = asyncio.run(bench_lookup(cluster.url, True, args.quick))
 
-    # ---- TTFT cold vs cross-node hit: PENDING ENGINE INTEGRATION (issue 6) ------------------------
-    # Needs two backend processes: prefill a 1k- and a 4k-token prompt on A, send it to B, and
-    # compare B's TTFT with a cold run (goal: hit <= 0.3x cold at 4k). Added when backend/ lands;
-    # until then nothing is measured and no number is reported.
-    results["ttft_cold_vs_cross_node_hit"] = {
-        "status": "not measured yet: needs the backend engine; will be added at engine integration",
-    }
-    # -----------------------------------------------------------------------------------------------
+    if args.skip_ttft:
+        results["ttft_cold_vs_cross_node_hit"] = {"status": "skipped (--skip-ttft)"}
+    else:
+        with ValkeyServer() as server:
+            results["ttft_cold_vs_cross_node_hit"] = asyncio.run(bench_ttft(server.url, args))
 
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")

@@ -220,7 +220,7 @@ def test_redis_killed_mid_load_backends_keep_answering_and_resume_caching(nodes,
         prompt = random_prompt(300 + attempt, 300)
         base = a.published()
         a.generate(prompt, "after-restart", max_tokens=4)
-        wait_for(lambda: a.published() >= base + 18, 10, "A publishes (to the host tier at least)")
+        wait_for(lambda base=base: a.published() >= base + 18, 10, "A publishes (to the host tier at least)")
         _, usage = b.generate(prompt, "after-restart", max_tokens=4)
         if usage["cached_tokens"] >= 288:
             break
