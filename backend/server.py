@@ -65,24 +65,26 @@ async def generate(request: web.Request) -> web.StreamResponse:
         engine.validate(req)
     except RequestError as e:
         return _error(e.code, str(e))
-    for ext in st.extensions:      # e.g. the page store: fetch + verify + upload pages beyond the local cache
-        if hasattr(ext, "before_generate"):
-            await ext.before_generate(request.app, req)
-    resp = web.StreamResponse(headers={"content-type": "application/x-ndjson", "x-node-id": st.node_id})
-    await resp.prepare(request)
-    st.in_flight.add(req.request_id)
-    gen = engine.generate(req)
+    st.in_flight.add(req.request_id)   # counted from admission, so a drain never sees it as idle
     try:
-        async for chunk in gen:
-            await resp.write(encode(chunk) + b"\n")
-    except RequestError as e:
-        await resp.write(encode(StreamChunk(req.request_id, finish_reason="error", error=str(e),
-                                            error_code=e.code)) + b"\n")
-    except (ConnectionResetError, asyncio.CancelledError):
-        engine.abort(req.request_id)
-        raise
+        for ext in st.extensions:      # e.g. the page store: fetch + verify + upload pages beyond the local cache
+            if hasattr(ext, "before_generate"):
+                await ext.before_generate(request.app, req)
+        resp = web.StreamResponse(headers={"content-type": "application/x-ndjson", "x-node-id": st.node_id})
+        await resp.prepare(request)
+        gen = engine.generate(req)
+        try:
+            async for chunk in gen:
+                await resp.write(encode(chunk) + b"\n")
+        except RequestError as e:
+            await resp.write(encode(StreamChunk(req.request_id, finish_reason="error", error=str(e),
+                                                error_code=e.code)) + b"\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            engine.abort(req.request_id)
+            raise
+        finally:
+            await gen.aclose()
     finally:
-        await gen.aclose()
         st.in_flight.discard(req.request_id)
     await resp.write_eof()
     return resp
