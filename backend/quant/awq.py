@@ -55,20 +55,27 @@ def _modules(layer) -> dict[str, torch.nn.Module]:
 
 
 @torch.inference_mode()
-def collect_stats(model: LlamaModel, chunks: list[list[int]], batch: int = 2) -> list[LayerStats]:
+def collect_stats(model: LlamaModel, chunks: list[list[int]], batch: int = 2, skip_first: int = 0
+                  ) -> list[LayerStats]:
+    """Input statistics of every linear; the first skip_first tokens of each chunk (attention-sink
+    positions with outlier activations) are left out."""
     stats = [LayerStats() for _ in model.layers]
     handles = []
+    keep: list[torch.Tensor] = []
     for layer, st in zip(model.layers, stats):
         for name, mod in _modules(layer).items():
             k = mod.weight.shape[1]
             st.inputs[name] = InputStats(torch.zeros(k, k), torch.zeros(k))
 
             def hook(_m, args, s=st.inputs[name]):
-                s.add(args[0])
+                s.add(args[0][keep[0]])
             handles.append(mod.register_forward_pre_hook(hook))
     try:
         for i in tqdm(range(0, len(chunks), batch), desc="calibration forward", unit="batch"):
-            paged_prefill(model, chunks[i:i + batch])
+            part = chunks[i:i + batch]
+            keep[:] = [torch.cat([torch.arange(skip_first, len(c)) + sum(map(len, part[:j]))
+                                  for j, c in enumerate(part)])]
+            paged_prefill(model, part)
     finally:
         for h in handles:
             h.remove()

@@ -22,6 +22,7 @@ from tqdm import tqdm
 from backend.model.config import CheckpointError, ModelConfig
 from backend.model.llama import LlamaModel, load_model
 from backend.quant.format import SCHEMES, edgeinfer_config
+from backend.quant.gptq import gptq_quantize
 from backend.quant.packing import effective_group_size, group_quantize_tensor
 
 log = logging.getLogger("edgeinfer.quant")
@@ -50,7 +51,9 @@ def _split(cfg: ModelConfig, i: int) -> dict[str, list[tuple[str, int]]]:
 
 
 def quantized_tensors(model: LlamaModel, group_size: int, clips: dict[str, torch.Tensor] | None = None,
-                      progress: bool = True) -> dict[str, torch.Tensor]:
+                      hessians: dict[str, torch.Tensor] | None = None, progress: bool = True
+                      ) -> dict[str, torch.Tensor]:
+    """Per fused module: round to nearest (optionally clipped), or GPTQ rounding where a Hessian is given."""
     cfg = model.cfg
     out: dict[str, torch.Tensor] = {}
     for i, layer in enumerate(tqdm(model.layers, desc="quantize", unit="layer", disable=not progress)):
@@ -60,10 +63,14 @@ def quantized_tensors(model: LlamaModel, group_size: int, clips: dict[str, torch
             w, b = mods[key].weight.data.float(), mods[key].bias
             g = effective_group_size(w.shape[1], group_size)
             clip = clips.get(f"{i}.{key}") if clips else None
+            fused = gptq_quantize(w, hessians[f"{i}.{key}"], g, clip) if hessians else None
             row = 0
             for name, rows in parts:
                 sl = slice(row, row + rows)
-                q, s, z = group_quantize_tensor(w[sl], g, clip=None if clip is None else clip[sl])
+                if fused is not None:
+                    q, s, z = fused[0][sl], fused[1][sl], fused[2][sl]
+                else:
+                    q, s, z = group_quantize_tensor(w[sl], g, clip=None if clip is None else clip[sl])
                 out[name + ".qweight"], out[name + ".scales"], out[name + ".zeros"] = q, s, z
                 if b is not None:
                     out[name + ".bias"] = b.data[sl].clone()
