@@ -22,7 +22,7 @@ from backend.model.llama import LlamaModel
 from backend.quant.calib import paged_prefill
 from backend.quant.packing import effective_group_size, fake_quantize
 
-ALPHAS = [i / 20 for i in range(20)]
+ALPHAS = [i / 10 for i in range(11)]
 CLIP_RATIOS = [1 - i / 20 for i in range(10)]
 LINEARS = ("qkv", "o", "gate_up", "down")
 

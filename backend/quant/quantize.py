@@ -26,7 +26,8 @@ from backend.quant.gptq import gptq_quantize
 from backend.quant.packing import effective_group_size, group_quantize_tensor
 
 log = logging.getLogger("edgeinfer.quant")
-METHODS = ("rtn", "awq")
+METHODS = ("rtn", "awq", "gptq")
+SINK_TOKENS = 4   # first positions of each calibration chunk: attention sinks, left out of the statistics
 COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
 
 
@@ -111,17 +112,20 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, scheme: str = "w4a16-g
     torch.manual_seed(0)
     model = load_model(src, torch.float32, "cpu")
     extra: dict = {"scheme": scheme}
-    clips = None
-    if method == "awq":
+    clips = hessians = None
+    if method in ("awq", "gptq"):
         from backend.quant.awq import apply_awq, collect_stats
 
         chunks, calib_name = calibration_chunks(src, calib_chunks, calib_len)
         t0 = time.time()
-        stats = collect_stats(model, chunks)
-        clips = apply_awq(model, stats, group_size)
+        stats = collect_stats(model, chunks, skip_first=SINK_TOKENS)
+        if method == "awq":
+            clips = apply_awq(model, stats, group_size)
+        else:
+            hessians = {f"{i}.{n}": s.h for i, st in enumerate(stats) for n, s in st.inputs.items()}
         extra["calibration"] = {"source": calib_name, "sequences": len(chunks), "tokens_per_sequence": calib_len,
                                 "seconds": round(time.time() - t0, 1)}
-    tensors = quantized_tensors(model, group_size, clips, progress)
+    tensors = quantized_tensors(model, group_size, clips, hessians, progress)
 
     raw = json.loads((src / "config.json").read_text())
     raw["quantization_config"] = edgeinfer_config(group_size, method, **extra)
