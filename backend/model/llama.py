@@ -65,10 +65,13 @@ class Rotary(nn.Module):
         self.register_buffer("cos", (freqs.cos() * mscale).float().to(device), persistent=False)
         self.register_buffer("sin", (freqs.sin() * mscale).float().to(device), persistent=False)
 
-    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # once per forward: [T, 1, head_dim // 2] each
+        return self.cos.index_select(0, positions)[:, None, :], self.sin.index_select(0, positions)[:, None, :]
+
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], *xs: torch.Tensor) -> list[torch.Tensor]:
         # x: [T, heads, head_dim]; HF "rotate_half" layout
-        cos = self.cos[positions][:, None, :]
-        sin = self.sin[positions][:, None, :]
+        cos, sin = cos_sin
         out = []
         for x in xs:
             x1, x2 = x.float().chunk(2, dim=-1)
@@ -83,7 +86,7 @@ class Attention(nn.Module):
         self.qkv_proj, self.o_proj = qkv, o
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, kv: LayerKV,
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], rotary: Rotary, kv: LayerKV,
                 meta: AttentionMetadata) -> torch.Tensor:
         c = self.cfg
         t = x.shape[0]
@@ -91,7 +94,7 @@ class Attention(nn.Module):
         q = q.reshape(t, c.num_heads, c.head_dim)
         k = k.reshape(t, c.num_kv_heads, c.head_dim)
         v = v.reshape(t, c.num_kv_heads, c.head_dim).contiguous()
-        q, k = rotary(positions, q, k)
+        q, k = rotary(cos_sin, q, k)
         kernels.kv_store(k, v, kv.k, kv.v, meta.slot_mapping, kv.k_scale, kv.v_scale)
         out = torch.empty_like(q)
         nd = meta.num_decode
@@ -121,8 +124,8 @@ class DecoderLayer(nn.Module):
         self.self_attn, self.mlp = attn, mlp
         self.input_layernorm, self.post_attention_layernorm = in_norm, post_norm
 
-    def forward(self, x, positions, rotary, kv, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv, meta)
+    def forward(self, x, cos_sin, rotary, kv, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, rotary, kv, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -161,9 +164,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV],
                 meta: AttentionMetadata) -> torch.Tensor:
         # input_ids, positions: [T]  ->  hidden: [T, hidden_size]
-        x = self.embed_tokens[input_ids]
+        x = self.embed_tokens.index_select(0, input_ids)
+        cos_sin = self.rotary.lookup(positions)
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rotary, kv, meta)
+            x = layer(x, cos_sin, self.rotary, kv, meta)
         return self.norm(x)
 
     @torch.inference_mode()
