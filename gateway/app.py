@@ -131,6 +131,7 @@ async def _resources(app: web.Application):
     await st.upstream.drain_aborts()
     if st.tasks:
         await asyncio.wait(list(st.tasks), timeout=5)
+    st.upstream.close()
     await st.session.close()
     if st.redis is not None:
         await st.redis.aclose()

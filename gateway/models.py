@@ -10,6 +10,7 @@ from backend.protocol import TokenLogprob
 from backend.tokenizer import Tokenizer, TokenizerError
 from gateway.errors import APIError
 from gateway.schemas import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from gateway.segments import SegmentEncoder
 
 _OFFLOAD_CHARS = 8192  # longer prompts are tokenized in a thread so the event loop keeps streaming
 
@@ -27,6 +28,8 @@ class ServedModel:
         self.name = name
         self.tokenizer = tokenizer
         self.token_str = lru_cache(maxsize=65536)(self._token_str)
+        seg = SegmentEncoder.build(tokenizer.source, tokenizer.encode) if tokenizer.source else None
+        self._encode_text = seg.encode if seg is not None else tokenizer.encode
 
     @classmethod
     def load(cls, name: str, tokenizer_spec: str) -> ServedModel:
@@ -46,12 +49,22 @@ class ServedModel:
             raise APIError(400, f"cannot apply the chat template: {type(e).__name__}: {e}",
                            code="invalid_messages", param="messages") from e
 
+    def _chat_ids(self, messages: list[dict]) -> list[int]:
+        return self._encode_text(self.tokenizer.apply_chat_template(messages))
+
+    def _prompt_ids(self, prompt: str) -> list[int]:
+        ids = self._encode_text(prompt)
+        tok = self.tokenizer
+        if tok.add_bos and tok.bos_token_id is not None:
+            ids = [tok.bos_token_id, *ids]
+        return ids
+
     async def encode_chat(self, messages: list[dict]) -> list[int]:
         size = sum(len(m["content"]) for m in messages)
-        return await self._run(self.tokenizer.encode_chat, messages, size=size)
+        return await self._run(self._chat_ids, messages, size=size)
 
     async def encode_prompt(self, prompt: str) -> list[int]:
-        return await self._run(lambda p: self.tokenizer.encode(p, add_special_tokens=True), prompt, size=len(prompt))
+        return await self._run(self._prompt_ids, prompt, size=len(prompt))
 
     def check_ids(self, ids: list[int]) -> None:
         vocab = self.tokenizer.vocab_size

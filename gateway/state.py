@@ -95,7 +95,7 @@ def build_state(cfg: GatewayConfig, models: dict[str, ServedModel] | None = None
     if index is None:
         index = InMemoryPageIndex()
     router = Router(index, cfg.seed, s.route_load_cost_tokens, s.route_affinity_tokens)
-    upstream = Upstream(session, s.connect_timeout_s, s.first_byte_timeout_s, s.chunk_timeout_s)
+    upstream = Upstream(s.connect_timeout_s, s.first_byte_timeout_s, s.chunk_timeout_s)
     limiter = RedisLimiter(redis_client, s.key_prefix) if redis_client is not None else LocalLimiter()
     st = GatewayState(cfg, models, TenantTable(cfg.tenants), metrics, pool, router, upstream, limiter, index,
                       fill_index=cfg.fill_index_at_gateway, redis=redis_client)

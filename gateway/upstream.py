@@ -1,4 +1,4 @@
-"""One generate stream to one backend over the shared ClientSession (NDJSON of StreamChunk).
+"""One generate stream to one backend over gateway.http1's keep-alive pool (NDJSON of StreamChunk).
 
 Failures before the first chunk raise Retryable (the caller tries another node); after it they
 raise UpstreamBroken. Closing a stream that did not finish drops the connection (which aborts on
@@ -10,15 +10,15 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import aiohttp
 import msgspec
 
 from backend.protocol import AbortRequest, GenerateRequest, StreamChunk, chunk_decoder
+from gateway.http1 import HTTPProtocolError, Pool, Response
 from gateway.nodes import Node
 
 log = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode
-_JSON = {"content-type": "application/json"}
+_FAILURES = (TimeoutError, OSError, HTTPProtocolError)   # ConnectionDropped is an OSError
 
 
 class Retryable(Exception):
@@ -38,22 +38,22 @@ class BackendRejected(Exception):
 
 
 class UpstreamStream:
-    def __init__(self, node: Node, request_id: str, resp: aiohttp.ClientResponse, chunk_timeout_s: float,
-                 aborter) -> None:
+    def __init__(self, node: Node, request_id: str, resp: Response, chunk_timeout_s: float, aborter) -> None:
         self.node = node
         self.request_id = request_id
         self._resp = resp
         self._chunk_timeout = chunk_timeout_s
         self._aborter = aborter
+        self._loop = asyncio.get_running_loop()
         self.finished = False
 
     async def next(self) -> StreamChunk | None:
         try:
-            async with asyncio.timeout(self._chunk_timeout):
-                line = await self._resp.content.readline()
-                while line == b"\n":
-                    line = await self._resp.content.readline()
-        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            deadline = self._loop.time() + self._chunk_timeout
+            line = await self._resp.readline(deadline)
+            while line == b"\n":
+                line = await self._resp.readline(deadline)
+        except _FAILURES as e:
             raise UpstreamBroken(f"node {self.node.node_id}: stream failed: {type(e).__name__}: {e}") from e
         if not line:
             return None
@@ -75,31 +75,30 @@ class UpstreamStream:
 
 
 class Upstream:
-    def __init__(self, session_getter, connect_timeout_s: float, first_byte_timeout_s: float,
-                 chunk_timeout_s: float) -> None:
-        self._session = session_getter
+    def __init__(self, connect_timeout_s: float, first_byte_timeout_s: float, chunk_timeout_s: float) -> None:
+        self.pool = Pool(connect_timeout_s)
         self.first_byte_timeout_s = first_byte_timeout_s
         self.chunk_timeout_s = chunk_timeout_s
-        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s)
         self._aborts: set[asyncio.Task] = set()
 
     async def open(self, node: Node, req: GenerateRequest) -> tuple[UpstreamStream, StreamChunk]:
         """POST the request and read its first chunk; Retryable if that fails."""
-        session: aiohttp.ClientSession = self._session()
-        resp = None
+        deadline = asyncio.get_running_loop().time() + self.first_byte_timeout_s
+        resp: Response | None = None
         try:
-            async with asyncio.timeout(self.first_byte_timeout_s):
-                resp = await session.post(node.generate_url, data=_encode(req), headers=_JSON,
-                                          timeout=self._timeout)
-                if resp.status != 200:
-                    body = (await resp.read())[:300].decode(errors="replace")
-                    resp.release()
-                    if resp.status in (400, 413, 422):
-                        raise BackendRejected(400, f"backend rejected the request: {body}")
-                    raise Retryable(f"node {node.node_id}: HTTP {resp.status}: {body}")
-                stream = UpstreamStream(node, req.request_id, resp, self.chunk_timeout_s, self.abort)
-                first = await stream.next()
-        except (TimeoutError, aiohttp.ClientError, OSError, UpstreamBroken) as e:
+            resp = await self.pool.post(node.generate_url, _encode(req), deadline)
+            if resp.status != 200:
+                body = (await resp.read(deadline, limit=300)).decode(errors="replace")
+                resp.release()
+                if resp.status in (400, 413, 422):
+                    raise BackendRejected(400, f"backend rejected the request: {body}")
+                raise Retryable(f"node {node.node_id}: HTTP {resp.status}: {body}")
+            stream = UpstreamStream(node, req.request_id, resp, self.chunk_timeout_s, self.abort)
+            line = await resp.readline(deadline)
+            while line == b"\n":
+                line = await resp.readline(deadline)
+            first = chunk_decoder.decode(line) if line else None
+        except (*_FAILURES, msgspec.DecodeError) as e:
             if resp is not None:
                 resp.close()
                 self.abort(node, req.request_id)
@@ -112,8 +111,9 @@ class Upstream:
         if first is None:
             resp.close()
             raise Retryable(f"node {node.node_id}: stream ended before the first chunk")
-        if first.error is not None and not first.token_ids:
+        if first.finish_reason is not None or first.error is not None:
             stream.finished = True
+        if first.error is not None and not first.token_ids:
             resp.release()
             code = first.error_code or 500
             if code in (400, 413, 422):
@@ -127,14 +127,17 @@ class Upstream:
         task.add_done_callback(self._aborts.discard)
 
     async def _post_abort(self, node: Node, request_id: str) -> None:
-        session: aiohttp.ClientSession = self._session()
+        deadline = asyncio.get_running_loop().time() + 5.0
         try:
-            async with session.post(node.abort_url, data=_encode(AbortRequest(request_id)), headers=_JSON,
-                                    timeout=aiohttp.ClientTimeout(total=5)) as r:
-                await r.read()
-        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            resp = await self.pool.post(node.abort_url, _encode(AbortRequest(request_id)), deadline)
+            await resp.read(deadline, limit=4096)
+            resp.release()
+        except _FAILURES as e:
             log.info("abort of %s on node %s failed: %s", request_id, node.node_id, e)
 
     async def drain_aborts(self) -> None:
         if self._aborts:
             await asyncio.wait(list(self._aborts), timeout=5)
+
+    def close(self) -> None:
+        self.pool.close()
