@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
-import uuid
 
 import msgspec
 from aiohttp import web
@@ -14,6 +14,7 @@ from gateway.config import TenantConfig
 from gateway.errors import APIError, bad_value, from_validation_error
 from gateway.generation import Run, Target, merged, runs_open
 from gateway.models import ServedModel
+from gateway.ratelimit import LocalLimiter
 from gateway.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -47,6 +48,8 @@ async def read_body(request: web.Request, st: GatewayState) -> bytes:
         raise APIError(413, f"request body of {request.content_length} bytes exceeds the limit of {limit} bytes",
                        code="request_too_large")
     try:
+        if request.content.is_eof():  # the whole body came with the head: read() cannot wait
+            return await request.read()
         async with asyncio.timeout(st.cfg.server.body_read_timeout_s):
             return await request.read()
     except web.HTTPRequestEntityTooLarge as e:
@@ -104,7 +107,7 @@ class Job:
                  kind: str) -> None:
         self.request, self.st, self.tenant, self.model, self.kind = request, st, tenant, model, kind
         self.rid: str = request["request_id"]            # echoed to the client, may be the client's own
-        self.backend_id = uuid.uuid4().hex                 # unique per request on every backend
+        self.backend_id = os.urandom(16).hex()             # unique per request on every backend
         self.created = int(time.time())
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + self.backend_id
         self.headers: dict[str, str] = {}
@@ -213,7 +216,10 @@ async def execute(job: Job, runs: list[Run], n: int, stream: bool, include_usage
         if not finished and any(r.stream is not None and not r.stream.finished for r in runs):
             series.aborts.inc()
         if usage.completion_tokens:
-            st.spawn(st.limiter.charge(tenant, usage.completion_tokens))
+            if isinstance(st.limiter, LocalLimiter):
+                st.limiter.charge_now(tenant, usage.completion_tokens)
+            else:
+                st.spawn(st.limiter.charge(tenant, usage.completion_tokens))
 
 
 def _error_event(message: str, code: str) -> bytes:
@@ -386,4 +392,4 @@ async def list_models(request: web.Request) -> web.Response:
 def new_request_id(header: str | None) -> str:
     if header and len(header) <= 128 and header.replace("-", "").replace("_", "").isalnum():
         return header
-    return uuid.uuid4().hex
+    return os.urandom(16).hex()

@@ -36,8 +36,8 @@ _HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILER, _UNTIL_CLOSE, _
 class Connection(asyncio.Protocol):
     """One TCP connection; one response at a time. Raw bytes are decoded into `body` as they arrive."""
 
-    def __init__(self, pool: Pool, key: tuple[str, int, bool]) -> None:
-        self._pool, self.key = pool, key
+    def __init__(self, pool: Pool, key: tuple[str, int, bool], loop: asyncio.AbstractEventLoop) -> None:
+        self._pool, self.key, self._loop = pool, key, loop
         self.transport: asyncio.Transport | None = None
         self.lost = False
         self._raw = bytearray()
@@ -179,11 +179,10 @@ class Connection(asyncio.Protocol):
     # ---- used by Response ----
     async def wait(self, deadline: float | None) -> None:
         """Until more bytes arrive or the connection closes; TimeoutError past `deadline` (loop time)."""
-        loop = asyncio.get_running_loop()
-        fut = self._waiter = loop.create_future()
+        fut = self._waiter = self._loop.create_future()
         timer = None
         if deadline is not None:
-            timer = loop.call_at(deadline, _expire, fut)
+            timer = self._loop.call_at(deadline, _expire, fut)
         try:
             await fut
         finally:
@@ -322,7 +321,7 @@ class Pool:
             self._ssl = ssl.create_default_context()
         timeout = max(0.0, min(self.connect_timeout_s, deadline - loop.time()))
         async with asyncio.timeout(timeout):
-            _, conn = await loop.create_connection(lambda: Connection(self, key), host, port,
+            _, conn = await loop.create_connection(lambda: Connection(self, key, loop), host, port,
                                                    ssl=self._ssl if tls else None)
         self._open.add(conn)
         return conn

@@ -95,9 +95,14 @@ class LocalLimiter:
         return decision
 
     async def charge(self, tenant: TenantConfig, tokens: int) -> None:
+        self.charge_now(tenant, tokens)
+
+    def charge_now(self, tenant: TenantConfig, tokens: int) -> None:
+        """Completion tokens after the response: never rejected, may leave the tenant in debt."""
         if tenant.tokens_per_min and tokens > 0:
-            t = TenantConfig(id=tenant.id, api_key_sha256=[], tokens_per_min=tenant.tokens_per_min)
-            await self.acquire(t, tokens, force=True)
+            now = self._clock() * 1000.0
+            key = (tenant.id, "tokens")
+            self._tat[key] = max(self._tat.get(key, now), now) + tokens * WINDOW_MS / tenant.tokens_per_min
 
 
 _LUA = """

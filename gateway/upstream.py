@@ -38,13 +38,14 @@ class BackendRejected(Exception):
 
 
 class UpstreamStream:
-    def __init__(self, node: Node, request_id: str, resp: Response, chunk_timeout_s: float, aborter) -> None:
+    def __init__(self, node: Node, request_id: str, resp: Response, chunk_timeout_s: float, aborter,
+                 loop: asyncio.AbstractEventLoop) -> None:
         self.node = node
         self.request_id = request_id
         self._resp = resp
         self._chunk_timeout = chunk_timeout_s
         self._aborter = aborter
-        self._loop = asyncio.get_running_loop()
+        self._loop = loop
         self.finished = False
 
     async def next(self) -> StreamChunk | None:
@@ -83,7 +84,8 @@ class Upstream:
 
     async def open(self, node: Node, req: GenerateRequest) -> tuple[UpstreamStream, StreamChunk]:
         """POST the request and read its first chunk; Retryable if that fails."""
-        deadline = asyncio.get_running_loop().time() + self.first_byte_timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.first_byte_timeout_s
         resp: Response | None = None
         try:
             resp = await self.pool.post(node.generate_url, _encode(req), deadline)
@@ -93,7 +95,7 @@ class Upstream:
                 if resp.status in (400, 413, 422):
                     raise BackendRejected(400, f"backend rejected the request: {body}")
                 raise Retryable(f"node {node.node_id}: HTTP {resp.status}: {body}")
-            stream = UpstreamStream(node, req.request_id, resp, self.chunk_timeout_s, self.abort)
+            stream = UpstreamStream(node, req.request_id, resp, self.chunk_timeout_s, self.abort, loop)
             line = await resp.readline(deadline)
             while line == b"\n":
                 line = await resp.readline(deadline)
