@@ -50,12 +50,19 @@ class Router:
         self.seed = seed
         self.load_cost = load_cost_tokens
         self.affinity_bonus = affinity_tokens
+        self._contexts: dict[tuple[str, str, str, int], tuple[PageKeyContext, bytes]] = {}  # -> (ctx, root hash)
 
     def hashes_for(self, namespace: str, node: Node, tokens: Sequence[int]) -> list[bytes]:
         info = node.info
         assert info is not None  # routable nodes have info
-        ctx = PageKeyContext(self.seed, namespace, info.model_fingerprint, info.kv_format, info.page_size)
-        return page_hashes(ctx, tokens)
+        key = (namespace, info.model_fingerprint, info.kv_format, info.page_size)
+        ctx_root = self._contexts.get(key)
+        if ctx_root is None:
+            if len(self._contexts) >= 10_000:
+                self._contexts.clear()
+            ctx = PageKeyContext(self.seed, namespace, info.model_fingerprint, info.kv_format, info.page_size)
+            ctx_root = self._contexts[key] = (ctx, ctx.root)
+        return page_hashes(ctx_root[0], tokens, start_parent=ctx_root[1])
 
     async def rank(self, model: str, namespace: str, tokens: Sequence[int], nodes: Sequence[Node],
                    session: str = "") -> list[Choice]:
