@@ -1,0 +1,110 @@
+"""Engine vs transformers generate() on the same model, measured side by side in one run.
+
+Decode tokens/s at 1, 8 and 32 concurrent sequences (decode time = total - time to first token, on both
+sides), and TTFT of a 1k-token prompt cold vs with a prefix-cache hit. Writes benchmarks/results/bench_engine.json.
+
+  python benchmarks/bench_engine.py [--new-tokens 32] [--prompt-len 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from backend.engine.config import EngineConfig
+from backend.engine.engine import LLMEngine
+from backend.model.gguf_import import ensure_default_model
+from backend.model.llama import load_model
+from backend.protocol import GenerateRequest, SamplingParams
+from backend.tokenizer import Tokenizer
+
+OUT = Path(__file__).parent / "results" / "bench_engine.json"
+
+
+async def engine_batch(eng: LLMEngine, prompts: list[list[int]], new: int, ns: str) -> tuple[float, float]:
+    """Returns (seconds until every sequence has its first token, total seconds)."""
+    t0 = time.perf_counter()
+    firsts: list[float] = []
+
+    async def one(i: int, p: list[int]) -> None:
+        req = GenerateRequest(f"{ns}-{i}", p, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True), ns)
+        first = True
+        async for _ in eng.generate(req):
+            if first:
+                firsts.append(time.perf_counter() - t0)
+                first = False
+
+    await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
+    return max(firsts), time.perf_counter() - t0
+
+
+def hf_batch(hf, prompts: list[list[int]], new: int) -> tuple[float, float]:
+    ids = torch.tensor(prompts)
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        hf.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False, pad_token_id=0)
+        t1 = time.perf_counter()
+        hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                    pad_token_id=0)
+        t2 = time.perf_counter()
+    return t1 - t0, t2 - t1
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--concurrency", default="1,8,32")
+    args = ap.parse_args()
+    from transformers import LlamaForCausalLM
+
+    model_dir = ensure_default_model()
+    model = load_model(model_dir)
+    tok = Tokenizer.from_dir(model_dir)
+    hf = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    eng = LLMEngine(model, tok, EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048))
+    eng.start()
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    new = args.new_tokens
+    try:
+        # warm-up both
+        asyncio.run(engine_batch(eng, [torch.randint(100, 49000, (16,), generator=g).tolist()], 4, "warm"))
+        hf_batch(hf, [torch.randint(100, 49000, (16,), generator=g).tolist()], 4)
+        for c in [int(x) for x in args.concurrency.split(",")]:
+            prompts = [torch.randint(100, 49000, (args.prompt_len,), generator=g).tolist() for _ in range(c)]
+            e_first, e_total = asyncio.run(engine_batch(eng, prompts, new, f"c{c}"))
+            h_first, h_total = hf_batch(hf, prompts, new)
+            e_tps = c * (new - 1) / max(e_total - e_first, 1e-9)
+            h_tps = c * (new - 1) / max(h_total - h_first, 1e-9)
+            rows.append({"concurrency": c, "engine_decode_tok_s": e_tps, "transformers_decode_tok_s": h_tps,
+                         "ratio": e_tps / h_tps, "engine_total_s": e_total, "transformers_total_s": h_total})
+            print(f"concurrency {c:3d}: engine {e_tps:8.1f} tok/s   transformers {h_tps:8.1f} tok/s   "
+                  f"ratio {e_tps / h_tps:5.2f}x", flush=True)
+        prompt = torch.randint(100, 49000, (1024,), generator=g).tolist()
+        cold_first, _ = asyncio.run(engine_batch(eng, [prompt], 1, "ttft-cold"))
+        warm_first, _ = asyncio.run(engine_batch(eng, [prompt + [500, 501, 502]], 1, "ttft-cold"))
+        h_first, _ = hf_batch(hf, [prompt], 2)
+        ttft = {"prompt_tokens": 1024, "engine_cold_s": cold_first, "engine_prefix_hit_s": warm_first,
+                "hit_over_cold": warm_first / cold_first, "transformers_s": h_first}
+        print(f"TTFT 1k prompt: cold {cold_first * 1000:.0f} ms, prefix hit {warm_first * 1000:.0f} ms "
+              f"({warm_first / cold_first:.3f}x), transformers {h_first * 1000:.0f} ms", flush=True)
+    finally:
+        eng.stop()
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps({"model": model_dir.name, "dtype": "float32", "device": "cpu",
+                               "threads": torch.get_num_threads(), "machine": platform.machine(),
+                               "new_tokens": new, "prompt_len": args.prompt_len, "decode": rows, "ttft": ttft},
+                              indent=2))
+    print(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()
