@@ -18,7 +18,7 @@ from backend.engine.config import EngineConfig, kv_format_name
 from backend.engine.model_runner import ModelRunner
 from backend.engine.sampler import make_generator, sample
 from backend.engine.scheduler import Scheduler
-from backend.engine.sequence import Sequence, SeqStatus
+from backend.engine.sequence import SeqStatus, Sequence
 from backend.engine.stop import StopChecker
 from backend.model.llama import LlamaModel
 from backend.protocol import GenerateRequest, StreamChunk, TokenLogprob, Usage

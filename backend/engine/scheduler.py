@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from backend.engine.block_manager import BlockManager
 from backend.engine.config import EngineConfig
-from backend.engine.sequence import Sequence, SeqStatus
+from backend.engine.sequence import SeqStatus, Sequence
 
 
 @dataclass
