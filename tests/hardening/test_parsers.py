@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 
 from backend.protocol import (
     AbortRequest,
-    BackendInfo,
     SamplingParams,
     chunk_decoder,
     info_decoder,
