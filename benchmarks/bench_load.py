@@ -8,13 +8,15 @@ prompt + its own question, so the prefix cache sees realistic reuse) for `--seco
 - completed (200, [DONE], exactly max_tokens tokens), failed (non-200, error event, exception), truncated
   (stream ended without [DONE] or with fewer tokens);
 - tokens/s (completion tokens of all requests / wall time), TTFT and ITL percentiles (client side);
+- aborted: with --abort-every K, every K-th request of each client disconnects on purpose after its
+  first 2 tokens (counted apart; exercises the abort path that must free pages);
 - pages leaked: after the run, each backend's `edgeinfer_backend_kv_pages_used` must return to 0
   (polled for up to 10 s); anything left is a leak.
 
 Bounded: clients stop sending at --seconds, in-flight requests get --drain-seconds to finish, and the
 whole run is killed at --max-seconds. Loopback only.
 
-  python benchmarks/bench_load.py [--backends 2] [--clients 8] [--seconds 60] [--max-tokens 16]
+  python benchmarks/bench_load.py [--backends 2] [--clients 8] [--seconds 60] [--max-tokens 16] [--abort-every 5]
 
 Writes benchmarks/results/bench_load.json.
 """
@@ -103,6 +105,14 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
     raise TimeoutError(f"{url} not ready after {timeout_s}s")
 
 
+def finished_by_reason(url: str) -> dict[str, float]:
+    import requests
+
+    text = requests.get(url + "/metrics", timeout=5).text
+    return {m.group(1): float(m.group(2)) for m in
+            re.finditer(r'^edgeinfer_backend_requests_finished_total\{[^}]*reason="([^"]+)"[^}]*\} (\S+)$', text, re.M)}
+
+
 def pages_used(url: str) -> float:
     import requests
 
@@ -127,7 +137,8 @@ async def client_loop(i: int, gw: str, model: str, args, stats: dict, stop_at: f
                     "stream_options": {"include_usage": True}}
             t0 = time.perf_counter()
             first = last = None
-            tokens, done, error = 0, False, None
+            tokens, done, error, seen = 0, False, None, 0
+            abort = args.abort_every > 0 and turn % args.abort_every == 0
             try:
                 async with s.post(gw + "/v1/chat/completions", json=body, headers=headers) as r:
                     if r.status != 200:
@@ -135,8 +146,12 @@ async def client_loop(i: int, gw: str, model: str, args, stats: dict, stop_at: f
                     else:
                         buf = b""
                         async for piece in r.content.iter_any():
+                            if abort and seen >= 2:
+                                break
                             buf += piece
                             while b"\n\n" in buf:
+                                if abort and seen >= 2:
+                                    break
                                 event, buf = buf.split(b"\n\n", 1)
                                 data = event[len(b"data: "):]
                                 if data == b"[DONE]":
@@ -155,12 +170,19 @@ async def client_loop(i: int, gw: str, model: str, args, stats: dict, stop_at: f
                                         elif last is not None:
                                             stats["itl"].append(now - last)
                                         last = now
+                                        seen += 1
+                                if abort and seen >= 2:
+                                    break
                                 if obj.get("usage"):
                                     tokens = obj["usage"]["completion_tokens"]
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+                        if abort and not done:
+                            r.close()            # drop the connection: the gateway must abort upstream
+            except (TimeoutError, aiohttp.ClientError, ValueError) as e:
                 error = f"{type(e).__name__}: {e}"
             stats["tokens"] += tokens
-            if error is not None:
+            if abort and error is None:
+                stats["aborted"] += 1
+            elif error is not None:
                 stats["failed"] += 1
                 stats["errors"][error[:120]] = stats["errors"].get(error[:120], 0) + 1
             elif not done or tokens != args.max_tokens:
@@ -171,7 +193,7 @@ async def client_loop(i: int, gw: str, model: str, args, stats: dict, stop_at: f
 
 
 async def drive(gw: str, model: str, args) -> dict:
-    stats = {"completed": 0, "failed": 0, "truncated": 0, "tokens": 0, "ttft": [], "itl": [], "latency": [],
+    stats = {"completed": 0, "failed": 0, "truncated": 0, "aborted": 0, "tokens": 0, "ttft": [], "itl": [], "latency": [],
              "errors": {}}
     t0 = time.monotonic()
     stop_at = t0 + args.seconds
@@ -194,6 +216,8 @@ def main() -> int:
     p.add_argument("--drain-seconds", type=float, default=30.0)
     p.add_argument("--max-seconds", type=float, default=240.0, help="hard bound on the whole run")
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--abort-every", type=int, default=5,
+                   help="every K-th request of a client disconnects after 2 tokens (0: never)")
     p.add_argument("--request-timeout", type=float, default=60.0)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_load.json"))
     args = p.parse_args()
@@ -243,19 +267,24 @@ def main() -> int:
             while pages_used(url) != 0 and time.monotonic() < end:
                 time.sleep(0.2)
             leaked[url] = pages_used(url)
-        total = stats["completed"] + stats["failed"] + stats["truncated"]
+        reasons: dict[str, float] = {}
+        for url, _ in backends:
+            for k, v in finished_by_reason(url).items():
+                reasons[k] = reasons.get(k, 0) + v
+        total = stats["completed"] + stats["failed"] + stats["truncated"] + stats["aborted"]
         result = {
             "bench": "bench_load", "host": platform.node(), "cpus": os.cpu_count(),
             "loadavg_1_5_15_at_end": [round(x, 2) for x in os.getloadavg()], "model": model, "backends": args.backends,
             "clients": args.clients, "seconds": args.seconds, "max_tokens": args.max_tokens,
             "requests": total, "completed": stats["completed"], "failed": stats["failed"],
-            "truncated": stats["truncated"], "cancelled_at_deadline": stats["cancelled_at_deadline"],
+            "truncated": stats["truncated"], "aborted_by_client": stats["aborted"],
+            "abort_every": args.abort_every, "cancelled_at_deadline": stats["cancelled_at_deadline"],
             "errors": stats["errors"], "wall_s": stats["wall_s"],
             "completion_tokens": stats["tokens"], "tokens_per_s": round(stats["tokens"] / stats["wall_s"], 2),
             "requests_per_s": round(stats["completed"] / stats["wall_s"], 3),
             "ttft": _summary(stats["ttft"]), "itl": _summary(stats["itl"]),
             "request_latency": _summary(stats["latency"]),
-            "pages_used_after": leaked, "pages_leaked": sum(leaked.values()),
+            "backend_finished_by_reason": reasons, "pages_used_after": leaked, "pages_leaked": sum(leaked.values()),
         }
     finally:
         signal.alarm(0)

@@ -85,7 +85,7 @@ async def test_engine_other_namespace_never_hits_same_namespace_and_group_do(eng
 async def test_engine_prefix_cache_is_no_timing_side_channel_across_tenants(engine):
     """TTFT of a probe prompt for bob: (a) alice sent the same prompt just before, (b) nobody did, (c) positive
     control: bob himself sent it before. (a) vs (b) must be indistinguishable, (c) vs (b) clearly not."""
-    n, length = 24, 64   # 24 samples per condition: ~120 model calls, the slowest test of the folder
+    n, length = 30, 64   # 30 samples per condition: 150 model calls, the slowest test of the folder
     primed, cold, own = [], [], []
     for i in range(n):
         p_other, p_cold, p_own = (rand_prompt(1000 + 3 * i + k, length) for k in range(3))
