@@ -38,19 +38,10 @@ def token_chunks(ids: list[int], num: int, length: int) -> list[list[int]]:
     return [ids[i * length:(i + 1) * length] for i in range(num)]
 
 
-def paged_prefill(model: LlamaModel, chunks: list[list[int]], kv_dtype: str = "auto", page_size: int = 16,
-                  scale_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """One teacher-forced forward of several sequences through the paged KV pool -> hidden [sum(len), h].
-
-    scale_dtype (fp8 only) replaces the pool's float32 per-token scales, to measure a cheaper layout
-    with the torch references (the Triton launchers accept float32 only).
-    """
+def paged_prefill(model: LlamaModel, chunks: list[list[int]], kv_dtype: str = "auto", page_size: int = 16) -> torch.Tensor:
+    """One teacher-forced forward of several sequences through the paged KV pool -> hidden [sum(len), h]."""
     pages_per = [(len(c) + page_size - 1) // page_size for c in chunks]
     runner = ModelRunner(model, EngineConfig(page_size=page_size, num_pages=sum(pages_per), kv_dtype=kv_dtype))
-    if scale_dtype is not None:
-        for kv in runner.kv:
-            if kv.k_scale is not None:
-                kv.k_scale, kv.v_scale = kv.k_scale.to(scale_dtype), kv.v_scale.to(scale_dtype)
     dev = model.device
     width = max(pages_per)
     tables = torch.zeros((len(chunks), width), dtype=torch.int32)
