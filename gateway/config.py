@@ -6,6 +6,7 @@ Only `[[tenants]]` is hot-reloadable (SIGHUP or POST /admin/reload); the rest ne
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import tomllib
 from pathlib import Path
@@ -100,6 +101,11 @@ def _check(cfg: GatewayConfig) -> GatewayConfig:
     for name in ("max_body_bytes", "max_n", "default_max_tokens", "max_attempts"):
         if getattr(s, name) < 1:
             raise ConfigError(f"server.{name}={getattr(s, name)} must be >= 1")
+    for name in ("body_read_timeout_s", "connect_timeout_s", "first_byte_timeout_s", "chunk_timeout_s",
+                 "keepalive_timeout_s", "shutdown_grace_s", "health_interval_s"):
+        v = getattr(s, name)
+        if not math.isfinite(v) or v <= 0:
+            raise ConfigError(f"server.{name}={v!r} is invalid: expected a finite number of seconds > 0")
     if s.index_fill not in ("gateway", "backends", "auto"):
         raise ConfigError(f"server.index_fill={s.index_fill!r}: expected gateway, backends or auto")
     names = [m.name for m in cfg.models]
@@ -115,6 +121,9 @@ def _check(cfg: GatewayConfig) -> GatewayConfig:
         if t.id in ids:
             raise ConfigError(f"duplicate tenant id {t.id!r}")
         ids.add(t.id)
+        if t.cache_group.startswith("tenant:"):
+            raise ConfigError(f"tenant {t.id!r}: cache_group={t.cache_group!r} is invalid: the 'tenant:' prefix is "
+                              "reserved for private namespaces (it would share another tenant's cache)")
         for h in t.api_key_sha256:
             if len(h) != 64 or any(c not in "0123456789abcdef" for c in h.lower()):
                 raise ConfigError(f"tenant {t.id!r}: api_key_sha256 entries must be 64 hex chars "
