@@ -25,8 +25,8 @@ Page body layout (PageFormat.body_nbytes == ModelRunner.page_bytes), the raw
 bytes of ModelRunner.read_page(page) concatenated, i.e. for each layer l:
     K[l]  [page_size, kv_heads, head_dim]  in the kv dtype (C order)
     V[l]  [page_size, kv_heads, head_dim]
-    fp8 only: K_scale[l] [page_size, kv_heads] float32, then V_scale[l]
-scale_layout is "none" (fp32/bf16/fp16) or "per_token_kv_head_f32" (fp8_e4m3).
+    fp8 only: K_scale[l] [page_size, kv_heads] bfloat16, then V_scale[l]
+scale_layout is "none" (fp32/bf16/fp16) or "per_token_kv_head_bf16" (fp8_e4m3).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def page_format(engine) -> PageFormat:
     fp8 = engine.runner.kv_dtype == torch.float8_e4m3fn
     return PageFormat(model_fingerprint=engine.fingerprint, kv_dtype=engine.kv_format, num_layers=c.num_layers,
                       kv_heads=c.num_kv_heads, head_dim=c.head_dim, page_size=engine.cfg.page_size,
-                      scale_layout="per_token_kv_head_f32" if fp8 else "none",
+                      scale_layout="per_token_kv_head_bf16" if fp8 else "none",
                       body_nbytes=engine.runner.page_bytes)
 
 

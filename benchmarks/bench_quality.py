@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 
-import kernels
 from backend.engine.model_runner import kv_bytes_per_token
 from backend.model.llama import load_model
 from backend.quant.calib import eval_text, paged_prefill, token_chunks
@@ -46,33 +45,8 @@ def quantized_dir(model_dir: Path, method: str) -> tuple[Path, float | None]:
     return dst, time.time() - t
 
 
-class RoundedScales:
-    """Emulate 2-byte fp8 scales: after each kv_store, round the float32 scale pools to `dtype`.
-    (kernels' launchers and references take float32 scales only; values stay exactly representable.)"""
-
-    def __init__(self, dtype: torch.dtype | None) -> None:
-        self.dtype, self.orig = dtype, kernels.kv_store
-
-    def __enter__(self):
-        if self.dtype is not None:
-            def store(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
-                self.orig(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-                for sc in (k_scale, v_scale):
-                    sc.copy_(sc.to(self.dtype).float())
-            kernels.kv_store = store
-        return self
-
-    def __exit__(self, *exc) -> None:
-        kernels.kv_store = self.orig
-
-
 @torch.inference_mode()
-def evaluate(model, chunks, kv_dtype: str, scale_dtype=None) -> tuple[float, torch.Tensor, float]:
-    with RoundedScales(scale_dtype):
-        return _evaluate(model, chunks, kv_dtype)
-
-
-def _evaluate(model, chunks, kv_dtype: str) -> tuple[float, torch.Tensor, float]:
+def evaluate(model, chunks, kv_dtype: str) -> tuple[float, torch.Tensor, float]:
     t = time.time()
     nll, n, preds = 0.0, 0, []
     for c in chunks:
@@ -111,18 +85,14 @@ def main() -> int:
     variants += [("fp8 KV", model_dir, bf16, "fp8_e4m3", None)]
     best = "awq" if "awq" in quant_dirs else next(iter(quant_dirs))
     variants += [(f"int4-{best} + fp8 KV", quant_dirs[best], bf16, "fp8_e4m3", None)]
-    variants += [("fp8 KV, bf16 scales*", model_dir, bf16, "fp8_e4m3", bf16)]
 
     rows, ref_pred = [], None
-    for name, path, dtype, kv, scale_dtype in variants:
+    for name, path, dtype, kv, _ in variants:
         model = load_model(path, dtype, "cpu")
-        ppl, pred, secs = evaluate(model, chunks, kv, scale_dtype)
+        ppl, pred, secs = evaluate(model, chunks, kv)
         if ref_pred is None:
             ref_pred = pred
-        c = model.cfg
         bpt = kv_bytes_per_token(model, {"fp32": fp32, "bf16": bf16, "fp8_e4m3": fp8}[kv])
-        if scale_dtype is not None:     # proposal: 2-byte scales instead of float32
-            bpt = 2 * c.num_layers * c.num_kv_heads * (c.head_dim + 2)
         pages = budget // (bpt * PAGE)
         rows.append({"variant": name, "ppl": round(ppl, 3), "agree": round(float((pred == ref_pred).float().mean()), 4),
                      "positions": int(pred.numel()), "weight_bytes": model.weight_bytes(),
@@ -149,8 +119,7 @@ def main() -> int:
               f"{r['weight_bytes'] / 1e6:>10.1f} {r['linear_weight_bytes'] / 1e6:>10.1f} "
               f"{r['linear_bytes_vs_bf16']:>8.3f} {r['kv_bytes_per_token']:>9} {r['max_seqs_2k']:>8} "
               f"{r['max_seqs_vs_bf16']:>8.3f}x")
-    print("* bf16 scales: a proposal; kernels take float32 scales only, so the pool is float32 rounded to bf16 "
-          "after every store (same values a bf16 pool would hold); KV bytes are for 2-byte scales")
+    print("fp8 KV rows: e4m3 K/V + one bf16 scale per (token, kv head), as the engine stores them")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
         "model": model_dir.name, "eval_text": text_name, "chunks": args.chunks, "chunk_len": args.chunk_len,

@@ -1,7 +1,9 @@
 """kv_store: scatter new K/V rows into their cache pages through a slot mapping.
 
-FP8 (e4m3fn) caches get a float32 scale per (token, kv head) = amax(|row|) / 448, computed
-and applied in the kernel. The round-to-nearest-even onto the e4m3 grid is done in fp32
+FP8 (e4m3fn) caches get a scale per (token, kv head) = amax(|row|) / 448, computed and applied
+in the kernel, stored as float32 or bfloat16 (the dtype of the scale tensor; bf16 scales cost 2 bytes
+instead of 4 per head and token; the scale is rounded to bf16 first and the row quantized with that
+rounded scale, so dequantization uses exactly the scale the row was quantized with). The round-to-nearest-even onto the e4m3 grid is done in fp32
 arithmetic (`_round_to_e4m3`), so the final cast only ever sees representable values: it
 gives the same bytes as torch's `.to(torch.float8_e4m3fn)` on every backend (the Triton
 3.9 interpreter's own float32 -> float8e4nv cast rounds ~2% of values wrongly).
@@ -20,9 +22,12 @@ ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 CACHE_DTYPES = (*ACT_DTYPES, FP8)
 
 
-def fp8_scale(x: torch.Tensor) -> torch.Tensor:
-    # x: [..., head_dim] -> [...] float32
-    return x.float().abs().amax(-1).clamp(min=MIN_AMAX) / FP8_MAX
+SCALE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def fp8_scale(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    # x: [..., head_dim] -> [...] in `dtype` (bf16: round to nearest even)
+    return (x.float().abs().amax(-1).clamp(min=MIN_AMAX) / FP8_MAX).to(dtype)
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -47,15 +52,15 @@ def kv_store_reference(key, value, k_cache, v_cache, slot_mapping, k_scale=None,
         if not cache.is_contiguous() or (scale is not None and not scale.is_contiguous()):
             pages, offs = slots // cache.shape[1], slots % cache.shape[1]   # a flat view would be a copy
             if cache.dtype == FP8:
-                s = fp8_scale(src)
-                cache[pages, offs] = quantize_fp8(src, s)
+                s = fp8_scale(src, scale.dtype)
+                cache[pages, offs] = quantize_fp8(src, s.float())
                 scale[pages, offs] = s
             else:
                 cache[pages, offs] = src.to(cache.dtype)
             continue
         if cache.dtype == FP8:
-            s = fp8_scale(src)
-            _rows(cache).index_copy_(0, slots, quantize_fp8(src, s).view(torch.uint8))
+            s = fp8_scale(src, scale.dtype)
+            _rows(cache).index_copy_(0, slots, quantize_fp8(src, s.float()).view(torch.uint8))
             _rows(scale).index_copy_(0, slots, s)
         else:
             _rows(cache).index_copy_(0, slots, src.to(cache.dtype))
@@ -77,12 +82,21 @@ def _round_to_e4m3(y):
 
 
 @jit
+def _round_to_bf16(x):
+    # fp32 -> the nearest bf16 value (ties to even), still fp32; exact bit arithmetic, so the later
+    # store into a bf16 tensor only ever sees representable values
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@jit
 def _store_row(src_ptr, cache_ptr, scale_ptr, tok, page, off, valid,
                stride_st, stride_sh, stride_sd,
                stride_cp, stride_co, stride_ch, stride_cd,
                stride_qp, stride_qo, stride_qh,
                kv_heads, head_dim,
-               BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr):
+               BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr, SCALE_BF16: tl.constexpr):
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     heads = tl.where(valid, kv_heads, 0)  # a skipped row (slot -1) masks every head
@@ -93,10 +107,12 @@ def _store_row(src_ptr, cache_ptr, scale_ptr, tok, page, off, valid,
         x = x.to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-8)
         scale = tl.math.div_rn(amax, 448.0)
+        if SCALE_BF16:
+            scale = _round_to_bf16(scale)
         y = tl.math.div_rn(x, scale[:, None])
         y = tl.minimum(tl.maximum(y, -448.0), 448.0)
         tl.store(dst, _round_to_e4m3(y).to(cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(scale_ptr + page * stride_qp + off * stride_qo + h * stride_qh, scale,
+        tl.store(scale_ptr + page * stride_qp + off * stride_qo + h * stride_qh, scale.to(scale_ptr.dtype.element_ty),
                  mask=h < heads)
     else:
         tl.store(dst, x.to(cache_ptr.dtype.element_ty), mask=mask)
@@ -108,7 +124,8 @@ def _kv_store_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, 
                      stride_cp, stride_co, stride_ch, stride_cd,
                      stride_qp, stride_qo, stride_qh,
                      page_size, kv_heads, head_dim,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr):
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr,
+                     SCALE_BF16: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok)
     valid = slot >= 0
@@ -117,10 +134,10 @@ def _kv_store_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, 
     off = slot % page_size
     _store_row(key_ptr, k_cache_ptr, k_scale_ptr, tok, page, off, valid,
                stride_st, stride_sh, stride_sd, stride_cp, stride_co, stride_ch, stride_cd,
-               stride_qp, stride_qo, stride_qh, kv_heads, head_dim, BLOCK_H, BLOCK_D, QUANT)
+               stride_qp, stride_qo, stride_qh, kv_heads, head_dim, BLOCK_H, BLOCK_D, QUANT, SCALE_BF16)
     _store_row(value_ptr, v_cache_ptr, v_scale_ptr, tok, page, off, valid,
                stride_st, stride_sh, stride_sd, stride_cp, stride_co, stride_ch, stride_cd,
-               stride_qp, stride_qo, stride_qh, kv_heads, head_dim, BLOCK_H, BLOCK_D, QUANT)
+               stride_qp, stride_qo, stride_qh, kv_heads, head_dim, BLOCK_H, BLOCK_D, QUANT, SCALE_BF16)
 
 
 def _check(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
@@ -158,5 +175,6 @@ def kv_store_triton(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_
         *key.stride(), *k_cache.stride(), *scale_strides,
         k_cache.shape[1], kv_heads, head_dim,
         BLOCK_H=next_pow2(kv_heads), BLOCK_D=next_pow2(head_dim), QUANT=quant,
+        SCALE_BF16=quant and k_scale.dtype == torch.bfloat16,
     )
 

@@ -52,7 +52,7 @@ def gather_pages(cache, scale, block_tables, context_lens, num_tokens, dtype=tor
     x = _select(cache, flat).view(pages.shape[0], -1, *cache.shape[2:])[:, :num_tokens]
     if scale is not None:
         sc = scale.index_select(0, flat).view(pages.shape[0], -1, scale.shape[2])[:, :num_tokens]
-        x = x.float() * sc[..., None]
+        x = x.float() * sc.float()[..., None]
     x = x.to(dtype)
     valid = torch.arange(num_tokens, device=cache.device)[None, :] < context_lens[:, None]
     return x, valid
@@ -123,14 +123,14 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_p
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if QUANT:
             srow = page * stride_sp + off * stride_so + kvh * stride_sh
-            s = s * tl.load(k_scale_ptr + srow, mask=mask_t, other=0.0)[None, :]
+            s = s * tl.load(k_scale_ptr + srow, mask=mask_t, other=0.0).to(tl.float32)[None, :]
         s = tl.where(mask_t[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if QUANT:
-            p = p * tl.load(v_scale_ptr + srow, mask=mask_t, other=0.0)[None, :]
+            p = p * tl.load(v_scale_ptr + srow, mask=mask_t, other=0.0).to(tl.float32)[None, :]
         v = tl.load(v_cache_ptr + row[:, None] + d[None, :] * stride_cd, mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
         m_i = m_new

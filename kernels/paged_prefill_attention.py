@@ -90,7 +90,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, t
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if QUANT:
             srow = page * stride_sp + off * stride_so + kvh * stride_sh
-            s = s * tl.load(k_scale_ptr + srow, mask=mask_t, other=0.0)[None, :]
+            s = s * tl.load(k_scale_ptr + srow, mask=mask_t, other=0.0).to(tl.float32)[None, :]
         visible = mask_t[None, :] & (t[None, :] <= qpos[:, None])
         s = tl.where(visible, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -98,7 +98,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, t
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if QUANT:
-            p = p * tl.load(v_scale_ptr + srow, mask=mask_t, other=0.0)[None, :]
+            p = p * tl.load(v_scale_ptr + srow, mask=mask_t, other=0.0).to(tl.float32)[None, :]
         v = tl.load(v_cache_ptr + row[:, None] + d[None, :] * stride_cd, mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
         m_i = m_new

@@ -23,7 +23,7 @@ DTYPES = [  # (source dtype, cache dtype)
 ]
 
 
-def make_inputs(shape, src_dtype, cache_dtype):
+def make_inputs(shape, src_dtype, cache_dtype, scale_dtype=torch.float32):
     tokens, kv_heads, head_dim, page_size, num_pages = shape
     key = (torch.randn(tokens, kv_heads, head_dim) * 5).to(src_dtype)
     value = torch.randn(tokens, kv_heads, head_dim).to(src_dtype)
@@ -40,8 +40,8 @@ def make_inputs(shape, src_dtype, cache_dtype):
         quant = cache_dtype == FP8
         caches.append([
             k_cache, k_cache.clone().flip(0),
-            torch.full((num_pages, page_size, kv_heads), -1.0) if quant else None,
-            torch.full((num_pages, page_size, kv_heads), -2.0) if quant else None,
+            torch.full((num_pages, page_size, kv_heads), -1.0, dtype=scale_dtype) if quant else None,
+            torch.full((num_pages, page_size, kv_heads), -2.0, dtype=scale_dtype) if quant else None,
         ])
     caches[1] = [c.clone() if c is not None else None for c in caches[0]]
     return key, value, slots, caches
@@ -64,6 +64,24 @@ def test_kernel_matches_reference_exactly(shape, src_dtype, cache_dtype):
     on_device(kv_store_triton)(key, value, tri[0], tri[1], slots, tri[2], tri[3])
     for a, b in zip(ref, tri, strict=True):
         assert_same_bytes(a, b)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("src_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_bf16_scales_match_reference_exactly(shape, src_dtype):
+    # bf16 scales (2 bytes per token-head instead of 4): the kernel rounds the scale to bf16 in bit arithmetic
+    # and quantizes with the rounded scale; bytes of cache and scales equal the reference's
+    key, value, slots, (ref, tri) = make_inputs(shape, src_dtype, FP8, torch.bfloat16)
+    kv_store_reference(key, value, ref[0], ref[1], slots, ref[2], ref[3])
+    on_device(kv_store_triton)(key, value, tri[0], tri[1], slots, tri[2], tri[3])
+    for a, b in zip(ref, tri, strict=True):
+        assert_same_bytes(a, b)
+    if shape[0]:
+        keep = slots >= 0
+        pg, off = slots[keep] // shape[3], slots[keep] % shape[3]
+        deq = ref[0][pg, off].float() * ref[2][pg, off].float()[..., None]
+        err = (deq - key[keep].float()).abs().amax(-1)
+        assert (err <= key[keep].float().abs().amax(-1) / 14 + 1e-6).all()   # e4m3 step ~1/16 of amax
 
 
 def test_skipped_slots_leave_cache_untouched():

@@ -106,3 +106,16 @@ def test_bad_launch_raises_before_launch(change, message):
     change(args)
     with pytest.raises(ValueError, match=message):
         paged_decode_attention_triton(**args)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2)], ids=str)
+def test_kernel_matches_reference_with_bf16_scales(heads, kv_heads):
+    # the engine stores fp8 scales in bf16 (2 bytes per token-head); kernel and reference upcast them alike
+    q, kv = make_case(heads, kv_heads, torch.bfloat16, FP8)
+    kv = kv._replace(k_scale=kv.k_scale.to(torch.bfloat16), v_scale=kv.v_scale.to(torch.bfloat16))
+    ref = run(paged_decode_attention_reference, q, kv)
+    out = run(paged_decode_attention_triton, q, kv, num_splits=3, block_n=16)
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOLERANCE[torch.bfloat16],
+                               rtol=TOLERANCE[torch.bfloat16])
+    kv = kv._replace(k_scale=kv.k_scale.float(), v_scale=kv.v_scale.float())
+    torch.testing.assert_close(ref.float(), run(paged_decode_attention_reference, q, kv).float(), atol=0, rtol=0)
