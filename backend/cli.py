@@ -17,7 +17,7 @@ def _model(argv: list[str]) -> int:
     q.add_argument("src")
     q.add_argument("dst")
     q.add_argument("--scheme", default="w4a16-g128")
-    q.add_argument("--method", default="awq", choices=["rtn", "awq"])
+    q.add_argument("--method", default="awq", choices=["rtn", "awq", "gptq"])
     args = p.parse_args(argv)
     if args.action == "import":
         from backend.model.gguf_import import (
