@@ -9,7 +9,6 @@ from backend.engine.scheduler import ScheduledBatch
 from backend.engine.sequence import Sequence
 from backend.model.llama import AttentionMetadata, LayerKV, LlamaModel
 
-
 SCALE_DTYPE = torch.bfloat16   # fp8 scales: 2 bytes per token-head (float32 would make fp8 only 1.88x of bf16)
 
 
