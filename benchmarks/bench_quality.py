@@ -9,7 +9,7 @@ CPU) over `chunks` x `chunk-len` tokens of a held-out text, then
   weight bytes total, and of the linear layers (qkv/o/gate_up/down)
   kv B/token   2 * layers * kv_heads * (head_dim * bytes + scale bytes)
   max seqs     2k-token sequences whose pages fit a fixed KV budget (page_size 16)
-Held-out text: CPython's Lib/idlelib/NEWS.txt. Calibration (AWQ, GPTQ): tqdm's METADATA, a different file.
+Held-out text: CPython's Lib/idlelib/NEWS.txt. Calibration (AWQ, GPTQ): other files (backend.quant.calib).
 Quantized checkpoints are made once next to the model (quantize time is reported, not compared).
 Writes benchmarks/results/bench_quality.json.
 """
@@ -36,12 +36,17 @@ SEQ_LEN = 2048
 RESULTS = Path(__file__).parent / "results" / "bench_quality.json"
 
 
-def quantized_dir(model_dir: Path, method: str) -> tuple[Path, float | None]:
-    dst = model_dir.parent / f"{model_dir.name}-w4a16-g128-{method}"
+QUANT_VERSION = "v2"   # bump when the quantizer's output changes, so cached checkpoints are not reused
+
+
+def quantized_dir(model_dir: Path, method: str, scheme: str, calibration: str) -> tuple[Path, float | None]:
+    """Cached next to the model; the name carries everything that changes the weights."""
+    calib = "" if method == "rtn" else f"-{calibration}"
+    dst = model_dir.parent / f"{model_dir.name}-{scheme}-{method}{calib}-{QUANT_VERSION}"
     if (dst / "config.json").is_file():
         return dst, None
     t = time.time()
-    quantize_checkpoint(model_dir, dst, "w4a16-g128", method)
+    quantize_checkpoint(model_dir, dst, scheme, method, calibration=calibration)
     return dst, time.time() - t
 
 
@@ -64,7 +69,9 @@ def main() -> int:
     ap.add_argument("--chunks", type=int, default=4)
     ap.add_argument("--chunk-len", type=int, default=512)
     ap.add_argument("--budget-gib", type=float, default=16.0, help="fixed KV budget for max concurrent seqs")
-    ap.add_argument("--methods", default="rtn,awq", help="also: gptq (slow on CPU)")
+    ap.add_argument("--methods", default="rtn,awq", help="also: gptq, awq-gptq (slow on CPU)")
+    ap.add_argument("--scheme", default="w4a16-g64", help="w4a16-g64 (0.28x bf16 linear bytes) | w4a16-g128")
+    ap.add_argument("--calibration", default="mix", help="mix | tqdm (see backend.quant.calib)")
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if args.model is None:
@@ -77,7 +84,7 @@ def main() -> int:
 
     quant_dirs, quant_secs = {}, {}
     for m in args.methods.split(","):
-        quant_dirs[m], quant_secs[m] = quantized_dir(model_dir, m)
+        quant_dirs[m], quant_secs[m] = quantized_dir(model_dir, m, args.scheme, args.calibration)
 
     bf16, fp32, fp8 = torch.bfloat16, torch.float32, torch.float8_e4m3fn
     variants = [("fp32", model_dir, fp32, "fp32", None), ("bf16", model_dir, bf16, "bf16", None)]

@@ -1,6 +1,6 @@
 """Activation-aware INT4 (AWQ-style): per-input-channel scale search, then per-group clipping search.
 
-For each linear, calibration inputs X give H = X^T X and mean|x| per channel. For alpha on a grid,
+For each linear, calibration inputs X give H = X^T X and mean|x| per channel. For alpha on a grid (step 1/GRID),
 s = mean|x|^alpha / wmean^(1-alpha) (AutoAWQ's duo scaling; s = 1 is always a candidate) and
   loss(s) = trace(E H E^T),  E = W - Q(W diag(s)) diag(1/s)
 is the output error over every calibration token. The best s is folded away exactly:
@@ -22,7 +22,7 @@ from backend.model.llama import LlamaModel
 from backend.quant.calib import paged_prefill
 from backend.quant.packing import effective_group_size, fake_quantize
 
-ALPHAS = [i / 10 for i in range(11)]
+GRID = 20                                  # alpha in {0, 1/GRID, ..., 1}
 CLIP_RATIOS = [1 - i / 20 for i in range(10)]
 LINEARS = ("qkv", "o", "gate_up", "down")
 
@@ -93,7 +93,8 @@ def _wmean(w: torch.Tensor, group: int) -> torch.Tensor:
     return (g / g.amax(-1, keepdim=True).clamp(min=1e-8)).reshape(n, k).mean(0)
 
 
-def search_scale(w: torch.Tensor, st: InputStats, group: int, tie: tuple[int, int, int] | None = None) -> torch.Tensor:
+def search_scale(w: torch.Tensor, st: InputStats, group: int, tie: tuple[int, int, int] | None = None,
+                 grid: int = GRID) -> torch.Tensor:
     """-> s [K] minimizing the output error; tie=(kv_heads, group_q, head_dim) shares s within a GQA group."""
     x_mean, w_mean = st.mean_abs, _wmean(w, group)
     if tie is not None:
@@ -101,7 +102,7 @@ def search_scale(w: torch.Tensor, st: InputStats, group: int, tie: tuple[int, in
         x_mean = x_mean.view(kvh, gq, hd).mean(1, keepdim=True).expand(kvh, gq, hd).reshape(-1)
         w_mean = w_mean.view(kvh, gq, hd).mean(1, keepdim=True).expand(kvh, gq, hd).reshape(-1)
     best_s, best = torch.ones_like(x_mean), _loss(w, torch.ones_like(x_mean), st.h, group)
-    for a in ALPHAS:
+    for a in (i / grid for i in range(grid + 1)):
         s = (x_mean.clamp(min=1e-8).pow(a) / (w_mean.pow(1 - a) + 1e-4)).clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()
         loss = _loss(w, s, st.h, group)
@@ -130,7 +131,8 @@ def search_clip(w: torch.Tensor, h: torch.Tensor, group: int, frozen_rows: int =
 
 
 @torch.inference_mode()
-def apply_awq(model: LlamaModel, stats: list[LayerStats], group_size: int) -> dict[str, torch.Tensor]:
+def apply_awq(model: LlamaModel, stats: list[LayerStats], group_size: int, grid: int = GRID
+              ) -> dict[str, torch.Tensor]:
     """Fold the searched scales into the fp model in place; -> clip per fused module name."""
     c = model.cfg
     tie = (c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim)
@@ -140,12 +142,12 @@ def apply_awq(model: LlamaModel, stats: list[LayerStats], group_size: int) -> di
         w = {n: m.weight.data.float() for n, m in mods.items()}   # fp32 models: views, edited in place
         g = {n: effective_group_size(w[n].shape[1], group_size) for n in mods}
 
-        s = search_scale(w["qkv"], st.inputs["qkv"], g["qkv"])
+        s = search_scale(w["qkv"], st.inputs["qkv"], g["qkv"], grid=grid)
         layer.input_layernorm.weight.data /= s
         w["qkv"] *= s
         st.inputs["qkv"].h /= torch.outer(s, s)
 
-        s = search_scale(w["o"], st.inputs["o"], g["o"], tie=tie)
+        s = search_scale(w["o"], st.inputs["o"], g["o"], tie=tie, grid=grid)
         s_kv = s.view(tie)[:, 0, :].reshape(-1)
         v_rows = slice(c.q_size + c.kv_size, c.q_size + 2 * c.kv_size)
         w["qkv"][v_rows] /= s_kv[:, None]
@@ -154,12 +156,12 @@ def apply_awq(model: LlamaModel, stats: list[LayerStats], group_size: int) -> di
         w["o"] *= s
         st.inputs["o"].h /= torch.outer(s, s)
 
-        s = search_scale(w["gate_up"], st.inputs["gate_up"], g["gate_up"])
+        s = search_scale(w["gate_up"], st.inputs["gate_up"], g["gate_up"], grid=grid)
         layer.post_attention_layernorm.weight.data /= s
         w["gate_up"] *= s
         st.inputs["gate_up"].h /= torch.outer(s, s)
 
-        s = search_scale(w["down"], st.inputs["down"], g["down"])
+        s = search_scale(w["down"], st.inputs["down"], g["down"], grid=grid)
         w["gate_up"][c.intermediate_size:] /= s[:, None]
         w["down"] *= s
         st.inputs["down"].h /= torch.outer(s, s)

@@ -26,7 +26,7 @@ from backend.quant.gptq import gptq_quantize
 from backend.quant.packing import effective_group_size, group_quantize_tensor
 
 log = logging.getLogger("edgeinfer.quant")
-METHODS = ("rtn", "awq", "gptq")
+METHODS = ("rtn", "awq", "gptq", "awq-gptq")
 SINK_TOKENS = 4   # first positions of each calibration chunk: attention sinks, left out of the statistics
 COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
 
@@ -86,20 +86,26 @@ def quantized_tensors(model: LlamaModel, group_size: int, clips: dict[str, torch
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def calibration_chunks(src: Path, num: int, length: int) -> tuple[list[list[int]], str]:
-    from backend.quant.calib import calibration_text, token_chunks
+def calibration_chunks(src: Path, num: int, length: int, which: str = "mix") -> tuple[list[list[int]], str]:
+    from backend.quant.calib import calibration_sources, interleaved_chunks
     from backend.tokenizer import Tokenizer
 
-    text, name = calibration_text()
-    ids = Tokenizer.from_dir(src).encode(text)
-    num = min(num, len(ids) // length)
-    if num < 1:
-        raise QuantizeError(f"calibration text {name} has {len(ids)} tokens, fewer than one chunk of {length}")
-    return token_chunks(ids, num, length), name
+    tok = Tokenizer.from_dir(src)
+    try:
+        sources = calibration_sources(which)
+    except ValueError as e:
+        raise QuantizeError(str(e)) from e
+    ids = [tok.encode(text) for text, _ in sources]
+    chunks = interleaved_chunks(ids, num, length)
+    name = " + ".join(n for (_, n), t in zip(sources, ids) if len(t) >= length)
+    if not chunks:
+        raise QuantizeError(f"calibration text {name or sources[0][1]} has fewer tokens than one chunk of {length}")
+    return chunks, name
 
 
 def quantize_checkpoint(src: str | Path, dst: str | Path, scheme: str = "w4a16-g128", method: str = "awq",
-                        calib_chunks: int = 8, calib_len: int = 512, progress: bool = True) -> Path:
+                        calib_chunks: int = 32, calib_len: int = 512, progress: bool = True,
+                        calibration: str = "mix", skip_first: int = SINK_TOKENS, awq_grid: int | None = None) -> Path:
     src, dst = Path(src), Path(dst)
     group_size = parse_scheme(scheme)
     if method not in METHODS:
@@ -113,18 +119,20 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, scheme: str = "w4a16-g
     model = load_model(src, torch.float32, "cpu")
     extra: dict = {"scheme": scheme}
     clips = hessians = None
-    if method in ("awq", "gptq"):
+    if method != "rtn":
         from backend.quant.awq import apply_awq, collect_stats
 
-        chunks, calib_name = calibration_chunks(src, calib_chunks, calib_len)
+        chunks, calib_name = calibration_chunks(src, calib_chunks, calib_len, calibration)
         t0 = time.time()
-        stats = collect_stats(model, chunks, skip_first=SINK_TOKENS)
-        if method == "awq":
-            clips = apply_awq(model, stats, group_size)
-        else:
+        stats = collect_stats(model, chunks, skip_first=skip_first)
+        if method in ("awq", "awq-gptq"):
+            from backend.quant.awq import GRID
+
+            clips = apply_awq(model, stats, group_size, grid=awq_grid or GRID)   # also rescales each H to the folded weights
+        if method in ("gptq", "awq-gptq"):
             hessians = {f"{i}.{n}": s.h for i, st in enumerate(stats) for n, s in st.inputs.items()}
         extra["calibration"] = {"source": calib_name, "sequences": len(chunks), "tokens_per_sequence": calib_len,
-                                "seconds": round(time.time() - t0, 1)}
+                                "skip_first": skip_first, "seconds": round(time.time() - t0, 1)}
     tensors = quantized_tensors(model, group_size, clips, hessians, progress)
 
     raw = json.loads((src / "config.json").read_text())
@@ -151,7 +159,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, scheme: str = "w4a16-g
 
 def main(args) -> int:
     try:
-        out = quantize_checkpoint(args.src, args.dst, args.scheme, args.method)
+        out = quantize_checkpoint(args.src, args.dst, args.scheme, args.method,
+                                  calibration=getattr(args, "calibration", "mix"))
     except (QuantizeError, CheckpointError, FileNotFoundError) as e:
         print(f"error: {e}")
         return 2

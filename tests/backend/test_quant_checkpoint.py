@@ -202,3 +202,36 @@ def test_quantize_cli_errors(tiny, quantized, tmp_path):
     assert main(SimpleNamespace(src=str(tiny), dst=str(tmp_path / "x"), scheme="w3a16", method="rtn")) == 2
     assert main(SimpleNamespace(src=str(quantized["rtn"]), dst=str(tmp_path / "y"), scheme="w4a16-g128",
                                 method="rtn")) == 2
+
+
+@pytest.mark.parametrize("method", ["rtn", "awq-gptq"])
+def test_g64_scheme_round_trip_and_load(tiny, tmp_path, method):
+    # w4a16-g64: every K here (192, 256) is a multiple of 64, so no fallback; the loader recomputes it
+    qdir = quantize_checkpoint(tiny, tmp_path / "q64", "w4a16-g64", method, calib_chunks=2, calib_len=64,
+                               progress=False)
+    qc = json.loads((qdir / "config.json").read_text())["quantization_config"]
+    assert qc["group_size"] == 64 and qc["scheme"] == "w4a16-g64" and qc["method"] == method
+    if method != "rtn":
+        assert qc["calibration"]["sequences"] == 2 and qc["calibration"]["source"]
+    raw = load_file(str(qdir / "model.safetensors"))
+    assert raw["model.layers.0.mlp.down_proj.scales"].shape == (192, 256 // 64)
+    model = load_model(qdir)
+    linears = [m for m in model.modules() if isinstance(m, W4A16Linear)]
+    assert {m.group_size for m in linears} == {64}
+    torch.testing.assert_close(_logits(model), _dequantized_reference(qdir), atol=1e-4, rtol=1e-4)
+    agree = (_logits(model).argmax(-1) == _logits(load_model(tiny)).argmax(-1)).float().mean()
+    assert agree > 0.6
+
+
+def test_calibration_sources_and_interleaving(tiny, tmp_path):
+    from backend.quant.calib import calibration_sources, interleaved_chunks
+    from backend.quant.quantize import QuantizeError, calibration_chunks
+
+    names = [n for _, n in calibration_sources("mix")]
+    assert names and all(n != "CPython idlelib/NEWS.txt" and "NEWS" not in n for n in names)   # eval text is disjoint
+    assert [n for _, n in calibration_sources("tqdm")][0].startswith("tqdm-")
+    got = interleaved_chunks([list(range(10)), list(range(100, 104)), [7]], num=4, length=2)
+    assert got == [[0, 1], [100, 101], [2, 3], [102, 103]]
+    assert len(calibration_chunks(tiny, 3, 16)[0]) == 3
+    with pytest.raises(QuantizeError, match="unknown calibration"):
+        quantize_checkpoint(tiny, tmp_path / "bad", "w4a16-g64", "awq", calibration="nope", progress=False)
