@@ -187,12 +187,13 @@ class LLMEngine:
         sp = req.sampling
         max_new = min(sp.max_tokens, self.max_model_len - len(req.prompt_token_ids))
 
-        def emit_seq(seq: Sequence, ids: list[int], lps: list | None, text: str, reason: str | None) -> None:
+        def emit_seq(seq: Sequence, ids: list[int], lps: list | None, text: str, reason: str | None,
+                     error: str | None = None) -> None:
             usage = None
             if reason is not None:
                 usage = Usage(len(seq.prompt_ids), len(seq.output_ids), seq.num_cached_prompt_tokens)
             emit(StreamChunk(seq.request_id, token_ids=ids, text=text, logprobs=lps, finish_reason=reason,
-                             usage=usage))
+                             usage=usage, error=error, error_code=500 if error else None))
 
         seq = Sequence(req.request_id, req.prompt_token_ids, sp, self.key_context(req.cache_namespace), emit_seq)
         seq.max_new_tokens = max_new
@@ -244,7 +245,7 @@ class LLMEngine:
         self.scheduler.remove(seq)
         seq.status = SeqStatus.FINISHED
         self._seqs.pop(seq.request_id, None)
-        seq.emit(seq, [], None, "", "error")
+        seq.emit(seq, [], None, "", "error", msg)
 
     def step(self) -> None:
         t0 = time.monotonic()

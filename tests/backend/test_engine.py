@@ -171,3 +171,27 @@ def test_bad_requests_are_rejected_with_clear_errors(smol_model, smol_tokenizer)
             eng.validate(req)
     with pytest.raises(ValueError, match="kv_dtype='int3'"):
         EngineConfig(kv_dtype="int3")
+
+
+async def test_failed_step_ends_requests_with_an_error_and_engine_keeps_serving(smol_model, smol_tokenizer,
+                                                                                monkeypatch):
+    eng = make_engine(smol_model, smol_tokenizer, num_pages=64)
+    try:
+        real = eng.runner.execute
+        calls = {"n": 0}
+
+        def flaky(batch):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("injected step failure")
+            return real(batch)
+
+        monkeypatch.setattr(eng.runner, "execute", flaky)
+        req = GenerateRequest("boom", [5, 6, 7, 8], SamplingParams(max_tokens=4, temperature=0), "t")
+        chunks = [c async for c in eng.generate(req)]
+        assert chunks[-1].finish_reason == "error" and "injected step failure" in chunks[-1].error
+        toks, _, last = await run(eng, [5, 6, 7, 8], max_tokens=4, ignore_eos=True)
+        assert last.finish_reason == "length" and len(toks) == 4
+        assert eng.blocks.num_used == 0
+    finally:
+        eng.stop()
