@@ -90,7 +90,7 @@ def main() -> int:
     variants = [("fp32", model_dir, fp32, "fp32", None), ("bf16", model_dir, bf16, "bf16", None)]
     variants += [(f"int4-{m}", quant_dirs[m], bf16, "bf16", None) for m in quant_dirs]
     variants += [("fp8 KV", model_dir, bf16, "fp8_e4m3", None)]
-    best = "awq" if "awq" in quant_dirs else next(iter(quant_dirs))
+    best = next((m for m in ("awq-gptq", "awq") if m in quant_dirs), next(iter(quant_dirs)))
     variants += [(f"int4-{best} + fp8 KV", quant_dirs[best], bf16, "fp8_e4m3", None)]
 
     rows, ref_pred = [], None

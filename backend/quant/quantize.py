@@ -27,7 +27,8 @@ from backend.quant.packing import effective_group_size, group_quantize_tensor
 
 log = logging.getLogger("edgeinfer.quant")
 METHODS = ("rtn", "awq", "gptq", "awq-gptq")
-SINK_TOKENS = 4   # first positions of each calibration chunk: attention sinks, left out of the statistics
+SINK_TOKENS = 4   # first positions of each calibration chunk (attention sinks); skip_first=SINK_TOKENS leaves them
+                  # out of the statistics. Default 0: keeping them measured better (SmolLM2 g64, docs/QUANTIZATION.md)
 COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
 
 
@@ -105,7 +106,7 @@ def calibration_chunks(src: Path, num: int, length: int, which: str = "mix") -> 
 
 def quantize_checkpoint(src: str | Path, dst: str | Path, scheme: str = "w4a16-g128", method: str = "awq",
                         calib_chunks: int = 32, calib_len: int = 512, progress: bool = True,
-                        calibration: str = "mix", skip_first: int = SINK_TOKENS, awq_grid: int | None = None) -> Path:
+                        calibration: str = "mix", skip_first: int = 0, awq_grid: int | None = None) -> Path:
     src, dst = Path(src), Path(dst)
     group_size = parse_scheme(scheme)
     if method not in METHODS:
