@@ -69,7 +69,7 @@ def main() -> int:
     ap.add_argument("--chunks", type=int, default=4)
     ap.add_argument("--chunk-len", type=int, default=512)
     ap.add_argument("--budget-gib", type=float, default=16.0, help="fixed KV budget for max concurrent seqs")
-    ap.add_argument("--methods", default="rtn,awq", help="also: gptq, awq-gptq (slow on CPU)")
+    ap.add_argument("--methods", default="rtn,awq,awq-gptq", help="also: gptq (slow on CPU)")
     ap.add_argument("--scheme", default="w4a16-g64", help="w4a16-g64 (0.28x bf16 linear bytes) | w4a16-g128")
     ap.add_argument("--calibration", default="mix", help="mix | tqdm (see backend.quant.calib)")
     args = ap.parse_args()
