@@ -18,10 +18,20 @@ from kernels._triton import cdiv, check, check_tensor, jit, require_triton, tl, 
 ACT_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def group_quantize_tensor(w: torch.Tensor, group_size: int = 128, symmetric: bool = False):
-    """w [N, K] float -> (qweight [N, K//2] uint8, scales [N, K//G] fp16, zeros [N, K//G] fp16 | None)."""
+def group_quantize_tensor(w: torch.Tensor, group_size: int = 128, symmetric: bool = False,
+                          clip: torch.Tensor | None = None):
+    """w [N, K] float -> (qweight [N, K//2] uint8, scales [N, K//G] fp16, zeros [N, K//G] fp16 | None).
+
+    clip [N, K//G] (optional) shrinks each group's range to [-clip, clip] first (AWQ-style clipping).
+    The one implementation of our INT4 layout: backend.quant re-exports it.
+    """
     n, k = w.shape
+    if k % group_size:
+        raise ValueError(f"K = {k} is not a multiple of group_size = {group_size}")
     g = w.float().reshape(n, k // group_size, group_size)
+    if clip is not None:
+        c = clip.float()[..., None]
+        g = torch.maximum(torch.minimum(g, c), -c)
     if symmetric:
         scales = (g.abs().amax(-1) / 7.0).clamp(min=1e-6).half()
         zeros = None

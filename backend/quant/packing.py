@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.w4a16_gemm import group_dequantize_tensor, group_quantize_tensor  # noqa: F401 (re-export)
+
 BITS = 4
 QMAX = (1 << BITS) - 1
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)   # AutoAWQ GEMM packs columns [0, 2, 4, 6, 1, 3, 5, 7] per int32
@@ -33,42 +35,6 @@ def unpack_uint4(qweight: torch.Tensor) -> torch.Tensor:
     # [N, K//2] uint8 -> [N, K] uint8
     n, k2 = qweight.shape
     return torch.stack([qweight & 0xF, qweight >> 4], dim=-1).reshape(n, k2 * 2)
-
-
-def group_quantize_tensor(w: torch.Tensor, group_size: int = 128, symmetric: bool = False,
-                          clip: torch.Tensor | None = None):
-    """w [N, K] float -> (qweight [N, K//2] uint8, scales [N, K//G] fp16, zeros [N, K//G] fp16 | None).
-
-    clip [N, K//G] (optional) shrinks each group's range to [-clip, clip] before quantizing (AWQ clipping).
-    Same arithmetic as kernels.w4a16_gemm.group_quantize_tensor when clip is None.
-    """
-    n, k = w.shape
-    if k % group_size:
-        raise ValueError(f"K = {k} is not a multiple of group_size = {group_size}")
-    g = w.float().reshape(n, k // group_size, group_size)
-    if clip is not None:
-        c = clip.float()[..., None]
-        g = torch.maximum(torch.minimum(g, c), -c)
-    if symmetric:
-        scales = (g.abs().amax(-1) / 7.0).clamp(min=1e-6).half()
-        zeros = None
-        q = (g / scales.float()[..., None]).round().clamp(-8, 7) + 8
-    else:
-        lo, hi = g.amin(-1), g.amax(-1)
-        scales = ((hi - lo) / QMAX).clamp(min=1e-6).half()
-        zeros = (-lo / scales.float()).round().clamp(0, QMAX).half()
-        q = (g / scales.float()[..., None] + zeros.float()[..., None]).round().clamp(0, QMAX)
-    return pack_uint4(q.reshape(n, k)), scales, zeros
-
-
-def group_dequantize_tensor(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
-                            group_size: int = 128) -> torch.Tensor:
-    """Inverse of group_quantize_tensor -> w [N, K] float32."""
-    q = unpack_uint4(qweight).float()
-    n, k = q.shape
-    z = zeros.float() if zeros is not None else torch.full_like(scales, 8.0, dtype=torch.float32)
-    q = q.reshape(n, k // group_size, group_size) - z[..., None]
-    return (q * scales.float()[..., None]).reshape(n, k)
 
 
 def fake_quantize(w: torch.Tensor, group_size: int, clip: torch.Tensor | None = None) -> torch.Tensor:
