@@ -11,11 +11,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from backend.model.atomic_dir import atomic_directory
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_MAGIC = b"GGUF"
@@ -198,9 +198,7 @@ def import_gguf(src: str | Path, dst: str | Path, *, dtype: str = "float32", pro
     tok_json, tok_cfg = _tokenizer_files(reader, src)
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
 
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
-    try:
+    with atomic_directory(dst) as tmp:
         tensors: dict[str, torch.Tensor] = {}
         for t in tqdm(reader.tensors, desc=f"import {src.name}", unit="tensor", disable=not progress):
             if t.name in _TENSOR_NAMES:
@@ -230,10 +228,4 @@ def import_gguf(src: str | Path, dst: str | Path, *, dtype: str = "float32", pro
         (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False))
         (tmp / "generation_config.json").write_text(json.dumps(
             {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}, indent=2))
-        if dst.exists():
-            dst.rmdir()
-        os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return dst

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -19,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from backend.model.atomic_dir import atomic_directory
 from backend.model.config import CheckpointError, ModelConfig
 from backend.model.llama import LlamaModel, load_model
 from backend.quant.format import SCHEMES, edgeinfer_config
@@ -138,23 +137,12 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, scheme: str = "w4a16-g
 
     raw = json.loads((src / "config.json").read_text())
     raw["quantization_config"] = edgeinfer_config(group_size, method, **extra)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
-    try:
+    with atomic_directory(dst) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "quantized_from": src.name})
         (tmp / "config.json").write_text(json.dumps(raw, indent=2))
         for f in COPY_FILES:
             if (src / f).is_file():
                 shutil.copy2(src / f, tmp / f)
-        os.chmod(tmp, 0o755)
-        for f in tmp.iterdir():
-            os.chmod(f, 0o644)
-        if dst.exists():
-            dst.rmdir()
-        os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return dst
 
 
