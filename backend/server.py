@@ -146,26 +146,23 @@ def _operator_ok(request: web.Request) -> bool:
     return hmac.compare_digest(got.encode(), f"Bearer {key}".encode())
 
 
-async def admin_drain(request: web.Request) -> web.Response:
+async def _set_state(request: web.Request, state: str, hook: str) -> web.Response:
     if not _operator_ok(request):
         return _error(401, "operator key required")
     st = request.app[STATE]
-    st.state = "draining"
+    st.state = state
     for ext in st.extensions:
-        if hasattr(ext, "on_drain"):
-            await ext.on_drain(request.app)
+        if hasattr(ext, hook):
+            await getattr(ext, hook)(request.app)
     return web.json_response(load_report(st))
+
+
+async def admin_drain(request: web.Request) -> web.Response:
+    return await _set_state(request, "draining", "on_drain")
 
 
 async def admin_undrain(request: web.Request) -> web.Response:
-    if not _operator_ok(request):
-        return _error(401, "operator key required")
-    st = request.app[STATE]
-    st.state = "active"
-    for ext in st.extensions:
-        if hasattr(ext, "on_undrain"):
-            await ext.on_undrain(request.app)
-    return web.json_response(load_report(st))
+    return await _set_state(request, "active", "on_undrain")
 
 
 def make_app(state: BackendState) -> web.Application:

@@ -232,21 +232,13 @@ async def _stream(job: Job, runs: list[Run], tally: Tally, include_usage: bool, 
     resp = web.StreamResponse(headers={**_SSE_HEADERS, **job.headers, "x-request-id": job.rid})
     await resp.prepare(job.request)
     chat = job.kind == "chat"
-    series = st.metrics.series(job.tenant.id, model.name)
-    ttft_seen = False
-    last_t = {r.index: 0.0 for r in runs}
+    latency = _Latency(st.metrics.series(job.tenant.id, model.name), t0)
     started: set[int] = set()
     offsets = {r.index: 0 for r in runs}
-    itl = series.itl
     try:
         async for run, chunk, t in merged(runs):
             if chunk.token_ids:
-                if not ttft_seen:
-                    series.ttft.observe(t - t0)
-                    ttft_seen = True
-                if last_t[run.index]:
-                    itl.observe(t - last_t[run.index])
-                last_t[run.index] = t
+                latency.observe(run.index, t)
             if chunk.error is not None or chunk.finish_reason in ("abort", "error"):
                 await resp.write(_error_event(f"generation failed on the backend: {chunk.error or chunk.finish_reason}",
                                               "backend_error"))
@@ -279,24 +271,34 @@ async def _stream(job: Job, runs: list[Run], tally: Tally, include_usage: bool, 
     return resp
 
 
+class _Latency:
+    """TTFT (first token of any choice) and inter-token latency (per choice) of one request."""
+
+    __slots__ = ("series", "t0", "last", "first_seen")
+
+    def __init__(self, series, t0: float) -> None:
+        self.series, self.t0, self.last, self.first_seen = series, t0, {}, False
+
+    def observe(self, index: int, t: float) -> None:
+        if not self.first_seen:
+            self.series.ttft.observe(t - self.t0)
+            self.first_seen = True
+        prev = self.last.get(index)
+        if prev is not None:
+            self.series.itl.observe(t - prev)
+        self.last[index] = t
+
+
 async def _collect(job: Job, runs: list[Run], tally: Tally, t0: float) -> web.Response:
     st, model = job.st, job.model
     texts: dict[int, list[str]] = {r.index: [] for r in runs}
     lps: dict[int, list] = {r.index: [] for r in runs}
     reasons: dict[int, str | None] = {}
-    last_t = {r.index: 0.0 for r in runs}
-    series = st.metrics.series(job.tenant.id, model.name)
-    itl = series.itl
-    ttft_seen = False
+    latency = _Latency(st.metrics.series(job.tenant.id, model.name), t0)
     try:
         async for run, chunk, t in merged(runs):
             if chunk.token_ids:
-                if not ttft_seen:
-                    series.ttft.observe(t - t0)
-                    ttft_seen = True
-                if last_t[run.index]:
-                    itl.observe(t - last_t[run.index])
-                last_t[run.index] = t
+                latency.observe(run.index, t)
             if chunk.error is not None or chunk.finish_reason in ("abort", "error"):
                 raise APIError(502, f"generation failed on the backend: {chunk.error or chunk.finish_reason}",
                                code="backend_error")
