@@ -227,10 +227,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def build_state(args: argparse.Namespace) -> BackendState:
     import torch
 
-    from backend.engine.engine import load_engine
+    from backend.engine.engine import in_fresh_thread, load_engine
     from backend.model.gguf_import import ensure_default_model
 
-    model_dir = Path(args.model) if args.model else ensure_default_model()
+    # the import runs torch on CPU: off the main thread, so the engine thread's OpenMP pool stays the only one
+    model_dir = Path(args.model) if args.model else in_fresh_thread(ensure_default_model)
     cfg = EngineConfig(page_size=args.page_size, kv_cache_bytes=args.kv_cache_bytes, num_pages=args.num_pages,
                        kv_dtype=args.kv_dtype, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,

@@ -94,7 +94,9 @@ class ModelRunner:
             s.num_computed_tokens += n
         if not need:
             return [], torch.empty(0)
-        return need, self.model.compute_logits(hidden[torch.tensor(rows, device=dev)]).cpu()
+        if len(rows) < hidden.shape[0]:
+            hidden = hidden.index_select(0, torch.tensor(rows, device=dev))
+        return need, self.model.compute_logits(hidden).cpu()
 
     # ---- page movement (for the page store)
     def read_page(self, page: int) -> list[torch.Tensor]:

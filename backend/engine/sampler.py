@@ -41,7 +41,12 @@ def sample(seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[int, TokenL
     # logits: [len(seqs), vocab] float32
     out: list[tuple[int, TokenLogprob | None]] = []
     plain_greedy = [i for i, s in enumerate(seqs) if s.sampling.temperature == 0 and not _has_penalty(s)]
-    greedy_ids = logits[plain_greedy].argmax(-1).tolist() if plain_greedy else []
+    if len(plain_greedy) == len(seqs):
+        greedy_ids = logits.argmax(-1).tolist()
+    elif plain_greedy:   # index_select: advanced indexing of [n, vocab] rows costs ~3 ms on CPU
+        greedy_ids = logits.index_select(0, torch.tensor(plain_greedy)).argmax(-1).tolist()
+    else:
+        greedy_ids = []
     greedy = dict(zip(plain_greedy, greedy_ids))
     for i, seq in enumerate(seqs):
         sp = seq.sampling

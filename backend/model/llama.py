@@ -17,7 +17,7 @@ from torch import nn
 
 import kernels
 from backend.model.config import CheckpointError, ModelConfig, rope_inv_freq
-from backend.model.linear import DenseLinear
+from backend.model.linear import DenseLinear, cpu_prepack_enabled
 
 
 @dataclass
@@ -148,7 +148,9 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Parameter(embed, requires_grad=False)
         self.layers = nn.ModuleList(layers)
         self.norm = norm
-        self.lm_head = embed if lm_head is None else nn.Parameter(lm_head, requires_grad=False)
+        self.tied_lm_head = lm_head is None
+        self.lm_head = self.embed_tokens if lm_head is None else nn.Parameter(lm_head, requires_grad=False)
+        self.lm_head_linear = DenseLinear(self.lm_head)
         self.rotary = Rotary(cfg, device)
 
     @property
@@ -160,16 +162,32 @@ class LlamaModel(nn.Module):
         return self.embed_tokens.device
 
     def weight_bytes(self) -> int:
+        """Bytes of the checkpoint's weights as held (a tied lm_head counted once)."""
         seen, total = set(), 0
         for t in list(self.parameters()) + list(self.buffers()):
             if t.data_ptr() in seen or t is self.rotary.cos or t is self.rotary.sin:
                 continue
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
+        for m in self.modules():
+            if isinstance(m, DenseLinear) and m.packed is not None and m is not self.lm_head_linear:
+                total += m.weight_bytes()
+        if self.lm_head_linear.packed is not None and not self.tied_lm_head:
+            total += self.lm_head_linear.weight_bytes()
         return total
 
+    def prepacked_copy_bytes(self) -> int:
+        """Extra bytes a prepacked lm_head costs when it is tied to the embedding (both layouts held)."""
+        tied = self.tied_lm_head and self.lm_head_linear.packed is not None
+        return self.lm_head_linear.weight_bytes() if tied else 0
+
+    def prepack(self) -> int:
+        """Prepack every dense linear for oneDNN (CPU); returns how many were packed."""
+        return sum(m.prepack() for m in self.modules() if isinstance(m, DenseLinear))
+
     def linear_weight_bytes(self) -> int:
-        return sum(m.weight_bytes() for m in self.modules() if hasattr(m, "weight_bytes") and m is not self)
+        """Bytes of the decoder layers' linears (the lm_head is not one of them)."""
+        return sum(m.weight_bytes() for m in self.layers.modules() if hasattr(m, "weight_bytes"))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV],
@@ -183,7 +201,7 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(hidden, self.lm_head).float()
+        return self.lm_head_linear(hidden).float()
 
 
 # ---------------------------------------------------------------- loading
@@ -219,8 +237,10 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-                make_linear=None, source: str = "", fuse_gate_up: bool | None = None) -> LlamaModel:
-    """Assemble the model; `make_linear(prefix_list, tensors) -> nn.Module` builds (fused) linears."""
+                make_linear=None, source: str = "", fuse_gate_up: bool | None = None,
+                prepack: bool = False) -> LlamaModel:
+    """Assemble the model; `make_linear(prefix_list, tensors) -> nn.Module` builds (fused) linears;
+    `prepack` packs dense linears for oneDNN where the device and dtype allow it."""
 
     def take(name: str) -> torch.Tensor:
         if name not in tensors:
@@ -237,8 +257,8 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch
         bs = [check(n + ".bias", take(n + ".bias"), (s[0],)) for n, s in zip(names, shapes)] if bias else None
         return DenseLinear(torch.cat(ws).contiguous(), torch.cat(bs) if bs else None)
 
-    if fuse_gate_up is None:          # quantized layers fuse; dense ones stay split (faster GEMMs on CPU)
-        fuse_gate_up = make_linear is not None
+    if fuse_gate_up is None:          # split only for plain-layout dense GEMMs (two were faster on CPU)
+        fuse_gate_up = make_linear is not None or prepack
     make_linear = make_linear or dense
     h, c = cfg.hidden_size, cfg
     layers = []
@@ -264,12 +284,19 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch
     if not cfg.tie_word_embeddings:
         lm_head = check("lm_head.weight", take("lm_head.weight"), (cfg.vocab_size, h))
     norm = RMSNorm(check("model.norm.weight", take("model.norm.weight"), (h,)), cfg.rms_norm_eps)
-    return LlamaModel(cfg, embed, layers, norm, lm_head, device).eval()
+    model = LlamaModel(cfg, embed, layers, norm, lm_head, device).eval()
+    if prepack:
+        model.prepack()
+    return model
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               fuse_gate_up: bool | None = None) -> LlamaModel:
+               fuse_gate_up: bool | None = None, prepack: bool | None = None) -> LlamaModel:
+    """prepack=None: pack dense linears for oneDNN on CPU unless EDGEINFER_CPU_PREPACK=0. Code that
+    reads or rewrites weights (the quantizer) passes prepack=False."""
     path = Path(path)
+    if prepack is None:
+        prepack = torch.device(device).type == "cpu" and cpu_prepack_enabled()
     cfg = ModelConfig.from_dir(path)
     tensors = read_tensors(path)
     make_linear = None
@@ -278,4 +305,4 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
 
         make_linear = quantized_linear_factory(cfg, tensors, dtype, torch.device(device), source=str(path))
     return build_model(cfg, tensors, dtype, torch.device(device), make_linear, source=str(path),
-                       fuse_gate_up=fuse_gate_up)
+                       fuse_gate_up=fuse_gate_up, prepack=prepack)

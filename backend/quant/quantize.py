@@ -116,7 +116,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, scheme: str = "w4a16-g
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise QuantizeError(f"{dst}: destination exists and is not an empty directory")
     torch.manual_seed(0)
-    model = load_model(src, torch.float32, "cpu", fuse_gate_up=True)   # AWQ/GPTQ work on fused gate_up
+    model = load_model(src, torch.float32, "cpu", fuse_gate_up=True, prepack=False)   # AWQ/GPTQ work on fused gate_up
     extra: dict = {"scheme": scheme}
     clips = hessians = None
     if method != "rtn":
