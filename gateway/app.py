@@ -9,7 +9,7 @@ import time
 
 import aiohttp
 import msgspec
-from aiohttp import web
+from aiohttp import web, web_protocol, web_server
 
 from gateway import api
 from gateway.config import ConfigError, GatewayConfig
@@ -21,6 +21,53 @@ log = logging.getLogger("edgeinfer.gateway")
 access_log = logging.getLogger("edgeinfer.gateway.access")
 _encode = msgspec.json.Encoder().encode
 _ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/models": "models"}
+
+
+class _ParserErrorHandler(web_protocol.RequestHandler):
+    """aiohttp answers what its HTTP parser rejects (a NUL in a header, a header over 8190 bytes, a bad
+    request line) before any middleware runs; this handler gives those answers an OpenAI error body.
+    The offending bytes (which may hold an API key) are neither echoed nor logged: only the parser's
+    reason up to where it quotes them."""
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if status >= 500:
+            super().handle_error(request, status, exc, message)   # a bug: aiohttp logs it with its traceback
+        elif request.writer.output_size > 0:
+            raise ConnectionError("response already started, cannot send the parser error")
+        reason = _parser_reason(message or getattr(exc, "message", None) or str(exc or ""))
+        log.info("malformed HTTP request from %s: %s", request.remote, reason)
+        code = "request_header_fields_too_large" if status == 431 else (
+            "invalid_http_request" if status < 500 else "internal_error")
+        body = _encode(APIError(status, f"malformed HTTP request: {reason}", code=code).body())
+        resp = web.Response(status=status, body=body, content_type="application/json")
+        resp.force_close()
+        return resp
+
+
+def _parser_reason(text: str) -> str:
+    # "Invalid header value char:\n\n  b'Authorization: Bearer sk-...'" -> "Invalid header value char"
+    text = text.split("\n", 1)[0]
+    for quote in (": b'", ': b"', " b'", ' b"'):
+        text = text.split(quote, 1)[0]
+    return text.strip().rstrip(":")[:200] or "malformed HTTP request"
+
+
+class _Server(web_server.Server):
+    def __call__(self) -> web_protocol.RequestHandler:
+        return _ParserErrorHandler(self, loop=self._loop, **self._kwargs)
+
+
+class GatewayRunner(web.AppRunner):
+    """web.AppRunner whose connections answer HTTP parser errors with OpenAI JSON (see _ParserErrorHandler)."""
+
+    async def _make_server(self) -> web_server.Server:
+        server = await super()._make_server()
+        if type(server) is not web_server.Server:   # an aiohttp that builds something else: keep its own
+            log.warning("aiohttp built a %s, not a web.Server: parser errors stay plain text", type(server))
+            return server
+        server.__class__ = _Server
+        return server
 
 
 def _error_response(e: APIError, request_id: str) -> web.Response:

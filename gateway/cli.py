@@ -36,12 +36,12 @@ def _setup_logging() -> None:
 async def serve_gateway(cfg: GatewayConfig, ready_line: str | None = None) -> None:
     from aiohttp import web
 
-    from gateway.app import create_app
+    from gateway.app import GatewayRunner, create_app
     from gateway.state import STATE
 
     app = create_app(cfg)
     s = cfg.server
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=s.shutdown_grace_s,
+    runner = GatewayRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=s.shutdown_grace_s,
                            keepalive_timeout=s.keepalive_timeout_s)
     await runner.setup()
     _settle_gc()

@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from gateway import config as config_mod
-from gateway.app import create_app
+from gateway.app import GatewayRunner, create_app
 from tests.gateway.server_thread import ServerThread
 from tests.gateway.stub_backend import StubBackend
 
@@ -77,7 +77,8 @@ class Harness:
 
     def gateway(self, stubs: list[StubBackend], tenants: list[dict] | None = None, cfg=None, **server) -> ServerThread:
         cfg = cfg or parsed(gateway_config(self.tokenizer_dir, stubs, tenants, **server))
-        t = ServerThread(lambda: create_app(cfg), shutdown_timeout=cfg.server.shutdown_grace_s).start()
+        t = ServerThread(lambda: create_app(cfg), shutdown_timeout=cfg.server.shutdown_grace_s,
+                         runner_cls=GatewayRunner).start()
         t.cfg = cfg  # type: ignore[attr-defined]
         self.threads.append(t)
         return t

@@ -9,8 +9,9 @@ from aiohttp import web
 
 
 class ServerThread:
-    def __init__(self, make_app, shutdown_timeout: float = 5.0) -> None:
+    def __init__(self, make_app, shutdown_timeout: float = 5.0, runner_cls: type[web.AppRunner] = web.AppRunner) -> None:
         self._make_app = make_app
+        self._runner_cls = runner_cls
         self._shutdown_timeout = shutdown_timeout
         self.loop = asyncio.new_event_loop()
         self.port = 0
@@ -27,7 +28,7 @@ class ServerThread:
 
     async def _start(self) -> None:
         self.app = self._make_app()
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
+        self._runner = self._runner_cls(self.app, handler_cancellation=True, access_log=None,
                                      shutdown_timeout=self._shutdown_timeout)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)

@@ -165,7 +165,47 @@ def test_malformed_authorization_is_401(gw, auth):
     except requests.exceptions.InvalidHeader:
         pytest.skip("the client refuses to send this header")
     if len(auth) > 8190 or "\x00" in auth:
-        # aiohttp's HTTP parser answers (plain text) before the app runs: header too large / invalid char
-        assert r.status_code in (400, 431), r.status_code
+        # aiohttp's HTTP parser answers before the app runs (header too large / invalid char); the gateway's
+        # runner gives that answer an OpenAI error body too
+        assert r.status_code in (400, 431), r.status_code     # aiohttp 3.14: LineTooLong is a 400
+        assert_error(r, r.status_code)
+        assert not gw.stub.requests
         return
     assert_error(r, 401)
+
+
+def _raw(gw, data: bytes) -> tuple[int, dict, bytes]:
+    """Send raw bytes, read the whole answer (the server closes after a parser error)."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=10) as s:
+        s.sendall(data)
+        buf = b""
+        while chunk := s.recv(65536):
+            buf += chunk
+    head, _, body = buf.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
+    return int(lines[0].split()[1]), {k.lower(): v for k, v in headers.items()}, body
+
+
+@pytest.mark.parametrize("raw, status", [
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-secret-1\x00\r\n\r\n", 400),
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20_000 + b"\r\n\r\n", (400, 431)),
+    (b"G@T /v1/models HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    (b"GET /v1/models HTTP/9.9\r\nHost: x\r\n\r\n", 400),
+    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nContent-Length: 7\r\n\r\n", 400),
+], ids=["nul-in-header", "header-too-large", "bad-method", "bad-version", "two-content-lengths"])
+def test_http_parser_errors_get_openai_bodies(gw, raw, status, caplog):
+    import logging
+
+    caplog.set_level(logging.DEBUG)
+    code, headers, body = _raw(gw, raw)
+    assert "sk-secret" not in caplog.text
+    assert code in (status if isinstance(status, tuple) else (status,)), (code, body[:300])
+    assert headers["content-type"].startswith("application/json"), headers
+    err = json.loads(body)["error"]
+    assert err["message"].startswith("malformed HTTP request") and err["type"] == "invalid_request_error", err
+    assert err["code"] == ("request_header_fields_too_large" if code == 431 else "invalid_http_request")
+    assert b"sk-secret" not in body and b"aaaa" not in body     # the offending bytes are not echoed
+    assert not gw.stub.requests
