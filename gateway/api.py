@@ -36,6 +36,7 @@ from gateway.schemas import (
     message_dicts,
 )
 from gateway.state import STATE, GatewayState
+from gateway.streams import Lease
 from gateway.upstream import UpstreamBroken
 
 _SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache", "x-accel-buffering": "no"}
@@ -148,11 +149,16 @@ class Job:
             st.metrics.rate_limited.labels(tenant.id, decision.limited_by).inc()
             raise APIError(429, f"rate limit exceeded ({decision.limited_by} per minute); retry after "
                                 f"{decision.retry_after_s:.2f}s", code="rate_limit_exceeded", headers=self.headers)
-        if tenant.max_concurrent_streams and st.active.get(tenant.id, 0) >= tenant.max_concurrent_streams:
-            st.metrics.rate_limited.labels(tenant.id, "concurrency").inc()
+
+    async def hold_stream(self) -> Lease:
+        """One of the tenant's max_concurrent_streams, across every gateway sharing Redis."""
+        lease = await self.st.streams.acquire(self.tenant)
+        if lease is None:
+            self.st.metrics.rate_limited.labels(self.tenant.id, "concurrency").inc()
             raise APIError(429, f"too many concurrent requests: this API key allows "
-                                f"{tenant.max_concurrent_streams}", code="concurrency_limit_exceeded",
+                                f"{self.tenant.max_concurrent_streams}", code="concurrency_limit_exceeded",
                            headers={**self.headers, "retry-after": "1"})
+        return lease
 
     def runs(self, prompts: list[list[int]], n: int, make_sampling) -> list[Run]:
         return [Run(p * n + i, ids, make_sampling(i), f"{self.backend_id}-{p * n + i}")
@@ -188,7 +194,7 @@ async def execute(job: Job, runs: list[Run], n: int, stream: bool, include_usage
     tenant, model = job.tenant, job.model
     target = Target(model.name, tenant.namespace, session)
     tally = Tally(n)
-    st.active[tenant.id] = st.active.get(tenant.id, 0) + 1
+    lease = await job.hold_stream()
     finished = False
     t0: float = request["t0"]
     try:
@@ -206,7 +212,10 @@ async def execute(job: Job, runs: list[Run], n: int, stream: bool, include_usage
                         await st.index.publish(model.name, r.choice.node.node_id, r.choice.hashes)
             return resp
     finally:
-        st.active[tenant.id] -= 1
+        if lease.kind == "redis":
+            st.spawn(st.streams.release(lease))
+        else:
+            st.streams.release_local(lease)
         usage = tally.usage()
         request["usage"] = usage
         series = st.metrics.series(tenant.id, model.name)

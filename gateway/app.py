@@ -141,7 +141,7 @@ async def metrics(request: web.Request) -> web.Response:
     st = request.app[STATE]
     st.metrics.inflight.set(st.inflight)
     limiter = st.limiter
-    st.metrics.limiter_fallbacks.set(getattr(limiter, "failures", 0))
+    st.metrics.limiter_fallbacks.set(getattr(limiter, "failures", 0) + getattr(st.streams, "failures", 0))
     return web.Response(body=st.metrics.render(), headers={"content-type": "text/plain; version=0.0.4"})
 
 
@@ -174,9 +174,12 @@ async def _resources(app: web.Application):
                                        timeout=aiohttp.ClientTimeout(total=None))
     await st.pool.refresh()
     probes = asyncio.get_running_loop().create_task(st.pool.run())
+    leases = asyncio.get_running_loop().create_task(st.streams.run()) if hasattr(st.streams, "run") else None
     yield
     probes.cancel()
-    await asyncio.gather(probes, return_exceptions=True)
+    if leases is not None:
+        leases.cancel()
+    await asyncio.gather(probes, *([leases] if leases else []), return_exceptions=True)
     await st.upstream.drain_aborts()
     if st.tasks:
         await asyncio.wait(list(st.tasks), timeout=5)

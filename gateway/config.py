@@ -43,6 +43,7 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     index_fill: str = "auto"                # "gateway" | "backends" | "auto" (gateway iff no redis)
     route_load_cost_tokens: int = 32        # one in-flight request costs as much as this many cached tokens
     route_affinity_tokens: int = 256        # bonus of the x-session-affinity node, in cached tokens
+    stream_lease_ttl_s: float = 30.0        # with redis: a dead gateway's share of max_concurrent_streams frees after this
     access_log: bool = True
 
 
@@ -102,7 +103,7 @@ def _check(cfg: GatewayConfig) -> GatewayConfig:
         if getattr(s, name) < 1:
             raise ConfigError(f"server.{name}={getattr(s, name)} must be >= 1")
     for name in ("body_read_timeout_s", "connect_timeout_s", "first_byte_timeout_s", "chunk_timeout_s",
-                 "keepalive_timeout_s", "shutdown_grace_s", "health_interval_s"):
+                 "keepalive_timeout_s", "shutdown_grace_s", "health_interval_s", "stream_lease_ttl_s"):
         v = getattr(s, name)
         if not math.isfinite(v) or v <= 0:
             raise ConfigError(f"server.{name}={v!r} is invalid: expected a finite number of seconds > 0")

@@ -21,6 +21,7 @@ from gateway.models import ServedModel
 from gateway.nodes import Node, NodePool
 from gateway.ratelimit import LocalLimiter, RedisLimiter
 from gateway.routing import Router
+from gateway.streams import LocalStreamLimiter, RedisStreamLimiter
 from gateway.tenants import TenantTable
 from gateway.upstream import Upstream
 
@@ -39,9 +40,9 @@ class GatewayState:
     limiter: LocalLimiter | RedisLimiter
     index: object
     fill_index: bool
+    streams: LocalStreamLimiter | RedisStreamLimiter = field(default_factory=LocalStreamLimiter)
     redis: object | None = None
     session: aiohttp.ClientSession | None = None
-    active: dict[str, int] = field(default_factory=dict)   # tenant id -> requests in flight
     inflight: int = 0
     draining: bool = False
     started: int = field(default_factory=lambda: int(time.time()))
@@ -97,8 +98,10 @@ def build_state(cfg: GatewayConfig, models: dict[str, ServedModel] | None = None
     router = Router(index, cfg.seed, s.route_load_cost_tokens, s.route_affinity_tokens)
     upstream = Upstream(s.connect_timeout_s, s.first_byte_timeout_s, s.chunk_timeout_s)
     limiter = RedisLimiter(redis_client, s.key_prefix) if redis_client is not None else LocalLimiter()
+    streams = (RedisStreamLimiter(redis_client, s.key_prefix, s.stream_lease_ttl_s) if redis_client is not None
+               else LocalStreamLimiter())
     st = GatewayState(cfg, models, TenantTable(cfg.tenants), metrics, pool, router, upstream, limiter, index,
-                      fill_index=cfg.fill_index_at_gateway, redis=redis_client)
+                      fill_index=cfg.fill_index_at_gateway, streams=streams, redis=redis_client)
     holder["state"] = st
     return st
 

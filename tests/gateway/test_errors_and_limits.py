@@ -167,3 +167,87 @@ def test_concurrent_stream_limit(harness):
         c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=1)
     assert e.value.body["code"] == "concurrency_limit_exceeded"
     stream.close()
+
+
+def _wait_for(pred, timeout_s: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def test_concurrent_stream_limit_shared_by_two_gateways_in_redis(harness, valkey):
+    import redis
+
+    r = redis.Redis.from_url(valkey.url)
+    r.flushall()
+    stub = harness.stub()
+    stub.behaviour.token_delay_s = 0.05
+    gw1 = harness.gateway([stub], tenants=[tenant(max_concurrent_streams=2)], redis_url=valkey.url)
+    gw2 = harness.gateway([stub], tenants=[tenant(max_concurrent_streams=2)], redis_url=valkey.url)
+    s1 = client(gw1).chat.completions.create(model=MODEL, messages=MSGS, max_tokens=60, stream=True)
+    next(iter(s1))
+    s2 = client(gw2).chat.completions.create(model=MODEL, messages=MSGS, max_tokens=60, stream=True)
+    next(iter(s2))
+    assert r.zcard("ei:cc:{demo}") == 2
+    for gw in (gw1, gw2):     # each gateway holds one stream; the cap of 2 is the tenant's, not per gateway
+        with pytest.raises(openai.RateLimitError) as e:
+            client(gw).chat.completions.create(model=MODEL, messages=MSGS, max_tokens=1)
+        assert e.value.body["code"] == "concurrency_limit_exceeded"
+    s1.close()
+    _wait_for(lambda: r.zcard("ei:cc:{demo}") == 1)     # the lease goes back when the stream ends
+    out = client(gw2).chat.completions.create(model=MODEL, messages=MSGS, max_tokens=1)
+    assert out.choices[0].finish_reason == "length"
+    s2.close()
+    _wait_for(lambda: r.zcard("ei:cc:{demo}") == 0)
+
+
+async def test_stream_leases_of_a_dead_gateway_expire(valkey):
+    import asyncio
+
+    import redis.asyncio as aredis
+
+    from gateway.config import TenantConfig
+    from gateway.streams import RedisStreamLimiter
+
+    c = aredis.Redis.from_url(valkey.url)
+    await c.flushall()
+    t = TenantConfig(id="t1", api_key_sha256=[], max_concurrent_streams=2)
+    dead = RedisStreamLimiter(c, ttl_s=0.4)            # takes the whole cap and never refreshes
+    assert (await dead.acquire(t)).kind == "redis" and (await dead.acquire(t)).kind == "redis"
+    alive = RedisStreamLimiter(c, ttl_s=0.4)
+    assert await alive.acquire(t) is None
+    await asyncio.sleep(0.6)
+    lease = await alive.acquire(t)                      # the dead gateway's leases expired
+    assert lease is not None and lease.kind == "redis"
+    for _ in range(4):                                  # a refreshed lease outlives its TTL
+        await asyncio.sleep(0.15)
+        await alive.refresh()
+    assert await c.zscore("ei:cc:{t1}", lease.lease_id) is not None
+    await alive.release(lease)
+    assert await c.zcard("ei:cc:{t1}") == 0
+    await c.aclose()
+
+
+async def test_stream_limiter_falls_back_to_the_local_count_when_redis_is_down():
+    import redis.asyncio as aredis
+
+    from gateway.config import TenantConfig
+    from gateway.streams import RedisStreamLimiter
+
+    c = aredis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.1)   # nothing listens on port 1
+    lim = RedisStreamLimiter(c, ttl_s=5)
+    t = TenantConfig(id="t1", api_key_sha256=[], max_concurrent_streams=1)
+    first = await lim.acquire(t)
+    assert first is not None and first.kind == "local"
+    assert await lim.acquire(t) is None                 # the cap still holds, on this gateway's count
+    await lim.release(first)
+    assert (await lim.acquire(t)).kind == "local"
+    assert lim.failures >= 2
+    unlimited = TenantConfig(id="t2", api_key_sha256=[])
+    assert (await lim.acquire(unlimited)).kind == "none"
+    with pytest.raises(ValueError, match="ttl_s=0"):
+        RedisStreamLimiter(c, ttl_s=0)
+    await c.aclose()
