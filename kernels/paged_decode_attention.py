@@ -36,24 +36,31 @@ def _select(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     return cache.index_select(0, pages)
 
 
+def page_index(block_tables, context_lens, num_tokens: int, page_size: int) -> torch.Tensor:
+    """-> [B * ceil(num_tokens / page_size)] int64 page ids, padding entries (past a context) set to page 0."""
+    num_pages = cdiv(num_tokens, page_size)
+    used = torch.arange(num_pages, device=block_tables.device)[None, :] < (context_lens[:, None] + page_size - 1) // page_size
+    return torch.where(used, block_tables[:, :num_pages].long(), 0).flatten()   # padding may be garbage
+
+
+def gather_index(cache, scale, flat, batch: int, num_tokens: int, dtype=torch.float32):
+    """Pages `flat` (from page_index) -> [B, num_tokens, kv_heads, head_dim] in `dtype` (fp8 dequantized)."""
+    # index_select, not cache[pages]: advanced indexing is ~300x slower on CPU for this shape
+    x = _select(cache, flat).view(batch, -1, *cache.shape[2:])[:, :num_tokens]
+    if scale is not None:
+        sc = scale.index_select(0, flat).view(batch, -1, scale.shape[2])[:, :num_tokens]
+        x = x.float() * sc.float()[..., None]
+    return x.to(dtype)
+
+
 def gather_pages(cache, scale, block_tables, context_lens, num_tokens, dtype=torch.float32):
     """-> ([B, num_tokens, kv_heads, head_dim] in `dtype` (fp8 dequantized), valid [B, num_tokens] bool).
 
     Rows past a sequence's context hold whatever the pool holds there (finite: the pool is zero-initialised
     and only ever written with finite values); callers mask them with `valid`.
     """
-    page_size = cache.shape[1]
-    num_pages = cdiv(num_tokens, page_size)
-    used = torch.arange(num_pages, device=cache.device)[None, :] < (context_lens[:, None] + page_size - 1) // page_size
-    pages = torch.where(used, block_tables[:, :num_pages].long(), 0)  # padding entries may be garbage
-    # pages: [B, num_pages]
-    flat = pages.flatten()
-    # index_select, not cache[pages]: advanced indexing is ~300x slower on CPU for this shape
-    x = _select(cache, flat).view(pages.shape[0], -1, *cache.shape[2:])[:, :num_tokens]
-    if scale is not None:
-        sc = scale.index_select(0, flat).view(pages.shape[0], -1, scale.shape[2])[:, :num_tokens]
-        x = x.float() * sc.float()[..., None]
-    x = x.to(dtype)
+    flat = page_index(block_tables, context_lens, num_tokens, cache.shape[1])
+    x = gather_index(cache, scale, flat, block_tables.shape[0], num_tokens, dtype)
     valid = torch.arange(num_tokens, device=cache.device)[None, :] < context_lens[:, None]
     return x, valid
 
@@ -72,8 +79,10 @@ def paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_
         y = torch.zeros_like(q)
         return y if out is None else out.copy_(y)
     cd = _compute_dtype(q)
-    k, valid = gather_pages(k_cache, k_scale, block_tables, context_lens, num_tokens, cd)
-    v, _ = gather_pages(v_cache, v_scale, block_tables, context_lens, num_tokens, cd)
+    flat = page_index(block_tables, context_lens, num_tokens, k_cache.shape[1])   # shared by K and V
+    k = gather_index(k_cache, k_scale, flat, batch, num_tokens, cd)
+    v = gather_index(v_cache, v_scale, flat, batch, num_tokens, cd)
+    valid = torch.arange(num_tokens, device=q.device)[None, :] < context_lens[:, None]
     # k, v: [B, N, kv_heads, D] -> [B, kv_heads, N, D]; q: [B, heads, 1, D]; GQA inside SDPA
     y = torch.nn.functional.scaled_dot_product_attention(
         q.to(cd)[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, None, :],
