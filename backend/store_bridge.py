@@ -35,7 +35,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -109,6 +109,7 @@ class BridgeStats:
     integrity_failures: int = 0
     incompatible: int = 0       # well-formed pages this engine cannot use (left in the store)
     fetch_timeouts: int = 0
+    unindexed: int = 0          # published pages this node evicted, removed from the index
     errors: int = 0
 
 
@@ -119,7 +120,8 @@ class PageStoreBridge(EngineObserver):
                  registry: NodeRegistry | None = None, metrics=None, url: str = "", version: str = "",
                  state_fn=None, redis_client=None, heartbeat_s: float = 2.0, fetch_timeout_s: float = 1.0,
                  fetch_chunk_bytes: int = 96 << 20, max_pending_bytes: int = 256 << 20,
-                 publish_batch_bytes: int = 16 << 20, published_memory: int = 1 << 16) -> None:
+                 publish_batch_bytes: int = 16 << 20, published_memory: int = 1 << 16,
+                 unindex_interval_s: float = 0.5) -> None:
         self.engine = engine
         self.node_id = node_id
         self.store = store
@@ -142,6 +144,8 @@ class PageStoreBridge(EngineObserver):
         self.started_at = time.time()
         self._published: OrderedDict[bytes, None] = OrderedDict()   # recently published hashes (bounded)
         self._published_memory = published_memory
+        self._evicted: deque[bytes] = deque()       # appended on the engine thread, drained on the loop
+        self.unindex_interval_s = unindex_interval_s
         self._pending_bytes = 0
         self._pending_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -154,7 +158,7 @@ class PageStoreBridge(EngineObserver):
             from prometheus_client import Counter, Histogram
 
             self._pages_counter = Counter("edgeinfer_backend_page_store_pages",
-                                          "Page store events: published, not_acked, dropped, uploaded, incompatible",
+                                          "Page store events: published, not_acked, dropped, uploaded, incompatible, unindexed",
                                           ["model", "event"], registry=metrics.registry)
             self._fetch_hist = Histogram("edgeinfer_backend_page_store_fetch_seconds",
                                          "Time spent fetching + verifying + uploading pages before a request",
@@ -184,6 +188,9 @@ class PageStoreBridge(EngineObserver):
             except Exception as e:  # noqa: BLE001
                 log.warning("redis cluster not reachable at start: %s", e)
         self._tasks.append(asyncio.create_task(self._publisher(), name="page-store-publisher"))
+        if self.index is not None:
+            self.engine.blocks.on_evict = self._evicted.append
+            self._tasks.append(asyncio.create_task(self._unindexer(), name="page-store-unindexer"))
         if self.registry is not None:
             await self.registry.register(self.record())
             self._tasks.append(asyncio.create_task(self._heartbeats(), name="page-store-heartbeat"))
@@ -193,6 +200,8 @@ class PageStoreBridge(EngineObserver):
         self._closed = True
         if self in self.engine.observers:
             self.engine.observers.remove(self)
+        if self.engine.blocks.on_evict == self._evicted.append:
+            self.engine.blocks.on_evict = None
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -313,6 +322,30 @@ class PageStoreBridge(EngineObserver):
                 self._remember(h)
             self._count("published", len(acked))
             self._count("not_acked", len(items) - len(acked))
+
+    async def _unindexer(self) -> None:
+        while True:
+            await asyncio.sleep(self.unindex_interval_s)
+            try:
+                await self.unindex_evicted()
+            except Exception:  # noqa: BLE001 - entries left behind expire with the index TTL
+                self.stats.errors += 1
+                log.exception("removing evicted pages from the index failed")
+
+    async def unindex_evicted(self) -> int:
+        """Tell the index this node no longer holds the published pages its engine evicted, so the gateway
+        stops routing their prefixes here. A page cached again since (recomputed, or fetched back) stays."""
+        cache = self.engine.blocks.cache
+        gone: list[bytes] = []
+        while self._evicted:
+            h = self._evicted.popleft()
+            if h in self._published and h not in cache:
+                del self._published[h]
+                gone.append(h)
+        if gone and self.index is not None:
+            await self.index.remove_node(self.model, self.node_id, gone)
+            self._count("unindexed", len(gone))
+        return len(gone)
 
     def _remember(self, h: bytes) -> None:
         self._published[h] = None

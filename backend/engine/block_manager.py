@@ -143,6 +143,8 @@ class BlockManager:
             if self.ref[hit.page] == 0:
                 self.free_cached.pop(hit.page, None)
                 self.free_uncached.append(hit.page)
+            if self.on_evict is not None:
+                self.on_evict(h)
 
     def free(self, seq: Sequence) -> None:
         for page in reversed(seq.block_table):

@@ -390,3 +390,49 @@ async def test_corrupted_pages_in_host_and_redis_are_all_detected_and_never_used
     finally:
         await bridge.stop()
         engine.stop()
+
+
+async def test_pages_the_engine_evicts_leave_the_index(smol_dir, valkey):
+    """The gateway routes a prefix to the nodes the index lists; once this node's engine evicts those pages
+    it must stop being listed (not wait for the index TTL), and a page cached again must stay listed."""
+    from backend.engine.config import EngineConfig
+    from backend.engine.engine import load_engine
+    from backend.store_bridge import PageStoreBridge
+    from cache_store.index import RedisPageIndex
+    from cache_store.resilience import RedisGuard, redis_client
+    from cache_store.store import HostPageStore, TieredPageStore
+
+    if valkey.proc is None:
+        valkey.start()
+    engine = load_engine(smol_dir, EngineConfig(num_pages=24, cache_seed=b"unindex-test"))
+    engine.start()
+    client = redis_client(valkey.url, socket_timeout_s=5)
+    index = RedisPageIndex(client, guard=RedisGuard(timeout_s=5))
+    bridge = PageStoreBridge(engine, node_id="evictor", store=TieredPageStore([("host", HostPageStore(1 << 30))]),
+                             index=index, redis_client=client, unindex_interval_s=3600)   # driven by hand below
+    await bridge.start()
+    try:
+        ns = "unindex-ns"
+        first = random_prompt(21, 8 * 16 + 1)
+        await _generate(engine, bridge, first, ns)
+        assert await bridge.flush(30)
+        hashes = page_hashes(engine.key_context(ns), first[:128])
+        assert await index.longest_prefix(engine.model_name, hashes) == {"evictor": 8}
+        assert await bridge.unindex_evicted() == 0              # nothing evicted yet: the entries stay
+        for seed in (22, 23, 24):                                # 3 x 10 pages through a 24-page pool
+            await _generate(engine, bridge, random_prompt(seed, 9 * 16 + 1), ns)
+        await engine.call_in_engine(lambda: None)
+        evicted = [h for h in hashes if h not in engine.blocks.cache]
+        assert evicted, "the pool was large enough to keep every page: the test proves nothing"
+        removed = await bridge.unindex_evicted()
+        assert removed >= len(evicted) and bridge.stats.unindexed == removed
+        listed = await index.longest_prefix(engine.model_name, hashes)
+        assert listed.get("evictor", 0) == next(i for i, h in enumerate(hashes) if h not in engine.blocks.cache)
+        # recompute the first prompt: its pages are published and listed again
+        await _generate(engine, bridge, first, ns)
+        assert await bridge.flush(30)
+        await bridge.unindex_evicted()
+        assert await index.longest_prefix(engine.model_name, hashes) == {"evictor": 8}
+    finally:
+        await bridge.stop()
+        engine.stop()
