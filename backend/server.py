@@ -52,7 +52,7 @@ def _error(status: int, message: str) -> web.Response:
 
 async def generate(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
-    if st.state != "active":
+    if st.state != "active" and not _operator_ok(request):   # an operator's canary may reach a drained node
         return _error(503, f"node {st.node_id} is {st.state}; not accepting new requests")
     try:
         req = msgspec.json.decode(await request.read(), type=GenerateRequest)
@@ -218,10 +218,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--redis-key-prefix", default="ei", help="prefix of every Redis key (same as the gateway's)")
     p.add_argument("--cache-seed", default=os.environ.get("EDGEINFER_CACHE_SEED", "edgeinfer-dev-seed"))
     p.add_argument("--operator-key", default=os.environ.get("EDGEINFER_OPERATOR_KEY"))
+    p.add_argument("--start-drained", action="store_true",
+                   help="register as draining: no routed traffic until `edgeinfer ops undrain` (rollouts run "
+                        "their canary first); needs --operator-key")
     p.add_argument("--version", default=VERSION)
     p.add_argument("--heartbeat", type=float, default=2.0)
     p.add_argument("--log-level", default="INFO")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.start_drained and not args.operator_key:
+        p.error("--start-drained needs --operator-key (or EDGEINFER_OPERATOR_KEY): without it the node could "
+                "never be undrained")
+    return args
 
 
 def build_state(args: argparse.Namespace) -> BackendState:
@@ -243,7 +250,8 @@ def build_state(args: argparse.Namespace) -> BackendState:
     engine.observers.append(m)
     m.set_memory(engine)
     st = BackendState(engine=engine, metrics=m, node_id=node_id, version=args.version,
-                      operator_key=args.operator_key, url=f"http://{args.host}:{args.port}")
+                      operator_key=args.operator_key, url=f"http://{args.host}:{args.port}",
+                      state="draining" if args.start_drained else "active")
     log.info(json.dumps({"event": "memory", "model": engine.model_name, "weight_bytes": engine.model.weight_bytes(),
                          "kv_dtype": engine.kv_format, "kv_bytes_per_token": engine.runner.bytes_per_token,
                          "kv_pages": engine.blocks.num_pages, "page_size": cfg.page_size,

@@ -159,8 +159,11 @@ class NodeClient:
         req = GenerateRequest(f"ops-canary-{uuid.uuid4().hex[:12]}", list(prompt_ids),
                               SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
                               cache_namespace="ops-canary", model=model)
+        headers = {"content-type": "application/json"}
+        if self.operator_key:     # lets the canary reach a node that is still drained (--start-drained)
+            headers["authorization"] = f"Bearer {self.operator_key}"
         http = urllib.request.Request(self.url + "/internal/generate", data=msgspec.json.encode(req),
-                                      method="POST", headers={"content-type": "application/json"})
+                                      method="POST", headers=headers)
         t0 = time.monotonic()
         tokens = 0
         try:

@@ -7,7 +7,9 @@ rollout; every node touched so far (the failed one included) is put back with th
 its old version, through the same gates.
 
 Template placeholders (values are shell-quoted): {node_id} {url} {host} {port} {model} {version}
-{old_version}.
+{old_version}. A template that starts the backend with `--start-drained` keeps the new process out of
+routing until its canary passed and the rollout undrains it; without it the node is routable as soon as
+it registers (the rollout says so).
 """
 
 from __future__ import annotations
@@ -151,7 +153,12 @@ class Rollout:
         why = node.wait_healthy(o.health_timeout_s, version=version, node_id=t.node_id)
         if why:
             raise GateFailed(f"health gate: {why}")
-        self.say(t.node_id, f"healthy at {version}; canary request")
+        state = node.health().state
+        if state == "active":
+            self.say(t.node_id, f"healthy at {version}, and already active: it took routed traffic before its "
+                                "canary (start it with --start-drained in --command to canary first)")
+        else:
+            self.say(t.node_id, f"healthy at {version}, {state or 'state unknown'}; canary request")
         c = node.canary(t.model, o.canary_prompt_ids, timeout_s=o.canary_timeout_s)
         if not c.ok:
             raise GateFailed(f"canary request failed: {c.error}")

@@ -100,3 +100,46 @@ async def test_drain_needs_operator_key_and_stops_new_requests(backend):
     async with http.get("/metrics") as r:
         text = await r.text()
     assert "edgeinfer_backend_kv_pages_total" in text and OPERATOR_KEY not in text
+
+
+async def test_start_drained_node_takes_only_the_operator_canary(smol_model, smol_tokenizer):
+    engine = LLMEngine(smol_model, smol_tokenizer, EngineConfig(num_pages=64))
+    st = BackendState(engine=engine, metrics=BackendMetrics("smol"), node_id="n-new", operator_key=OPERATOR_KEY,
+                      state="draining")
+    runner = web.AppRunner(make_app(st), handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    op = {"authorization": f"Bearer {OPERATOR_KEY}"}
+    try:
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as http:
+            async with http.get("/ready") as r:
+                assert r.status == 503                       # routers skip it
+            async with http.post("/internal/generate", json=body("routed", [1, 2, 3], max_tokens=2)) as r:
+                assert r.status == 503
+            async with http.post("/internal/generate", json=body("routed", [1, 2, 3], max_tokens=2),
+                                 headers={"authorization": "Bearer tenant-key"}) as r:
+                assert r.status == 503
+            async with http.post("/internal/generate", json=body("canary", [1, 2, 3], max_tokens=2,
+                                                                   ignore_eos=True), headers=op) as r:
+                assert r.status == 200
+                chunks = [msgspec.json.decode(line, type=StreamChunk) async for line in r.content]
+            assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 2
+            async with http.post("/admin/undrain", headers=op) as r:
+                assert r.status == 200
+            async with http.post("/internal/generate", json=body("routed-2", [1, 2, 3], max_tokens=1)) as r:
+                assert r.status == 200
+                await r.read()
+    finally:
+        await runner.cleanup()
+
+
+def test_start_drained_needs_an_operator_key(monkeypatch, capsys):
+    from backend.server import parse_args
+
+    monkeypatch.delenv("EDGEINFER_OPERATOR_KEY", raising=False)
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--start-drained"])
+    assert e.value.code == 2 and "--start-drained needs --operator-key" in capsys.readouterr().err
+    assert parse_args(["--start-drained", "--operator-key", "k"]).start_drained

@@ -1,7 +1,7 @@
 """Test-side restart script that `ops rollout --command` calls: replace one backend process.
 
   python tests/ops/launcher.py --state DIR --model DIR --redis-url URL --node-id N --port P --version V
-      [--break-node N --break-version V] [--heartbeat S] [--ready-timeout S]
+      [--break-node N --break-version V] [--heartbeat S] [--ready-timeout S] [--start-drained]
 
 Stops the node's old process (pid in DIR/<node>.pid: SIGTERM, which drains gracefully, then SIGKILL
 after 45 s), starts `python -m backend.server` on the same port with the new --version, and waits
@@ -63,6 +63,7 @@ def main() -> int:
     p.add_argument("--break-version", default="")
     p.add_argument("--heartbeat", default="0.5")
     p.add_argument("--ready-timeout", type=float, default=120.0)
+    p.add_argument("--start-drained", action="store_true")
     a = p.parse_args()
     state = Path(a.state)
     pidfile = state / f"{a.node_id}.pid"
@@ -72,7 +73,7 @@ def main() -> int:
     cmd = [sys.executable, "-m", "backend.server", "--model", model, "--port", a.port, "--node-id", a.node_id,
            "--redis-url", a.redis_url, "--operator-key", os.environ["EDGEINFER_OPERATOR_KEY"],
            "--version", a.version, "--num-pages", "256", "--max-num-seqs", "16", "--heartbeat", a.heartbeat,
-           "--log-level", "WARNING"]
+           "--log-level", "WARNING"] + (["--start-drained"] if a.start_drained else [])
     with open(state / f"{a.node_id}.log", "ab") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=log, start_new_session=True)
     pidfile.write_text(str(proc.pid))

@@ -263,14 +263,16 @@ def test_rollout_with_continuous_traffic_has_zero_failed_requests(cluster):
 
     with Clients(cluster) as clients:
         time.sleep(1.0)
-        r = cluster.ops("rollout", "--model", cluster.model, "--to", "v2", "--command", cluster.template(),
-                        "--settle", "0.6", "--health-timeout", "120")
+        r = cluster.ops("rollout", "--model", cluster.model, "--to", "v2",
+                        "--command", cluster.template("--start-drained"), "--settle", "0.6", "--health-timeout", "120")
         time.sleep(0.5)
         during = len(clients.results)
     print(r.stdout)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "rollout done: 3 node(s) serve v2" in r.stdout
     assert r.stdout.count("canary ok") == 3
+    assert r.stdout.count("healthy at v2, draining; canary request") == 3    # no traffic before the canary
+    assert "already active" not in r.stdout
     assert cluster.versions() == dict.fromkeys(NODES, "v2")
     assert {n: d["version"] for n, d in cluster.status().items()} == dict.fromkeys(NODES, "v2")
     assert during >= 10, f"only {during} client requests ran during the rollout"
@@ -290,6 +292,7 @@ def test_rollout_with_failing_version_rolls_back(cluster):
     print(r.stdout)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "n1: FAILED: command exited with 1" in r.stdout
+    assert "n0: healthy at v3, and already active" in r.stdout     # no --start-drained: the rollout says so
     assert "rolled back" in r.stdout and "n2" not in r.stdout.split("rolling back")[1].split("\n")[0]
     assert cluster.versions() == dict.fromkeys(NODES, "v2")       # n0 was upgraded, then put back
     assert {n: (d["version"], d["state"]) for n, d in cluster.status().items()} == dict.fromkeys(NODES,
