@@ -10,12 +10,7 @@ real valkey-server.
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-import re
-import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -27,6 +22,7 @@ import requests
 from backend.protocol import GenerateRequest, SamplingParams, chunk_decoder
 from cache_store.codec import ENVELOPE_BYTES, DecodedPage, decode
 from cache_store.page_id import PageKeyContext, page_hashes
+from tests.backend_process import BackendProcess
 from tests.redis_server import ValkeyServer
 
 pytestmark = pytest.mark.slow
@@ -35,53 +31,16 @@ OPERATOR_KEY = "op-key-for-tests"
 VOCAB_LO, VOCAB_HI = 100, 40000
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def random_prompt(seed: int, n: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(n)]
 
 
-class Backend:
+class Backend(BackendProcess):
     def __init__(self, model_dir, node_id: str, redis_url: str, log_dir: Path) -> None:
-        self.node_id = node_id
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"{node_id}.log"
-        cmd = [sys.executable, "-m", "backend.server", "--model", str(model_dir), "--port", str(self.port),
-               "--node-id", node_id, "--redis-url", redis_url, "--num-pages", "400", "--max-num-seqs", "4",
-               "--heartbeat", "0.5", "--operator-key", OPERATOR_KEY, "--store-fetch-timeout", "3",
-               "--log-level", "WARNING"]
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, env={**os.environ, "EDGEINFER_CACHE_SEED": SEED},
-                                     stdout=subprocess.DEVNULL, stderr=self._log)
-
-    def wait_ready(self, timeout_s: float = 120) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"backend {self.node_id} exited: {self.log_path.read_text()[-2000:]}"
-            try:
-                if requests.get(self.url + "/ready", timeout=1).status_code == 200:
-                    return
-            except requests.ConnectionError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"backend {self.node_id} not ready after {timeout_s}s")
-
-    def metric(self, name: str, **labels: str) -> float:
-        text = requests.get(self.url + "/metrics", timeout=5).text
-        total = 0.0
-        for m in re.finditer(rf"^{name}\{{([^}}]*)\}} (\S+)$", text, re.M):
-            got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-            if all(got.get(k) == v for k, v in labels.items()):
-                total += float(m.group(2))
-        return total
+        super().__init__(model_dir, node_id, ["--redis-url", redis_url, "--num-pages", "400", "--max-num-seqs", "4",
+                                              "--heartbeat", "0.5", "--operator-key", OPERATOR_KEY,
+                                              "--store-fetch-timeout", "3"], SEED, log_dir / f"{node_id}.log")
 
     def published(self) -> float:
         return self.metric("edgeinfer_backend_page_store_pages_total", event="published")
@@ -100,16 +59,6 @@ class Backend:
                     ids += last.token_ids
         assert last is not None and last.finish_reason == "length", last
         return ids, msgspec.to_builtins(last.usage)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._log.close()
 
 
 def wait_for(cond, timeout_s: float, what: str) -> None:

@@ -3,7 +3,6 @@ the openai client through the gateway, a two-node routing test, and `edgeinfer s
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
@@ -14,56 +13,20 @@ import openai
 import pytest
 import requests
 
+from tests.backend_process import BackendProcess
 from tests.gateway.conftest import DEMO_KEY, aclient, client, parsed, tenant
+from tests.redis_server import free_port
 
 pytestmark = pytest.mark.slow
 SEED = "real-backend-test-seed"
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Backend:
+class Backend(BackendProcess):
     def __init__(self, model_dir, node_id: str) -> None:
-        self.node_id = node_id
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "backend.server", "--model", str(model_dir), "--port", str(self.port),
-               "--node-id", node_id, "--max-num-seqs", "4", "--kv-cache-bytes", str(64 << 20), "--log-level",
-               "WARNING"]
-        self.proc = subprocess.Popen(cmd, env={**os.environ, "EDGEINFER_CACHE_SEED": SEED},
-                                     stdout=subprocess.DEVNULL)
-
-    def wait_ready(self, timeout_s: float = 120) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"backend {self.node_id} exited with {self.proc.returncode}"
-            try:
-                if requests.get(self.url + "/ready", timeout=1).status_code == 200:
-                    return
-            except requests.ConnectionError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"backend {self.node_id} not ready after {timeout_s}s")
+        super().__init__(model_dir, node_id, ["--max-num-seqs", "4", "--kv-cache-bytes", str(64 << 20)], SEED)
 
     def prompt_tokens(self) -> float:
-        m = re.search(r"^edgeinfer_backend_prompt_tokens_total\{[^}]*\} (\S+)$",
-                      requests.get(self.url + "/metrics", timeout=5).text, re.M)
-        return float(m.group(1)) if m else 0.0
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        return self.metric("edgeinfer_backend_prompt_tokens_total")
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +99,7 @@ def test_second_turn_routes_to_prefix_holder_and_reports_cached_tokens(harness, 
 
 
 def test_edgeinfer_serve_runs_gateway_and_backend(tmp_path):
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "ops.cli", "serve", "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
