@@ -259,7 +259,7 @@ def build_state(args: argparse.Namespace) -> BackendState:
     try:
         from backend.store_bridge import attach_page_store  # noqa: PLC0415
     except ImportError:
-        attach_page_store = None
+        attach_page_store = None  # type: ignore[assignment]
     if attach_page_store is not None:
         attach_page_store(st, args)
     return st

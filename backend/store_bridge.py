@@ -36,6 +36,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,8 +45,8 @@ import torch
 from cache_store.codec import DecodedPage, PageFormat, decode, encode
 from cache_store.index import PageIndex
 from cache_store.page_id import page_hashes
-from cache_store.registry import NodeRecord, NodeRegistry
-from cache_store.store import TieredPageStore
+from cache_store.registry import NodeRecord, NodeRegistry, NodeState
+from cache_store.store import PageStore, TieredPageStore
 
 log = logging.getLogger("edgeinfer.store_bridge")
 
@@ -118,7 +119,8 @@ class PageStoreBridge(EngineObserver):
 
     def __init__(self, engine, *, node_id: str, store: TieredPageStore | None, index: PageIndex | None = None,
                  registry: NodeRegistry | None = None, metrics=None, url: str = "", version: str = "",
-                 state_fn=None, redis_client=None, heartbeat_s: float = 2.0, fetch_timeout_s: float = 1.0,
+                 state_fn: Callable[[], NodeState] | None = None, redis_client=None,
+                 heartbeat_s: float = 2.0, fetch_timeout_s: float = 1.0,
                  fetch_chunk_bytes: int = 96 << 20, max_pending_bytes: int = 256 << 20,
                  publish_batch_bytes: int = 16 << 20, published_memory: int = 1 << 16,
                  unindex_interval_s: float = 0.5) -> None:
@@ -130,7 +132,7 @@ class PageStoreBridge(EngineObserver):
         self.metrics = metrics
         self.url = url
         self.version = version
-        self.state_fn = state_fn or (lambda: "active")
+        self.state_fn: Callable[[], NodeState] = state_fn or (lambda: "active")
         self.redis_client = redis_client
         self.heartbeat_s = heartbeat_s
         self.fetch_timeout_s = fetch_timeout_s
@@ -242,6 +244,7 @@ class PageStoreBridge(EngineObserver):
         while True:
             await asyncio.sleep(self.heartbeat_s)
             try:
+                assert self.registry is not None   # this task runs only with a registry (start)
                 await self.registry.heartbeat(self.record())
             except Exception:  # noqa: BLE001
                 log.exception("heartbeat failed")
@@ -283,11 +286,13 @@ class PageStoreBridge(EngineObserver):
                 self._pending_bytes += self.page_bytes
             chosen.append((h, hit.parent, hit.tokens, page))
         if dropped:
+            assert self._loop is not None   # callers return early without a loop
             self._loop.call_soon_threadsafe(self._count, "dropped", dropped)
         if not chosen:
             return 0
         try:
             buf = gather_pages(self.engine.runner, [c[3] for c in chosen])
+            assert self._loop is not None and self._queue is not None   # both set by start()
             self._loop.call_soon_threadsafe(self._queue.put_nowait, ([c[:3] for c in chosen], buf))
         except BaseException:
             with self._pending_lock:
@@ -296,6 +301,7 @@ class PageStoreBridge(EngineObserver):
         return len(chosen)
 
     async def _publisher(self) -> None:
+        assert self._queue is not None   # this task is created by start(), after the queue
         while True:
             batch = await self._queue.get()
             try:
@@ -314,6 +320,7 @@ class PageStoreBridge(EngineObserver):
             chunk = meta[start:start + self.publish_batch_pages]
             items = [(h, encode(fmt.header(h, parent, tokens), rows[start + j]))
                      for j, (h, parent, tokens) in enumerate(chunk)]
+            assert self.store is not None   # pages are queued only with a store (on_pages_filled)
             acks = await self.store.put_many(items)
             acked = [h for (h, _), ok in zip(items, acks, strict=True) if ok]
             if acked and self.index is not None:
@@ -426,6 +433,7 @@ class PageStoreBridge(EngineObserver):
                 self.stats.fetch_timeouts += 1
                 break
             keys = hashes[i:min(usable, i + self.fetch_chunk_pages)]
+            assert self.store is not None   # checked by prefetch()
             sourced = await self.store.get_many_sourced(keys, timeout_s=left)
             good: list[tuple[bytes, bytes, tuple]] = []
             bodies: list[memoryview] = []
@@ -490,6 +498,7 @@ class PageStoreBridge(EngineObserver):
         log.warning("integrity failure: page %s from the %s tier: %s (%s); deleted from %s, recomputing",
                     h.hex(), source, miss.reason.label, miss.detail, source)
         try:
+            assert self.store is not None   # pages are fetched only with a store
             await self.store.delete_from(source, [h])
         except Exception:  # noqa: BLE001
             log.exception("could not delete corrupt page %s from %s", h.hex(), source)
@@ -542,7 +551,7 @@ def attach_page_store(st, args) -> PageStoreBridge | None:
     if tier == "redis" and not url:
         log.info("page store off: --store-tier redis without --redis-url")
         return None
-    tiers = []
+    tiers: list[tuple[str, PageStore]] = []
     host_bytes = getattr(args, "host_store_bytes", 0) or 0
     if host_bytes > 0:
         tiers.append(("host", HostPageStore(host_bytes)))

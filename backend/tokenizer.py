@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer as _HFTokenizer
+
+if TYPE_CHECKING:
+    from jinja2 import Template
 
 
 class TokenizerError(ValueError):
@@ -45,7 +48,7 @@ class Tokenizer:
         if self.eos_token is not None and (i := tok.token_to_id(self.eos_token)) is not None:
             self.eos_token_ids.add(i)
         self.bos_token_id = tok.token_to_id(self.bos_token) if self.bos_token else None
-        self._template = None
+        self._template: Template | None = None
 
     @classmethod
     def from_dir(cls, path: str | Path, model_vocab_size: int | None = None) -> Tokenizer:

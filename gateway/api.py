@@ -256,12 +256,13 @@ async def _stream(job: Job, runs: list[Run], tally: Tally, include_usage: bool, 
             tally.add(run, chunk)
             if not chunk.text and chunk.finish_reason is None and not chunk.logprobs:
                 continue
+            out: ChatCompletionChunk | Completion
             if chat:
                 delta = Delta(role=None if run.index in started else "assistant", content=chunk.text)
                 started.add(run.index)
-                lp = model.chat_logprobs(chunk.logprobs) if chunk.logprobs else None
+                chat_lp = model.chat_logprobs(chunk.logprobs) if chunk.logprobs else None
                 out = ChatCompletionChunk(job.id, "chat.completion.chunk", job.created, model.name,
-                                          [ChatChunkChoice(run.index, delta, lp, chunk.finish_reason)])
+                                          [ChatChunkChoice(run.index, delta, chat_lp, chunk.finish_reason)])
             else:
                 lp = model.completion_logprobs(chunk.logprobs, offsets[run.index]) if chunk.logprobs else None
                 offsets[run.index] += len(chunk.text)
@@ -284,6 +285,7 @@ class _Latency:
     """TTFT (first token of any choice) and inter-token latency (per choice) of one request."""
 
     __slots__ = ("series", "t0", "last", "first_seen")
+    last: dict[int, float]
 
     def __init__(self, series, t0: float) -> None:
         self.series, self.t0, self.last, self.first_seen = series, t0, {}, False
@@ -321,9 +323,10 @@ async def _collect(job: Job, runs: list[Run], tally: Tally, t0: float) -> web.Re
         raise APIError(502, f"backend stream failed after it started: {e}", code="upstream_failed") from e
     want_lp = runs[0].sampling.logprobs
     if job.kind == "chat":
-        choices = [ChatChoice(i, AssistantMessage("assistant", "".join(texts[i])),
-                              model.chat_logprobs(lps[i]) if want_lp else None, reasons.get(i)) for i in texts]
-        body = encode(ChatCompletion(job.id, job.created, model.name, choices, tally.usage()))
+        chat_choices = [ChatChoice(i, AssistantMessage("assistant", "".join(texts[i])),
+                                   model.chat_logprobs(lps[i]) if want_lp else None, reasons.get(i))
+                        for i in texts]
+        body = encode(ChatCompletion(job.id, job.created, model.name, chat_choices, tally.usage()))
     else:
         choices = [CompletionChoice(i, "".join(texts[i]), model.completion_logprobs(lps[i], 0) if want_lp else None,
                                     reasons.get(i)) for i in texts]

@@ -91,9 +91,9 @@ async def runs_open(st, target: Target, runs: list[Run]):
             await start(st, target, runs[0])
         else:
             results = await asyncio.gather(*(start(st, target, r) for r in runs), return_exceptions=True)
-            for r in results:
-                if isinstance(r, BaseException):
-                    raise r
+            for res in results:
+                if isinstance(res, BaseException):
+                    raise res
         yield runs
     finally:
         for r in runs:

@@ -13,12 +13,12 @@ _ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 class TenantModelSeries(NamedTuple):
     """Children of the per-(tenant, model) series, resolved once (labels() costs a few us per call)."""
 
-    prompt_tokens: object
-    completion_tokens: object
-    cached_tokens: object
-    ttft: object
-    itl: object
-    aborts: object
+    prompt_tokens: Counter
+    completion_tokens: Counter
+    cached_tokens: Counter
+    ttft: Histogram
+    itl: Histogram
+    aborts: Counter
 
 
 class Metrics:
@@ -56,8 +56,9 @@ class Metrics:
         s = self._series.get((tenant, model))
         if s is None:
             s = self._series[(tenant, model)] = TenantModelSeries(
-                *(m.labels(tenant, model) for m in (self.prompt_tokens, self.completion_tokens, self.cached_tokens,
-                                                    self.ttft, self.itl, self.aborts)))
+                self.prompt_tokens.labels(tenant, model), self.completion_tokens.labels(tenant, model),
+                self.cached_tokens.labels(tenant, model), self.ttft.labels(tenant, model),
+                self.itl.labels(tenant, model), self.aborts.labels(tenant, model))
         return s
 
     def render(self) -> bytes:

@@ -8,6 +8,7 @@ import hmac
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
@@ -20,10 +21,13 @@ from gateway.metrics import Metrics
 from gateway.models import ServedModel
 from gateway.nodes import Node, NodePool
 from gateway.ratelimit import LocalLimiter, RedisLimiter
-from gateway.routing import Router
+from gateway.routing import PrefixIndex, Router
 from gateway.streams import LocalStreamLimiter, RedisStreamLimiter
 from gateway.tenants import TenantTable
 from gateway.upstream import Upstream
+
+if TYPE_CHECKING:
+    from redis.asyncio import Redis
 
 log = logging.getLogger("edgeinfer.gateway")
 
@@ -38,10 +42,10 @@ class GatewayState:
     router: Router
     upstream: Upstream
     limiter: LocalLimiter | RedisLimiter
-    index: object
+    index: PrefixIndex
     fill_index: bool
     streams: LocalStreamLimiter | RedisStreamLimiter = field(default_factory=LocalStreamLimiter)
-    redis: object | None = None
+    redis: Redis | None = None
     session: aiohttp.ClientSession | None = None
     inflight: int = 0
     draining: bool = False

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import TextIO
 
 from ops.node_client import CANARY_PROMPT_IDS, NodeClient, NodeError, host_of, port_of
 
@@ -72,7 +73,7 @@ def render(template: str, t: Target, version: str) -> str:
 
 @dataclass
 class Progress:
-    out: object = field(default_factory=lambda: sys.stdout)
+    out: TextIO = field(default_factory=lambda: sys.stdout)
     t0: float = field(default_factory=time.monotonic)
 
     def __call__(self, node: str, msg: str) -> None:

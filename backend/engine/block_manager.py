@@ -82,7 +82,7 @@ class BlockManager:
         self.ref[page] = 1
         return page
 
-    def can_allocate(self, num_new_pages: int, reused: list[int] = ()) -> bool:
+    def can_allocate(self, num_new_pages: int, reused: list[int] | tuple[int, ...] = ()) -> bool:
         reclaimed = sum(1 for pg in reused if self.ref[pg] == 0)
         return num_new_pages <= self.num_free - reclaimed
 
@@ -110,7 +110,7 @@ class BlockManager:
 
     def register_full_pages(self, seq: Sequence, new_hashes: list[bytes]) -> list[tuple[bytes, int]]:
         """Index seq's newly filled pages in the prefix cache; returns (hash, page) pairs newly cached."""
-        out = []
+        out: list[tuple[bytes, int]] = []
         if not self.enable_prefix_cache:
             return out
         p = self.page_size

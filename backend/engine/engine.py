@@ -7,8 +7,9 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
+from typing import Any
 
 import torch
 import xxhash
@@ -122,7 +123,7 @@ class LLMEngine:
         if not req.cache_namespace:
             raise RequestError("cache_namespace is empty: expected the tenant's namespace")
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
+    async def generate(self, req: GenerateRequest) -> AsyncGenerator[StreamChunk, None]:
         """Yields StreamChunks; the last one carries finish_reason and usage. Cancelling the iterator aborts."""
         self.validate(req)
         if self.error is not None:
@@ -216,7 +217,8 @@ class LLMEngine:
         for o in self.observers:
             o.on_finish(seq)
 
-    def _handle(self, cmd: str, seq: Sequence | None) -> None:
+    def _handle(self, cmd: str, seq: Any) -> None:
+        # seq: the Sequence for "add" and "abort", a no-argument callable for "call", None for "wake"
         if cmd == "add":
             self.scheduler.add(seq)
         elif cmd == "call":
@@ -271,6 +273,7 @@ class LLMEngine:
         t0 = time.monotonic()
         batch = self.scheduler.schedule()
         for seq in batch.out_of_room:
+            assert seq.stop_checker is not None   # set in _make_seq
             self._finish(seq, "length", text=seq.stop_checker.flush())
         if batch.empty:
             return
@@ -298,9 +301,11 @@ class LLMEngine:
             for o in self.observers:
                 o.on_first_token(seq, now - seq.arrival)
         else:
+            assert seq.last_token_time is not None   # set together with first_token_time
             for o in self.observers:
                 o.on_token(seq, now - seq.last_token_time)
         seq.last_token_time = now
+        assert seq.stop_checker is not None   # set in _make_seq
         text, stopped = seq.stop_checker.push(tok)
         lps = [lp] if lp is not None else None
         if stopped:

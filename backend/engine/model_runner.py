@@ -105,6 +105,7 @@ class ModelRunner:
         for kv in self.kv:
             out += [kv.k[page].cpu(), kv.v[page].cpu()]
             if kv.k_scale is not None:
+                assert kv.v_scale is not None   # both scales are allocated together (fp8 caches)
                 out += [kv.k_scale[page].cpu(), kv.v_scale[page].cpu()]
         return out
 
@@ -114,5 +115,6 @@ class ModelRunner:
             kv.k[page].copy_(next(it))
             kv.v[page].copy_(next(it))
             if kv.k_scale is not None:
+                assert kv.v_scale is not None   # both scales are allocated together (fp8 caches)
                 kv.k_scale[page].copy_(next(it))
                 kv.v_scale[page].copy_(next(it))

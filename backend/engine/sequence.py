@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 from backend.protocol import SamplingParams
 from cache_store.page_id import PageKeyContext, hash_page
+
+if TYPE_CHECKING:
+    import torch
+
+    from backend.engine.stop import StopChecker
 
 
 class SeqStatus(enum.Enum):
@@ -16,9 +21,18 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class EmitFn(Protocol):
+    """seq.emit(seq, token_ids, logprobs, text, finish_reason[, error])"""
+
+    def __call__(self, seq: Sequence, ids: list[int], lps: list | None, text: str, reason: str | None,
+                 error: str | None = None) -> None: ...
+
+
 class Sequence:
+    max_new_tokens: int                     # set by the engine
+
     def __init__(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, key_ctx: PageKeyContext,
-                 emit: Callable[[Sequence, list[int], list | None, str | None], None]) -> None:
+                 emit: EmitFn) -> None:
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
@@ -36,8 +50,8 @@ class Sequence:
         self.last_token_time: float | None = None
         self.num_preemptions = 0
         self.admitted_once = False
-        self.generator = None               # torch.Generator for seeded sampling
-        self.stop_checker = None            # set by the engine (stop strings, detokenizer)
+        self.generator: torch.Generator | None = None       # for seeded sampling
+        self.stop_checker: StopChecker | None = None        # set by the engine (stop strings, detokenizer)
 
     @property
     def all_ids(self) -> list[int]:

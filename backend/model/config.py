@@ -156,7 +156,7 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[list[float], float]:
         return (d * math.log(old / (rot * 2 * math.pi))) / (2 * math.log(cfg.rope_theta))
 
     low = max(math.floor(corr_dim(beta_fast)), 0)
-    high = min(math.ceil(corr_dim(beta_slow)), d - 1)
+    high: float = min(math.ceil(corr_dim(beta_slow)), d - 1)
     if low == high:
         high += 0.001
     out = []

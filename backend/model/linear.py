@@ -36,7 +36,8 @@ class DenseLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)   # [out, in]; None once prepacked
+        # [out, in]; None once prepacked
+        self.weight: nn.Parameter | None = nn.Parameter(weight, requires_grad=False)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self.packed: torch.Tensor | None = None                   # oneDNN layout, not a parameter
         self._shape = tuple(weight.shape)
@@ -62,6 +63,7 @@ class DenseLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
+            assert self.weight is not None   # only prepack() drops it, after setting packed
             return nn.functional.linear(x, self.weight, self.bias)
         # x: [..., in] -> [..., out]
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self._shape[1]), self.packed, self.bias,
@@ -71,6 +73,10 @@ class DenseLinear(nn.Module):
 
 class W4A16Linear(nn.Module):
     """qweight [out, in//2] uint8 (low nibble = even k), scales/zeros [out, in//group] fp16."""
+
+    qweight: torch.Tensor         # buffers (register_buffer in __init__)
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                  group_size: int, bias: torch.Tensor | None = None, compute_dtype: torch.dtype | None = None) -> None:

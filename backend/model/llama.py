@@ -56,6 +56,9 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
+    cos: torch.Tensor   # buffers (register_buffer in __init__)
+    sin: torch.Tensor
+
     def __init__(self, cfg: ModelConfig, device: torch.device) -> None:
         super().__init__()
         inv_freq, mscale = rope_inv_freq(cfg)
@@ -142,7 +145,7 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: list[DecoderLayer], norm: RMSNorm,
-                 lm_head: torch.Tensor, device: torch.device) -> None:
+                 lm_head: torch.Tensor | None, device: torch.device) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Parameter(embed, requires_grad=False)
@@ -187,7 +190,8 @@ class LlamaModel(nn.Module):
 
     def linear_weight_bytes(self) -> int:
         """Bytes of the decoder layers' linears (the lm_head is not one of them)."""
-        return sum(m.weight_bytes() for m in self.layers.modules() if hasattr(m, "weight_bytes"))
+        return sum(m.weight_bytes() for m in self.layers.modules()  # type: ignore[operator]
+                   if hasattr(m, "weight_bytes"))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV],

@@ -14,6 +14,7 @@ Then each (row, group) clip ratio in [0.55, 1] minimizes the same error (q/k row
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from tqdm import tqdm
@@ -64,7 +65,7 @@ def collect_stats(model: LlamaModel, chunks: list[list[int]], batch: int = 2, sk
     keep: list[torch.Tensor] = []
     for layer, st in zip(model.layers, stats):
         for name, mod in _modules(layer).items():
-            k = mod.weight.shape[1]
+            k = cast(torch.Tensor, mod.weight).shape[1]
             st.inputs[name] = InputStats(torch.zeros(k, k), torch.zeros(k))
 
             def hook(_m, args, s=st.inputs[name]):
@@ -139,7 +140,8 @@ def apply_awq(model: LlamaModel, stats: list[LayerStats], group_size: int, grid:
     clips: dict[str, torch.Tensor] = {}
     for i, (layer, st) in enumerate(tqdm(list(zip(model.layers, stats)), desc="awq search", unit="layer")):
         mods = _modules(layer)
-        w = {n: m.weight.data.float() for n, m in mods.items()}   # fp32 models: views, edited in place
+        # fp32 models: views, edited in place
+        w = {n: cast(torch.Tensor, m.weight).data.float() for n, m in mods.items()}
         g = {n: effective_group_size(w[n].shape[1], group_size) for n in mods}
 
         s = search_scale(w["qkv"], st.inputs["qkv"], g["qkv"], grid=grid)
@@ -152,7 +154,7 @@ def apply_awq(model: LlamaModel, stats: list[LayerStats], group_size: int, grid:
         v_rows = slice(c.q_size + c.kv_size, c.q_size + 2 * c.kv_size)
         w["qkv"][v_rows] /= s_kv[:, None]
         if mods["qkv"].bias is not None:
-            mods["qkv"].bias.data[v_rows] /= s_kv
+            cast(torch.Tensor, mods["qkv"].bias).data[v_rows] /= s_kv
         w["o"] *= s
         st.inputs["o"].h /= torch.outer(s, s)
 
@@ -167,7 +169,7 @@ def apply_awq(model: LlamaModel, stats: list[LayerStats], group_size: int, grid:
         st.inputs["down"].h /= torch.outer(s, s)
 
         for n, m in mods.items():
-            m.weight.data.copy_(w[n])
+            cast(torch.Tensor, m.weight).data.copy_(w[n])
             frozen = c.q_size + c.kv_size if n == "qkv" else 0
             clips[f"{i}.{n}"] = search_clip(w[n], st.inputs[n].h, g[n], frozen_rows=frozen)
     return clips

@@ -7,6 +7,7 @@ concatenated along the output dim (groups run along K, so concatenating rows kee
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
@@ -51,7 +52,8 @@ def quantized_linear_factory(cfg: ModelConfig, tensors: dict[str, torch.Tensor],
         if not all(has_q):
             missing = [n for n, q in zip(names, has_q) if not q]
             raise CheckpointError(f"{source}: fused modules must all be quantized; no qweight for {missing}")
-        parts, group = [], None
+        parts: list[Packed] = []
+        group: int | None = None
         for name, (n_out, k) in zip(names, shapes):
             try:
                 qweight, scales, zeros = _to_our_layout(qc, name, k, take, tensors)
@@ -70,8 +72,10 @@ def quantized_linear_factory(cfg: ModelConfig, tensors: dict[str, torch.Tensor],
         qweight = torch.cat([p[0] for p in parts]).to(device=device, dtype=torch.uint8).contiguous()
         scales = torch.cat([p[1] for p in parts]).to(device=device, dtype=torch.float16).contiguous()
         zeros = None
-        if parts[0][2] is not None:
-            zeros = torch.cat([p[2] for p in parts]).to(device=device, dtype=torch.float16).contiguous()
+        if parts[0][2] is not None:   # one QuantConfig for all parts: all have zeros or none has
+            zeros = torch.cat([cast(torch.Tensor, p[2]) for p in parts]).to(device=device,
+                                                                             dtype=torch.float16).contiguous()
+        assert group is not None   # parts is non-empty here (torch.cat above raises on an empty list)
         return W4A16Linear(qweight, scales, zeros, group, torch.cat(bs) if bs else None, compute_dtype=dtype)
 
     return make_linear
