@@ -36,6 +36,9 @@ class BackendMetrics(EngineObserver):
                                           "KV pages dropped because their tag/header/tokens did not match",
                                           L + ["source"], registry=r)
         self.weight_bytes = Gauge("edgeinfer_backend_weight_bytes", "Bytes of model weights", L, registry=r)
+        self.prepacked_copy_bytes = Gauge("edgeinfer_backend_prepacked_copy_bytes",
+                                          "Extra bytes of a prepacked CPU lm_head tied to the embedding", L,
+                                          registry=r)
         self.kv_bytes_per_token = Gauge("edgeinfer_backend_kv_bytes_per_token", "KV bytes per token (+scales)", L,
                                         registry=r)
         self.max_kv_tokens = Gauge("edgeinfer_backend_kv_max_tokens", "Tokens that fit in the KV budget", L,
@@ -77,6 +80,7 @@ class BackendMetrics(EngineObserver):
     def set_memory(self, engine) -> None:
         m = self.model
         self.weight_bytes.labels(m).set(engine.model.weight_bytes())
+        self.prepacked_copy_bytes.labels(m).set(getattr(engine.model, "prepacked_copy_bytes", lambda: 0)())
         self.kv_bytes_per_token.labels(m).set(engine.runner.bytes_per_token)
         self.max_kv_tokens.labels(m).set(engine.blocks.num_pages * engine.cfg.page_size)
         self.pages_total.labels(m).set(engine.blocks.num_pages)

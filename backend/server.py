@@ -253,6 +253,7 @@ def build_state(args: argparse.Namespace) -> BackendState:
                       operator_key=args.operator_key, url=f"http://{args.host}:{args.port}",
                       state="draining" if args.start_drained else "active")
     log.info(json.dumps({"event": "memory", "model": engine.model_name, "weight_bytes": engine.model.weight_bytes(),
+                         "prepacked_copy_bytes": engine.model.prepacked_copy_bytes(),
                          "kv_dtype": engine.kv_format, "kv_bytes_per_token": engine.runner.bytes_per_token,
                          "kv_pages": engine.blocks.num_pages, "page_size": cfg.page_size,
                          "max_tokens_in_budget": engine.blocks.num_pages * cfg.page_size}))

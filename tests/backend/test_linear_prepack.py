@@ -111,3 +111,14 @@ async def test_engine_serves_again_after_stop_and_start(smol_model, smol_tokeniz
     finally:
         eng.stop()
     assert len(first) == 6 and second == first
+
+
+def test_metrics_report_the_prepacked_copy(smol_model, smol_tokenizer):
+    from backend.metrics import BackendMetrics
+
+    eng = LLMEngine(smol_model, smol_tokenizer, EngineConfig(num_pages=8), model_name="smol")
+    m = BackendMetrics("smol")
+    m.set_memory(eng)
+    got = m.registry.get_sample_value("edgeinfer_backend_prepacked_copy_bytes", {"model": "smol"})
+    assert got == smol_model.prepacked_copy_bytes() > 0
+    assert m.registry.get_sample_value("edgeinfer_backend_weight_bytes", {"model": "smol"}) == smol_model.weight_bytes()
