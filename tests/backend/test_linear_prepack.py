@@ -113,6 +113,7 @@ async def test_engine_serves_again_after_stop_and_start(smol_model, smol_tokeniz
     assert len(first) == 6 and second == first
 
 
+@needs_mkldnn
 def test_metrics_report_the_prepacked_copy(smol_model, smol_tokenizer):
     from backend.metrics import BackendMetrics
 
