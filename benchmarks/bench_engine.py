@@ -8,7 +8,9 @@ models load on threads that exit, the engine thread is stopped while transformer
 on a fresh thread. `--ablate` adds a second engine with plain-layout GEMMs (EDGEINFER_CPU_PREPACK=0), to show
 what the oneDNN-prepacked weights contribute.
 
-  python benchmarks/bench_engine.py [--new-tokens 32] [--prompt-len 64] [--ablate]
+  python benchmarks/bench_engine.py [--new-tokens 32] [--prompt-len 64] [--ablate] [--dtype bfloat16 --out F]
+
+`--dtype` sets the weight/activation dtype of both sides (default float32); the KV cache follows it.
 """
 
 from __future__ import annotations
@@ -76,17 +78,20 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--ablate", action="store_true", help="also run the engine with plain-layout GEMMs")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
     from transformers import LlamaForCausalLM
 
     def load():
         model_dir = ensure_default_model()
         tok = Tokenizer.from_dir(model_dir)
         cfg = EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048)
-        engines = {"engine": LLMEngine(load_model(model_dir), tok, cfg)}
+        engines = {"engine": LLMEngine(load_model(model_dir, dtype=dtype), tok, cfg)}
         if args.ablate:
-            engines["engine_plain_gemm"] = LLMEngine(load_model(model_dir, prepack=False), tok, cfg)
-        hf = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+            engines["engine_plain_gemm"] = LLMEngine(load_model(model_dir, dtype=dtype, prepack=False), tok, cfg)
+        hf = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=dtype).eval()
         return model_dir, engines, hf
 
     model_dir, engines, hf = in_fresh_thread(load)
@@ -119,12 +124,13 @@ def main() -> None:
             "hit_over_cold": warm_first / cold_first, "transformers_s": h_first}
     print(f"TTFT 1k prompt: cold {cold_first * 1000:.0f} ms, prefix hit {warm_first * 1000:.0f} ms "
           f"({warm_first / cold_first:.3f}x), transformers {h_first * 1000:.0f} ms", flush=True)
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"model": model_dir.name, "dtype": "float32", "device": "cpu",
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"model": model_dir.name, "dtype": args.dtype, "device": "cpu",
                                "threads": torch.get_num_threads(), "machine": platform.machine(),
                                "cpu_prepack": True, "new_tokens": new, "prompt_len": args.prompt_len,
                                "decode": rows, "ttft": ttft}, indent=2))
-    print(f"wrote {OUT}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
