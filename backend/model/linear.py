@@ -71,10 +71,19 @@ class DenseLinear(nn.Module):
         return y.reshape(*x.shape[:-1], self._shape[0])
 
 
-class W4A16Linear(nn.Module):
-    """qweight [out, in//2] uint8 (low nibble = even k), scales/zeros [out, in//group] fp16."""
+INT4_CPU_GROUPS = (32, 64, 128, 256)   # group sizes torch's CPU int4 GEMM takes
 
-    qweight: torch.Tensor         # buffers (register_buffer in __init__)
+
+class W4A16Linear(nn.Module):
+    """qweight [out, in//2] uint8 (low nibble = even k), scales/zeros [out, in//group] fp16.
+
+    On CUDA: kernels.w4a16_gemm (Triton). On CPU the reference dequantizes the whole weight every call;
+    `prepack()` instead repacks it once for torch's CPU int4 GEMM (`_weight_int4pack_mm_for_cpu`, as
+    gpt-fast/torchao use): still 4 bits a weight in memory, activations through it in bf16 and the fp16
+    scales and zero points rounded to bf16 (the op's format: w = (q - 8) * s + z', z' = (8 - zero) * s).
+    """
+
+    qweight: torch.Tensor         # buffers (register_buffer in __init__); None once prepacked
     scales: torch.Tensor
     zeros: torch.Tensor | None
 
@@ -86,26 +95,61 @@ class W4A16Linear(nn.Module):
         self.register_buffer("zeros", zeros)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self.group_size = group_size
-        self._dense_cache: torch.Tensor | None = None
         self.compute_dtype = compute_dtype
+        self._shape = (qweight.shape[0], qweight.shape[1] * 2)       # [out, in]
+        self._nbytes = self._bytes()
+        self.int4pack: torch.Tensor | None = None                    # CPU: torch's packed int4 layout
+        self.scales_and_zeros: torch.Tensor | None = None            # [in//group, out, 2] bf16
 
     @property
     def out_features(self) -> int:
-        return self.qweight.shape[0]
+        return self._shape[0]
 
-    def weight_bytes(self) -> int:
+    def _bytes(self) -> int:
         n = self.qweight.numel() + self.scales.numel() * self.scales.element_size()
         if self.zeros is not None:
             n += self.zeros.numel() * self.zeros.element_size()
         return n
 
+    def weight_bytes(self) -> int:
+        return self._nbytes
+
+    def prepack(self) -> bool:
+        """CPU only: repack for torch's int4 CPU GEMM and free the original buffers. False, changing
+        nothing, where the op, the device or the group size does not allow it."""
+        if self.int4pack is not None:
+            return True
+        if (self.qweight.device.type != "cpu" or self.group_size not in INT4_CPU_GROUPS
+                or not hasattr(torch, "_weight_int4pack_mm_for_cpu")):
+            return False
+        n, k = self._shape
+        q = torch.stack([self.qweight & 0xF, self.qweight >> 4], dim=-1).reshape(n, k).to(torch.int32)
+        s = self.scales.float()
+        z = self.zeros.float() if self.zeros is not None else torch.full_like(s, 8.0)
+        try:
+            packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+            sz = torch.stack([s, (8.0 - z) * s], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+            torch._weight_int4pack_mm_for_cpu(torch.zeros(1, k, dtype=torch.bfloat16), packed, self.group_size, sz)
+        except (RuntimeError, NotImplementedError):   # this build/CPU/shape: keep the reference path
+            return False
+        self.int4pack, self.scales_and_zeros = packed, sz
+        self.qweight = self.scales = None  # type: ignore[assignment]
+        self.zeros = None
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        if x.is_cuda:
+        if self.int4pack is not None:
+            assert self.scales_and_zeros is not None   # set together with int4pack
+            # x: [..., in] -> [..., out]
+            y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, self._shape[1]).to(torch.bfloat16), self.int4pack,
+                                                  self.group_size, self.scales_and_zeros)
+            y = y.reshape(*x.shape[:-1], self._shape[0])
+        elif x.is_cuda:
             y = kernels.w4a16_gemm(x.reshape(-1, x.shape[-1]), self.qweight, self.scales, self.zeros,
                                    self.group_size).reshape(*x.shape[:-1], -1)
         else:
             y = kernels.w4a16_gemm(x, self.qweight, self.scales, self.zeros, self.group_size)
         if self.bias is not None:
-            y = y + self.bias.to(dtype)
+            y = y + self.bias.to(y.dtype)
         return y.to(dtype)

@@ -17,7 +17,7 @@ from torch import nn
 
 import kernels
 from backend.model.config import CheckpointError, ModelConfig, rope_inv_freq
-from backend.model.linear import DenseLinear, cpu_prepack_enabled
+from backend.model.linear import DenseLinear, W4A16Linear, cpu_prepack_enabled
 
 
 @dataclass
@@ -185,8 +185,9 @@ class LlamaModel(nn.Module):
         return self.lm_head_linear.weight_bytes() if tied else 0
 
     def prepack(self) -> int:
-        """Prepack every dense linear for oneDNN (CPU); returns how many were packed."""
-        return sum(m.prepack() for m in self.modules() if isinstance(m, DenseLinear))
+        """Prepack every dense linear for oneDNN and every INT4 linear for torch's CPU int4 GEMM (CPU);
+        returns how many were packed."""
+        return sum(m.prepack() for m in self.modules() if isinstance(m, DenseLinear | W4A16Linear))
 
     def linear_weight_bytes(self) -> int:
         """Bytes of the decoder layers' linears (the lm_head is not one of them)."""

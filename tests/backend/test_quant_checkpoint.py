@@ -79,7 +79,7 @@ def _logits(model, chunks=IDS):
 
 def _dequantized_reference(qdir: Path) -> torch.Tensor:
     """Logits of a dense model whose linears are group_dequantize_tensor of the checkpoint (the oracle)."""
-    model = load_model(qdir)
+    model = load_model(qdir, prepack=False)
     for m in list(model.modules()):
         for name, child in list(m.named_children()):
             if isinstance(child, W4A16Linear):
@@ -94,7 +94,7 @@ def test_quantized_checkpoint_loads_and_matches_oracle(tiny, quantized, method):
     qdir = quantized[method]
     qc = json.loads((qdir / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == "edgeinfer-w4a16" and qc["group_size"] == 128 and qc["method"] == method
-    model = load_model(qdir)
+    model = load_model(qdir, prepack=False)      # the reference path: dequantize, fp32 GEMM
     linears = [m for m in model.modules() if isinstance(m, W4A16Linear)]
     assert len(linears) == 2 * 4
     assert {m.group_size for m in linears} == {96, 128}            # K=192 -> 96, down K=256 -> 128
@@ -215,7 +215,7 @@ def test_g64_scheme_round_trip_and_load(tiny, tmp_path, method):
         assert qc["calibration"]["sequences"] == 2 and qc["calibration"]["source"]
     raw = load_file(str(qdir / "model.safetensors"))
     assert raw["model.layers.0.mlp.down_proj.scales"].shape == (192, 256 // 64)
-    model = load_model(qdir)
+    model = load_model(qdir, prepack=False)
     linears = [m for m in model.modules() if isinstance(m, W4A16Linear)]
     assert {m.group_size for m in linears} == {64}
     torch.testing.assert_close(_logits(model), _dequantized_reference(qdir), atol=1e-4, rtol=1e-4)
@@ -235,3 +235,31 @@ def test_calibration_sources_and_interleaving(tiny, tmp_path):
     assert len(calibration_chunks(tiny, 3, 16)[0]) == 3
     with pytest.raises(QuantizeError, match="unknown calibration"):
         quantize_checkpoint(tiny, tmp_path / "bad", "w4a16-g64", "awq", calibration="nope", progress=False)
+
+
+@pytest.mark.parametrize("method", ["rtn", "awq-gptq"])
+def test_cpu_int4_prepacked_path_matches_the_oracle(tiny, tmp_path, method):
+    """load_model on CPU repacks g64 INT4 linears for torch's int4 GEMM: still 4-bit, bf16 activations."""
+    if not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
+        pytest.skip("this torch has no CPU int4 GEMM")
+    qdir = quantize_checkpoint(tiny, tmp_path / "q64", "w4a16-g64", method, calib_chunks=2, calib_len=64,
+                               progress=False)
+    plain, packed = load_model(qdir, prepack=False), load_model(qdir)
+    linears = [m for m in packed.modules() if isinstance(m, W4A16Linear)]
+    assert linears and all(m.int4pack is not None and m.qweight is None for m in linears)
+    assert all(m.int4pack.dtype == torch.uint8 and m.int4pack.numel() * 2 == m._shape[0] * m._shape[1]
+               for m in linears)                                    # 4 bits a weight, the originals freed
+    assert packed.linear_weight_bytes() == plain.linear_weight_bytes()
+    got, ref = _logits(packed), _dequantized_reference(qdir)
+    # bf16 in, bf16 out (8-bit mantissa: 2^-8 relative per GEMM) and bf16-rounded scales, through 2 layers
+    # of 4 GEMMs each: within 0.5% of the largest logit (measured: 0.1%)
+    scale = float(ref.abs().max())
+    torch.testing.assert_close(got, ref, atol=0.005 * scale, rtol=0)
+    agree = (got.argmax(-1) == ref.argmax(-1)).float().mean()
+    assert agree >= 0.9
+
+
+def test_int4_groups_the_cpu_gemm_cannot_take_keep_the_reference_path(quantized):
+    model = load_model(quantized["rtn"])                           # g128 -> 96 on K=192: not a CPU int4 group
+    odd = [m for m in model.modules() if isinstance(m, W4A16Linear) and m.group_size == 96]
+    assert odd and all(m.int4pack is None and m.qweight is not None for m in odd)
