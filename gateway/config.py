@@ -152,6 +152,8 @@ def load(path: str | Path) -> GatewayConfig:
         data = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise ConfigError(f"{path}: {e}") from e
+    if "source" in data:   # the file's own path, filled in by parse(): a `source` key in a file is not a setting
+        raise ConfigError(f"{path}: Object contains unknown field `source`")
     cfg = parse(data, str(path))
     base = path.parent
     models = [m if m.tokenizer == "default" or Path(m.tokenizer).is_absolute()

@@ -360,3 +360,10 @@ def test_sse_round_trip_through_the_openai_client(sse_gateway):
 def test_toml_value_helper_round_trips():
     for v in (1, -1.5, True, "a\"b\n", [1, 2], ["x"]):
         assert tomllib.loads(f"k = {toml_value(v)}")["k"] == v
+
+
+def test_config_source_key_in_a_file_is_an_unknown_field(tmp_path):
+    # found by test_config_unknown_keys_are_errors_everywhere: `source` (the file's own path, set by the
+    # loader) was silently overwritten when a file set it at the top level
+    with pytest.raises(config_mod.ConfigError, match="unknown field `source`"):
+        load_toml('source = "x"\n', tmp_path)
