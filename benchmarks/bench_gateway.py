@@ -9,6 +9,10 @@ of the whole prompt. CPU per request is the gateway process's CPU time / request
 stays meaningful on a shared machine where latency does not.
 
   python benchmarks/bench_gateway.py [--rate 500] [--seconds 6] [--max-seconds 4] [--concurrency 64]
+      [--redis --out benchmarks/results/bench_gateway_redis.json]
+
+With --redis the gateway runs as one of many would: rate limits (Lua GCRA), the concurrent-stream cap
+(lease ZSET) and the prefix index go through a local valkey-server (on the stub's core).
 
 Writes benchmarks/results/bench_gateway.json.
 """
@@ -71,13 +75,13 @@ def run_stub(port: int) -> None:
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
 
 
-def run_gateway(port: int, stub_port: int, tokenizer_dir: str) -> None:
+def run_gateway(port: int, stub_port: int, tokenizer_dir: str, redis_url: str = "") -> None:
     from gateway import config as config_mod
     from gateway.cli import _run, serve_gateway
 
     logging.basicConfig(level=logging.INFO, stream=open(os.devnull, "w"))  # access log on, written to /dev/null
     cfg = config_mod.parse({
-        "server": {"port": port, "health_interval_s": 1.0},
+        "server": {"port": port, "health_interval_s": 1.0, "redis_url": redis_url},
         "models": [{"name": MODEL, "tokenizer": tokenizer_dir}],
         "nodes": [{"id": "stub-0", "url": f"http://127.0.0.1:{stub_port}", "model": MODEL}],
         "tenants": [{"id": "bench", "api_key_sha256": [config_mod.hash_key(KEY)], "requests_per_min": 10_000_000,
@@ -240,6 +244,10 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=6.0)
     p.add_argument("--max-seconds", type=float, default=4.0)
     p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--redis", action="store_true",
+                   help="start a valkey-server on the stub's core and give the gateway redis_url: rate limits, "
+                        "the concurrent-stream cap and the prefix index then go through Redis, as with many gateways")
+    p.add_argument("--redis-url", default="", help=argparse.SUPPRESS)   # set by the parent for the gateway role
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_gateway.json"))
     args = p.parse_args()
     if args.role:
@@ -247,7 +255,7 @@ def main() -> int:
         if args.role == "stub":
             run_stub(args.port)
         else:
-            run_gateway(args.port, args.stub_port, args.tokenizer)
+            run_gateway(args.port, args.stub_port, args.tokenizer, args.redis_url)
         return 0
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
     gw_core = cores[0]
@@ -255,9 +263,17 @@ def main() -> int:
     tok_dir = _tokenizer_dir()
     stub_port, gw_port = _free_port(), _free_port()
     me = [sys.executable, str(Path(__file__).resolve())]
+    valkey = None
+    if args.redis:
+        from tests.redis_server import ValkeyServer
+
+        valkey = ValkeyServer().start()
+        if valkey.proc is not None and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(valkey.proc.pid, {other})
     procs = [subprocess.Popen([*me, "--role", "stub", "--port", str(stub_port), "--core", str(other)]),
              subprocess.Popen([*me, "--role", "gateway", "--port", str(gw_port), "--stub-port", str(stub_port),
-                               "--tokenizer", tok_dir, "--core", str(gw_core)], stdout=subprocess.DEVNULL)]
+                               "--tokenizer", tok_dir, "--core", str(gw_core),
+                               "--redis-url", valkey.url if valkey else ""], stdout=subprocess.DEVNULL)]
     try:
         _pin(other)
         _wait(stub_port, "/ready")
@@ -271,6 +287,8 @@ def main() -> int:
             pr.terminate()
         for pr in procs:
             pr.wait(timeout=30)
+        if valkey is not None:
+            valkey.stop()
     d, g = res["direct_fixed_rate"], res["gateway_fixed_rate"]
     res["added_p50_ms"] = round(g["p50_ms"] - d["p50_ms"], 3)
     res["added_p99_ms"] = round(g["p99_ms"] - d["p99_ms"], 3)
@@ -280,7 +298,8 @@ def main() -> int:
     res["setup"] = {"gateway_core": gw_core, "stub_and_client_core": other, "cpus": len(cores),
                     "python": platform.python_version(), "rate": args.rate, "seconds": args.seconds,
                     "max_seconds": args.max_seconds, "concurrency": args.concurrency, "tokenizer": tok_dir,
-                    "user_message": "distinct per request", "event_loop": "uvloop"}
+                    "user_message": "distinct per request", "event_loop": "uvloop",
+                    "redis": bool(args.redis)}
     print(f"at {args.rate:.0f} req/s: direct p50 {d['p50_ms']:.3f} ms p99 {d['p99_ms']:.3f} ms | "
           f"gateway p50 {g['p50_ms']:.3f} ms p99 {g['p99_ms']:.3f} ms | "
           f"added p50 {res['added_p50_ms']:.3f} ms p99 {res['added_p99_ms']:.3f} ms (goal <= 2 ms: "

@@ -14,7 +14,6 @@ from gateway.config import TenantConfig
 from gateway.errors import APIError, bad_value, from_validation_error
 from gateway.generation import Run, Target, merged, runs_open
 from gateway.models import ServedModel
-from gateway.ratelimit import LocalLimiter
 from gateway.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -138,25 +137,26 @@ class Job:
                                 f"of {max_len} tokens", code="context_length_exceeded", param="max_tokens")
         return requested
 
-    async def admit(self, prompt_tokens: int, n: int) -> None:
-        st, tenant = self.st, self.tenant
+    def check_budget(self, prompt_tokens: int) -> None:
+        tenant = self.tenant
         if tenant.tokens_per_min and prompt_tokens > tenant.tokens_per_min:
             raise APIError(400, f"request needs {prompt_tokens} prompt tokens; this API key's budget is "
                                 f"{tenant.tokens_per_min} tokens/min", code="tokens_exceed_limit")
-        decision = await st.limiter.acquire(tenant, prompt_tokens)
+
+    async def admit(self, prompt_tokens: int) -> Lease:
+        """Rate limits and one of the tenant's max_concurrent_streams (across every gateway sharing Redis),
+        decided together; 429 if either refuses. The caller must `finish` the lease."""
+        st, tenant = self.st, self.tenant
+        decision, lease = await st.admission.admit(tenant, prompt_tokens)
         self.headers.update(decision.headers(tenant))
         if not decision.allowed:
             st.metrics.rate_limited.labels(tenant.id, decision.limited_by).inc()
             raise APIError(429, f"rate limit exceeded ({decision.limited_by} per minute); retry after "
                                 f"{decision.retry_after_s:.2f}s", code="rate_limit_exceeded", headers=self.headers)
-
-    async def hold_stream(self) -> Lease:
-        """One of the tenant's max_concurrent_streams, across every gateway sharing Redis."""
-        lease = await self.st.streams.acquire(self.tenant)
         if lease is None:
-            self.st.metrics.rate_limited.labels(self.tenant.id, "concurrency").inc()
+            st.metrics.rate_limited.labels(tenant.id, "concurrency").inc()
             raise APIError(429, f"too many concurrent requests: this API key allows "
-                                f"{self.tenant.max_concurrent_streams}", code="concurrency_limit_exceeded",
+                                f"{tenant.max_concurrent_streams}", code="concurrency_limit_exceeded",
                            headers={**self.headers, "retry-after": "1"})
         return lease
 
@@ -189,12 +189,12 @@ class Tally:
 
 
 async def execute(job: Job, runs: list[Run], n: int, stream: bool, include_usage: bool,
-                  session: str) -> web.StreamResponse:
+                  session: str, prompt_tokens: int) -> web.StreamResponse:
     st, request = job.st, job.request
     tenant, model = job.tenant, job.model
     target = Target(model.name, tenant.namespace, session)
     tally = Tally(n)
-    lease = await job.hold_stream()
+    lease = await job.admit(prompt_tokens)     # nothing between this and the try: the lease is always finished
     finished = False
     t0: float = request["t0"]
     try:
@@ -212,10 +212,6 @@ async def execute(job: Job, runs: list[Run], n: int, stream: bool, include_usage
                         await st.index.publish(model.name, r.choice.node.node_id, r.choice.hashes)
             return resp
     finally:
-        if lease.kind == "redis":
-            st.spawn(st.streams.release(lease))
-        else:
-            st.streams.release_local(lease)
         usage = tally.usage()
         request["usage"] = usage
         series = st.metrics.series(tenant.id, model.name)
@@ -224,11 +220,8 @@ async def execute(job: Job, runs: list[Run], n: int, stream: bool, include_usage
         series.cached_tokens.inc(usage.prompt_tokens_details.cached_tokens)
         if not finished and any(r.stream is not None and not r.stream.finished for r in runs):
             series.aborts.inc()
-        if usage.completion_tokens:
-            if isinstance(st.limiter, LocalLimiter):
-                st.limiter.charge_now(tenant, usage.completion_tokens)
-            else:
-                st.spawn(st.limiter.charge(tenant, usage.completion_tokens))
+        if not st.admission.finish_now(tenant, lease, usage.completion_tokens):
+            st.spawn(st.admission.finish(tenant, lease, usage.completion_tokens))
 
 
 def _error_event(message: str, code: str) -> bytes:
@@ -350,7 +343,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     job = Job(request, st, tenant, model, "chat")
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = job.limits([prompt], requested)
-    await job.admit(len(prompt), req.n)
+    job.check_budget(len(prompt))
     top = req.top_logprobs or 0
 
     def make(i: int) -> SamplingParams:
@@ -358,7 +351,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
     runs = job.runs([prompt], req.n, make)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return await execute(job, runs, req.n, req.stream, include_usage, _session(request))
+    return await execute(job, runs, req.n, req.stream, include_usage, _session(request), len(prompt))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -384,7 +377,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         model.check_ids(ids)
     job = Job(request, st, tenant, model, "completion")
     max_tokens = job.limits(prompts, 16 if req.max_tokens is None else req.max_tokens)
-    await job.admit(sum(len(x) for x in prompts), req.n)
+    prompt_tokens = sum(len(x) for x in prompts)
+    job.check_budget(prompt_tokens)
     top = req.logprobs or 0
 
     def make(i: int) -> SamplingParams:
@@ -393,7 +387,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
     runs = job.runs(prompts, req.n, make)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return await execute(job, runs, req.n, req.stream, include_usage, _session(request))
+    return await execute(job, runs, req.n, req.stream, include_usage, _session(request), prompt_tokens)
 
 
 async def list_models(request: web.Request) -> web.Response:

@@ -143,7 +143,8 @@ async def metrics(request: web.Request) -> web.Response:
     st = request.app[STATE]
     st.metrics.inflight.set(st.inflight)
     limiter = st.limiter
-    st.metrics.limiter_fallbacks.set(getattr(limiter, "failures", 0) + getattr(st.streams, "failures", 0))
+    st.metrics.limiter_fallbacks.set(getattr(limiter, "failures", 0) + getattr(st.streams, "failures", 0)
+                                     + getattr(st.admission, "failures", 0))
     return web.Response(body=st.metrics.render(), headers={"content-type": "text/plain; version=0.0.4"})
 
 

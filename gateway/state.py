@@ -15,6 +15,7 @@ from aiohttp import web
 
 from cache_store.index import InMemoryPageIndex
 from gateway import config as config_mod
+from gateway.admission import Admission, RedisAdmission
 from gateway.config import GatewayConfig, TenantConfig
 from gateway.errors import APIError
 from gateway.metrics import Metrics
@@ -45,12 +46,19 @@ class GatewayState:
     index: PrefixIndex
     fill_index: bool
     streams: LocalStreamLimiter | RedisStreamLimiter = field(default_factory=LocalStreamLimiter)
+    admission: Admission = field(init=False)   # limiter + streams, decided together (gateway/admission.py)
     redis: Redis | None = None
     session: aiohttp.ClientSession | None = None
     inflight: int = 0
     draining: bool = False
     started: int = field(default_factory=lambda: int(time.time()))
     tasks: set[asyncio.Task] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.limiter, RedisLimiter) and isinstance(self.streams, RedisStreamLimiter):
+            self.admission = RedisAdmission(self.limiter, self.streams)
+        else:
+            self.admission = Admission(self.limiter, self.streams)
 
     def authenticate(self, request: web.Request) -> TenantConfig:
         tenant = self.tenants.authenticate(request.headers.get("authorization"))

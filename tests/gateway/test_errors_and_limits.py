@@ -251,3 +251,24 @@ async def test_stream_limiter_falls_back_to_the_local_count_when_redis_is_down()
     with pytest.raises(ValueError, match="ttl_s=0"):
         RedisStreamLimiter(c, ttl_s=0)
     await c.aclose()
+
+
+def test_request_refused_by_the_stream_cap_spends_no_rate_budget(harness, valkey):
+    import redis
+
+    r = redis.Redis.from_url(valkey.url)
+    r.flushall()
+    stub = harness.stub()
+    stub.behaviour.token_delay_s = 0.05
+    gw = harness.gateway([stub], tenants=[tenant(requests_per_min=3, max_concurrent_streams=1)],
+                         redis_url=valkey.url)
+    c = client(gw)
+    s1 = c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=60, stream=True)   # request 1 of 3
+    next(iter(s1))
+    with pytest.raises(openai.RateLimitError) as e:                                          # refused by the cap
+        c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=1)
+    assert e.value.body["code"] == "concurrency_limit_exceeded"
+    s1.close()
+    _wait_for(lambda: r.zcard("ei:cc:{demo}") == 0)
+    ok = c.chat.completions.with_raw_response.create(model=MODEL, messages=MSGS, max_tokens=1)    # request 2 of 3
+    assert ok.headers["x-ratelimit-remaining-requests"] == "1"       # the refused one did not count

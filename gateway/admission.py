@@ -1,0 +1,185 @@
+"""Admission of one request: the tenant's rate limits and its concurrent-stream cap, decided together; and
+the request's end: its lease released and its completion tokens charged.
+
+Admission (in-process, or with Redis down) runs the two limiters one after the other. RedisAdmission
+runs both in one Lua script per request and one at its end (keys `ei:rl:{t}:*` and `ei:cc:{t}` share the
+tenant's hash tag, so one cluster slot): each Redis round trip costs the gateway ~60-70 us of CPU in
+redis-py, which is most of what a Redis-backed gateway spends per request (benchmarks/bench_gateway.py
+--redis). A request the cap refuses consumes no rate budget; one the rate limit refuses takes no lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+from gateway.config import TenantConfig
+from gateway.ratelimit import UNLIMITED, WINDOW_MS, Decision, LocalLimiter, RedisLimiter, _limits
+from gateway.streams import Lease, LocalStreamLimiter, RedisStreamLimiter
+
+log = logging.getLogger(__name__)
+
+
+class Admission:
+    def __init__(self, limiter: LocalLimiter | RedisLimiter, streams: LocalStreamLimiter | RedisStreamLimiter) -> None:
+        self.limiter = limiter
+        self.streams = streams
+
+    async def admit(self, tenant: TenantConfig, tokens: int) -> tuple[Decision, Lease | None]:
+        """(rate decision, lease). Not admitted: decision.allowed is False (rate), or lease is None (cap)."""
+        decision = await self.limiter.acquire(tenant, tokens)
+        if not decision.allowed:
+            return decision, None
+        return decision, await self.streams.acquire(tenant)
+
+    def finish_now(self, tenant: TenantConfig, lease: Lease, completion_tokens: int) -> bool:
+        """Settle in-process if nothing needs Redis; False: call `finish` (from a task)."""
+        if lease.kind == "redis" or (completion_tokens and not isinstance(self.limiter, LocalLimiter)):
+            return False
+        self.streams.release_local(lease)
+        if completion_tokens and isinstance(self.limiter, LocalLimiter):
+            self.limiter.charge_now(tenant, completion_tokens)
+        return True
+
+    async def finish(self, tenant: TenantConfig, lease: Lease, completion_tokens: int) -> None:
+        await self.streams.release(lease)
+        if completion_tokens:
+            await self.limiter.charge(tenant, completion_tokens)
+
+
+_ADMIT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+local n = tonumber(ARGV[1])
+local window = tonumber(ARGV[2])
+local cap = tonumber(ARGV[3 + 2 * n])
+local cc = KEYS[n + 1]
+if cap > 0 then
+  redis.call('ZREMRANGEBYSCORE', cc, '-inf', now)
+  if redis.call('ZCARD', cc) >= cap then return {-1} end
+end
+local tats, news = {}, {}
+local allowed, retry, by = 1, 0, 0
+for i = 1, n do
+  local interval = tonumber(ARGV[1 + 2 * i])
+  local cost = tonumber(ARGV[2 + 2 * i])
+  local tat = tonumber(redis.call('GET', KEYS[i]) or now)
+  if tat < now then tat = now end
+  tats[i] = tat
+  news[i] = tat + cost * interval
+  local diff = news[i] - now
+  if diff > window then
+    allowed = 0
+    if diff - window > retry then retry = diff - window; by = i end
+  end
+end
+local out = {allowed, math.ceil(retry), by}
+for i = 1, n do
+  local interval = tonumber(ARGV[1 + 2 * i])
+  local held = tats[i] - now
+  if allowed == 1 then
+    held = news[i] - now
+    redis.call('SET', KEYS[i], string.format('%.3f', news[i]), 'PX', math.ceil(held) + 1)
+  end
+  out[#out + 1] = math.floor((window - held) / interval)
+  out[#out + 1] = math.ceil(held)
+end
+if allowed == 1 and cap > 0 then
+  local ttl = tonumber(ARGV[5 + 2 * n])
+  redis.call('ZADD', cc, math.floor(now) + ttl, ARGV[4 + 2 * n])
+  redis.call('PEXPIRE', cc, ttl)
+end
+return out
+"""
+
+_FINISH = """
+if ARGV[1] ~= '' then redis.call('ZREM', KEYS[2], ARGV[1]) end
+local interval = tonumber(ARGV[2])
+local cost = tonumber(ARGV[3])
+if interval > 0 and cost > 0 then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+  local tat = tonumber(redis.call('GET', KEYS[1]) or now)
+  if tat < now then tat = now end
+  local new = tat + cost * interval
+  redis.call('SET', KEYS[1], string.format('%.3f', new), 'PX', math.ceil(new - now) + 1)
+end
+return 1
+"""
+
+
+class RedisAdmission(Admission):
+    limiter: RedisLimiter
+    streams: RedisStreamLimiter
+
+    def __init__(self, limiter: RedisLimiter, streams: RedisStreamLimiter) -> None:
+        super().__init__(limiter, streams)
+        self.failures = 0
+        self._admit = limiter.client.register_script(_ADMIT)
+        self._finish = limiter.client.register_script(_FINISH)
+
+    def _failed(self, what: str, e: Exception) -> None:
+        self.failures += 1
+        if self.failures == 1 or self.failures % 1000 == 0:
+            log.warning("redis admission %s failed (%s: %s); using the in-process limits", what,
+                        type(e).__name__, e)
+
+    async def admit(self, tenant: TenantConfig, tokens: int) -> tuple[Decision, Lease | None]:
+        limits = _limits(tenant, tokens)
+        cap = tenant.max_concurrent_streams
+        if not limits and not cap:
+            return UNLIMITED, Lease(tenant.id, "", "none")
+        lease_id = os.urandom(12).hex() if cap else ""
+        args: list = [len(limits), WINDOW_MS]
+        for _, interval, cost in limits:
+            args += [repr(interval), cost]
+        args += [cap, lease_id, self.streams.ttl_ms]
+        keys = [self.limiter._key(tenant.id, name) for name, _, _ in limits] + [self.streams.key(tenant.id)]
+        try:
+            async with asyncio.timeout(self.limiter.timeout_s):
+                out = await self._admit(keys=keys, args=args)
+        except Exception as e:  # Redis down or slow: the in-process limits, as each limiter does alone
+            self._failed("admit", e)
+            decision = await self.limiter.fallback.acquire(tenant, tokens)
+            return decision, (self.streams.local.acquire_local(tenant) if decision.allowed else None)
+        if int(out[0]) == -1:
+            return UNLIMITED, None
+        allowed, retry_ms, by = int(out[0]), int(out[1]), int(out[2])
+        remaining, reset = {}, {}
+        for i, (name, _, _) in enumerate(limits):
+            remaining[name] = int(out[3 + 2 * i])
+            reset[name] = int(out[4 + 2 * i]) / 1000.0
+        decision = Decision(bool(allowed), retry_ms / 1000.0, limits[by - 1][0] if by else "", remaining, reset)
+        if not decision.allowed:
+            return decision, None
+        if not cap:
+            return decision, Lease(tenant.id, "", "none")
+        self.streams.held.setdefault(tenant.id, set()).add(lease_id)
+        return decision, Lease(tenant.id, lease_id, "redis")
+
+    def finish_now(self, tenant: TenantConfig, lease: Lease, completion_tokens: int) -> bool:
+        if lease.kind == "redis" or (completion_tokens and tenant.tokens_per_min):
+            return False
+        self.streams.release_local(lease)
+        return True
+
+    async def finish(self, tenant: TenantConfig, lease: Lease, completion_tokens: int) -> None:
+        if lease.kind != "redis":
+            self.streams.release_local(lease)
+        else:
+            ids = self.streams.held.get(tenant.id)
+            if ids is not None:
+                ids.discard(lease.lease_id)
+                if not ids:
+                    del self.streams.held[tenant.id]
+        interval = WINDOW_MS / tenant.tokens_per_min if tenant.tokens_per_min else 0
+        args = [lease.lease_id if lease.kind == "redis" else "", repr(interval), completion_tokens]
+        keys = [self.limiter._key(tenant.id, "tokens"), self.streams.key(tenant.id)]
+        try:
+            async with asyncio.timeout(self.limiter.timeout_s):
+                await self._finish(keys=keys, args=args)
+        except Exception as e:  # the lease expires by itself; the tokens are charged in-process
+            self._failed("finish", e)
+            if completion_tokens:
+                self.limiter.fallback.charge_now(tenant, completion_tokens)
