@@ -71,7 +71,13 @@ class DenseLinear(nn.Module):
         return y.reshape(*x.shape[:-1], self._shape[0])
 
 
-INT4_CPU_GROUPS = (32, 64, 128, 256)   # group sizes torch's CPU int4 GEMM takes
+INT4_CPU_GROUPS = (256, 128, 64, 32)   # group sizes torch's CPU int4 GEMM takes
+
+
+def int4_cpu_group(group_size: int) -> int | None:
+    """The largest group the CPU int4 GEMM takes that divides `group_size` (a group of 96 is three groups
+    of 32 with the same scale and zero point: exact), or None."""
+    return next((g for g in INT4_CPU_GROUPS if group_size % g == 0), None)
 
 
 class W4A16Linear(nn.Module):
@@ -81,6 +87,7 @@ class W4A16Linear(nn.Module):
     `prepack()` instead repacks it once for torch's CPU int4 GEMM (`_weight_int4pack_mm_for_cpu`, as
     gpt-fast/torchao use): still 4 bits a weight in memory, activations through it in bf16 and the fp16
     scales and zero points rounded to bf16 (the op's format: w = (q - 8) * s + z', z' = (8 - zero) * s).
+    A group the op does not take (96) runs as sub-groups it does (3 x 32, same scale and zero point).
     """
 
     qweight: torch.Tensor         # buffers (register_buffer in __init__); None once prepacked
@@ -99,7 +106,8 @@ class W4A16Linear(nn.Module):
         self._shape = (qweight.shape[0], qweight.shape[1] * 2)       # [out, in]
         self._nbytes = self._bytes()
         self.int4pack: torch.Tensor | None = None                    # CPU: torch's packed int4 layout
-        self.scales_and_zeros: torch.Tensor | None = None            # [in//group, out, 2] bf16
+        self.scales_and_zeros: torch.Tensor | None = None            # [in//op_group, out, 2] bf16
+        self._op_group = group_size                                    # group the CPU int4 GEMM runs with
 
     @property
     def out_features(self) -> int:
@@ -119,20 +127,22 @@ class W4A16Linear(nn.Module):
         nothing, where the op, the device or the group size does not allow it."""
         if self.int4pack is not None:
             return True
-        if (self.qweight.device.type != "cpu" or self.group_size not in INT4_CPU_GROUPS
-                or not hasattr(torch, "_weight_int4pack_mm_for_cpu")):
+        group = int4_cpu_group(self.group_size)
+        if self.qweight.device.type != "cpu" or group is None or not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
             return False
         n, k = self._shape
         q = torch.stack([self.qweight & 0xF, self.qweight >> 4], dim=-1).reshape(n, k).to(torch.int32)
-        s = self.scales.float()
-        z = self.zeros.float() if self.zeros is not None else torch.full_like(s, 8.0)
+        # s, z: [out, in // group_size] -> [out, in // group], each repeated over the sub-groups
+        s = self.scales.float().repeat_interleave(self.group_size // group, dim=1)
+        z = self.zeros.float().repeat_interleave(self.group_size // group, dim=1) if self.zeros is not None \
+            else torch.full_like(s, 8.0)
         try:
             packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
             sz = torch.stack([s, (8.0 - z) * s], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
-            torch._weight_int4pack_mm_for_cpu(torch.zeros(1, k, dtype=torch.bfloat16), packed, self.group_size, sz)
+            torch._weight_int4pack_mm_for_cpu(torch.zeros(1, k, dtype=torch.bfloat16), packed, group, sz)
         except (RuntimeError, NotImplementedError):   # this build/CPU/shape: keep the reference path
             return False
-        self.int4pack, self.scales_and_zeros = packed, sz
+        self.int4pack, self.scales_and_zeros, self._op_group = packed, sz, group
         self.qweight = self.scales = None  # type: ignore[assignment]
         self.zeros = None
         return True
@@ -143,7 +153,7 @@ class W4A16Linear(nn.Module):
             assert self.scales_and_zeros is not None   # set together with int4pack
             # x: [..., in] -> [..., out]
             y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, self._shape[1]).to(torch.bfloat16), self.int4pack,
-                                                  self.group_size, self.scales_and_zeros)
+                                                  self._op_group, self.scales_and_zeros)
             y = y.reshape(*x.shape[:-1], self._shape[0])
         elif x.is_cuda:
             y = kernels.w4a16_gemm(x.reshape(-1, x.shape[-1]), self.qweight, self.scales, self.zeros,
