@@ -15,7 +15,7 @@ import logging
 import os
 
 from gateway.config import TenantConfig
-from gateway.ratelimit import UNLIMITED, WINDOW_MS, Decision, LocalLimiter, RedisLimiter, _limits
+from gateway.ratelimit import GCRA_LUA, UNLIMITED, WINDOW_MS, Decision, LocalLimiter, RedisLimiter, _limits
 from gateway.streams import Lease, LocalStreamLimiter, RedisStreamLimiter
 
 log = logging.getLogger(__name__)
@@ -53,38 +53,14 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
 local n = tonumber(ARGV[1])
 local window = tonumber(ARGV[2])
+local force = false
 local cap = tonumber(ARGV[3 + 2 * n])
 local cc = KEYS[n + 1]
 if cap > 0 then
   redis.call('ZREMRANGEBYSCORE', cc, '-inf', now)
   if redis.call('ZCARD', cc) >= cap then return {-1} end
 end
-local tats, news = {}, {}
-local allowed, retry, by = 1, 0, 0
-for i = 1, n do
-  local interval = tonumber(ARGV[1 + 2 * i])
-  local cost = tonumber(ARGV[2 + 2 * i])
-  local tat = tonumber(redis.call('GET', KEYS[i]) or now)
-  if tat < now then tat = now end
-  tats[i] = tat
-  news[i] = tat + cost * interval
-  local diff = news[i] - now
-  if diff > window then
-    allowed = 0
-    if diff - window > retry then retry = diff - window; by = i end
-  end
-end
-local out = {allowed, math.ceil(retry), by}
-for i = 1, n do
-  local interval = tonumber(ARGV[1 + 2 * i])
-  local held = tats[i] - now
-  if allowed == 1 then
-    held = news[i] - now
-    redis.call('SET', KEYS[i], string.format('%.3f', news[i]), 'PX', math.ceil(held) + 1)
-  end
-  out[#out + 1] = math.floor((window - held) / interval)
-  out[#out + 1] = math.ceil(held)
-end
+""" + GCRA_LUA + """
 if allowed == 1 and cap > 0 then
   local ttl = tonumber(ARGV[5 + 2 * n])
   redis.call('ZADD', cc, math.floor(now) + ttl, ARGV[4 + 2 * n])

@@ -105,12 +105,9 @@ class LocalLimiter:
             self._tat[key] = max(self._tat.get(key, now), now) + tokens * WINDOW_MS / tenant.tokens_per_min
 
 
-_LUA = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
-local force = ARGV[1] == '1'
-local n = #KEYS
-local window = tonumber(ARGV[2])
+# GCRA over KEYS[1..n] with ARGV[1+2i] = interval, ARGV[2+2i] = cost; needs locals now, n, window, force.
+# Leaves `allowed` and `out` = {allowed, retry ms, limit index, (remaining, reset ms) per limit}.
+GCRA_LUA = """
 local tats, news = {}, {}
 local allowed, retry, by = 1, 0, 0
 for i = 1, n do
@@ -137,6 +134,15 @@ for i = 1, n do
   out[#out + 1] = math.floor((window - held) / interval)
   out[#out + 1] = math.ceil(held)
 end
+"""
+
+_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+local force = ARGV[1] == '1'
+local n = #KEYS
+local window = tonumber(ARGV[2])
+""" + GCRA_LUA + """
 return out
 """
 
