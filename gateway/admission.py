@@ -21,31 +21,40 @@ from gateway.streams import Lease, LocalStreamLimiter, RedisStreamLimiter
 log = logging.getLogger(__name__)
 
 
+def _in_process(limiter: LocalLimiter, streams: LocalStreamLimiter, tenant: TenantConfig,
+                tokens: int) -> tuple[Decision, Lease | None]:
+    """The cap first, so a refused request spends no rate budget; a rate refusal gives the lease back."""
+    lease = streams.acquire_local(tenant)
+    if lease is None:
+        return UNLIMITED, None
+    decision = limiter.acquire_now(tenant, tokens)
+    if not decision.allowed:
+        streams.release_local(lease)
+        return decision, None
+    return decision, lease
+
+
 class Admission:
-    def __init__(self, limiter: LocalLimiter | RedisLimiter, streams: LocalStreamLimiter | RedisStreamLimiter) -> None:
+    """In-process: the GCRA limiter, then the stream count."""
+
+    def __init__(self, limiter: LocalLimiter, streams: LocalStreamLimiter) -> None:
         self.limiter = limiter
         self.streams = streams
 
     async def admit(self, tenant: TenantConfig, tokens: int) -> tuple[Decision, Lease | None]:
         """(rate decision, lease). Not admitted: decision.allowed is False (rate), or lease is None (cap)."""
-        decision = await self.limiter.acquire(tenant, tokens)
-        if not decision.allowed:
-            return decision, None
-        return decision, await self.streams.acquire(tenant)
+        return _in_process(self.limiter, self.streams, tenant, tokens)
 
     def finish_now(self, tenant: TenantConfig, lease: Lease, completion_tokens: int) -> bool:
-        """Settle in-process if nothing needs Redis; False: call `finish` (from a task)."""
-        if lease.kind == "redis" or (completion_tokens and not isinstance(self.limiter, LocalLimiter)):
-            return False
+        """Settle the request's end (lease back, completion tokens charged). False: nothing was done, call
+        `finish` from a task (it needs Redis)."""
         self.streams.release_local(lease)
-        if completion_tokens and isinstance(self.limiter, LocalLimiter):
+        if completion_tokens:
             self.limiter.charge_now(tenant, completion_tokens)
         return True
 
     async def finish(self, tenant: TenantConfig, lease: Lease, completion_tokens: int) -> None:
-        await self.streams.release(lease)
-        if completion_tokens:
-            await self.limiter.charge(tenant, completion_tokens)
+        self.finish_now(tenant, lease, completion_tokens)
 
 
 _ADMIT = """
@@ -85,12 +94,12 @@ return 1
 """
 
 
-class RedisAdmission(Admission):
-    limiter: RedisLimiter
-    streams: RedisStreamLimiter
+class RedisAdmission:
+    """Shared by every gateway on the same Redis: one Lua call to admit, one to settle (module docstring)."""
 
     def __init__(self, limiter: RedisLimiter, streams: RedisStreamLimiter) -> None:
-        super().__init__(limiter, streams)
+        self.limiter = limiter
+        self.streams = streams
         self.failures = 0
         self._admit = limiter.client.register_script(_ADMIT)
         self._finish = limiter.client.register_script(_FINISH)
@@ -117,8 +126,7 @@ class RedisAdmission(Admission):
                 out = await self._admit(keys=keys, args=args)
         except Exception as e:  # Redis down or slow: the in-process limits, as each limiter does alone
             self._failed("admit", e)
-            decision = await self.limiter.fallback.acquire(tenant, tokens)
-            return decision, (self.streams.local.acquire_local(tenant) if decision.allowed else None)
+            return _in_process(self.limiter.fallback, self.streams.local, tenant, tokens)
         if int(out[0]) == -1:
             return UNLIMITED, None
         allowed, retry_ms, by = int(out[0]), int(out[1]), int(out[2])

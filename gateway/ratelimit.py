@@ -82,6 +82,9 @@ class LocalLimiter:
         self._tat: dict[tuple[str, str], float] = {}
 
     async def acquire(self, tenant: TenantConfig, tokens: int, force: bool = False) -> Decision:
+        return self.acquire_now(tenant, tokens, force)
+
+    def acquire_now(self, tenant: TenantConfig, tokens: int, force: bool = False) -> Decision:
         limits = _limits(tenant, tokens)
         if not limits:
             return UNLIMITED

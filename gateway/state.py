@@ -46,7 +46,7 @@ class GatewayState:
     index: PrefixIndex
     fill_index: bool
     streams: LocalStreamLimiter | RedisStreamLimiter = field(default_factory=LocalStreamLimiter)
-    admission: Admission = field(init=False)   # limiter + streams, decided together (gateway/admission.py)
+    admission: Admission | RedisAdmission = field(init=False)   # limiter + streams (gateway/admission.py)
     redis: Redis | None = None
     session: aiohttp.ClientSession | None = None
     inflight: int = 0
@@ -57,8 +57,11 @@ class GatewayState:
     def __post_init__(self) -> None:
         if isinstance(self.limiter, RedisLimiter) and isinstance(self.streams, RedisStreamLimiter):
             self.admission = RedisAdmission(self.limiter, self.streams)
-        else:
+        elif isinstance(self.limiter, LocalLimiter) and isinstance(self.streams, LocalStreamLimiter):
             self.admission = Admission(self.limiter, self.streams)
+        else:
+            raise TypeError(f"limiter {type(self.limiter).__name__} and streams {type(self.streams).__name__}: "
+                            "expected both Redis-backed or both in-process")
 
     def authenticate(self, request: web.Request) -> TenantConfig:
         tenant = self.tenants.authenticate(request.headers.get("authorization"))

@@ -1,11 +1,12 @@
 """Per-tenant cap on concurrent requests (`max_concurrent_streams`), shared by every gateway.
 
 RedisStreamLimiter keeps one sorted set per tenant, `<prefix>:cc:{<tenant>}`: member = a lease id (one per
-running request), score = the lease's expiry on the Redis clock. Admission is one Lua script (drop expired
-leases, count, add if below the cap), so N gateways share one cap without a race. A gateway refreshes the
-leases it holds every ttl/3; a gateway that dies stops refreshing and its leases expire after `ttl`, so a
-crash frees its share within one TTL instead of leaking it. Redis down or slow: the gateway falls back to
-its own in-process count (fail-soft, counted in `failures`), as the rate limiter does.
+running request), score = the lease's expiry on the Redis clock. Leases are taken and given back by
+gateway/admission.py (in the same Lua script as the rate limits: drop expired leases, count, add if below
+the cap), so N gateways share one cap without a race. This class holds the lease bookkeeping: a gateway
+refreshes the leases it holds every ttl/3; a gateway that dies stops refreshing and its leases expire
+after `ttl`, so a crash frees its share within one TTL instead of leaking it. Redis down or slow: the
+gateway falls back to its own in-process count (`local`), as the rate limiter does.
 
 LocalStreamLimiter is the in-process count, for single-node mode.
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from typing import NamedTuple
 
 from gateway.config import TenantConfig
@@ -32,18 +32,12 @@ class LocalStreamLimiter:
     def __init__(self) -> None:
         self.active: dict[str, int] = {}
 
-    async def acquire(self, tenant: TenantConfig) -> Lease | None:
-        return self.acquire_local(tenant)
-
     def acquire_local(self, tenant: TenantConfig) -> Lease | None:
         n = self.active.get(tenant.id, 0)
         if tenant.max_concurrent_streams and n >= tenant.max_concurrent_streams:
             return None
         self.active[tenant.id] = n + 1
         return Lease(tenant.id, "", "local")
-
-    async def release(self, lease: Lease) -> None:
-        self.release_local(lease)
 
     def release_local(self, lease: Lease) -> None:
         if lease.kind != "local":
@@ -54,20 +48,6 @@ class LocalStreamLimiter:
         else:
             self.active.pop(lease.tenant, None)
 
-    async def refresh(self) -> None:
-        return None
-
-
-_ACQUIRE = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local ttl = tonumber(ARGV[3])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
-redis.call('ZADD', KEYS[1], now + ttl, ARGV[2])
-redis.call('PEXPIRE', KEYS[1], ttl)
-return 1
-"""
 
 _REFRESH = """
 local t = redis.call('TIME')
@@ -93,7 +73,6 @@ class RedisStreamLimiter:
         self.local = LocalStreamLimiter()     # fallback when Redis fails
         self.failures = 0
         self.held: dict[str, set[str]] = {}   # tenant -> lease ids this gateway holds in Redis
-        self._acquire = client.register_script(_ACQUIRE)
         self._refresh = client.register_script(_REFRESH)
 
     def key(self, tenant: str) -> str:
@@ -105,39 +84,8 @@ class RedisStreamLimiter:
             log.warning("redis stream limiter %s failed (%s: %s); using the in-process count",
                         what, type(e).__name__, e)
 
-    async def acquire(self, tenant: TenantConfig) -> Lease | None:
-        if not tenant.max_concurrent_streams:
-            return Lease(tenant.id, "", "none")
-        lease_id = os.urandom(12).hex()
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                ok = await self._acquire(keys=[self.key(tenant.id)],
-                                         args=[tenant.max_concurrent_streams, lease_id, self.ttl_ms])
-        except Exception as e:  # Redis down or slow: keep serving on this gateway's own count
-            self._failed("acquire", e)
-            return self.local.acquire_local(tenant)
-        if not int(ok):
-            return None
-        self.held.setdefault(tenant.id, set()).add(lease_id)
-        return Lease(tenant.id, lease_id, "redis")
-
     def release_local(self, lease: Lease) -> None:
         self.local.release_local(lease)
-
-    async def release(self, lease: Lease) -> None:
-        if lease.kind != "redis":
-            self.local.release_local(lease)
-            return
-        ids = self.held.get(lease.tenant)
-        if ids is not None:
-            ids.discard(lease.lease_id)
-            if not ids:
-                del self.held[lease.tenant]
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                await self.client.zrem(self.key(lease.tenant), lease.lease_id)
-        except Exception as e:  # the lease expires by itself within one TTL
-            self._failed("release", e)
 
     async def refresh(self) -> None:
         """Extend every lease this gateway holds (call every ttl/3)."""

@@ -204,50 +204,67 @@ def test_concurrent_stream_limit_shared_by_two_gateways_in_redis(harness, valkey
     _wait_for(lambda: r.zcard("ei:cc:{demo}") == 0)
 
 
+def _redis_admission(client, ttl_s: float):
+    from gateway.admission import RedisAdmission
+    from gateway.ratelimit import RedisLimiter
+    from gateway.streams import RedisStreamLimiter
+
+    return RedisAdmission(RedisLimiter(client), RedisStreamLimiter(client, ttl_s=ttl_s))
+
+
 async def test_stream_leases_of_a_dead_gateway_expire(valkey):
     import asyncio
 
     import redis.asyncio as aredis
 
     from gateway.config import TenantConfig
-    from gateway.streams import RedisStreamLimiter
 
     c = aredis.Redis.from_url(valkey.url)
     await c.flushall()
     t = TenantConfig(id="t1", api_key_sha256=[], max_concurrent_streams=2)
-    dead = RedisStreamLimiter(c, ttl_s=0.4)            # takes the whole cap and never refreshes
-    assert (await dead.acquire(t)).kind == "redis" and (await dead.acquire(t)).kind == "redis"
-    alive = RedisStreamLimiter(c, ttl_s=0.4)
-    assert await alive.acquire(t) is None
+    dead = _redis_admission(c, ttl_s=0.4)               # takes the whole cap and never refreshes
+    for _ in range(2):
+        decision, lease = await dead.admit(t, 1)
+        assert decision.allowed and lease is not None and lease.kind == "redis"
+    alive = _redis_admission(c, ttl_s=0.4)
+    assert (await alive.admit(t, 1))[1] is None
     await asyncio.sleep(0.6)
-    lease = await alive.acquire(t)                      # the dead gateway's leases expired
+    _, lease = await alive.admit(t, 1)                  # the dead gateway's leases expired
     assert lease is not None and lease.kind == "redis"
+    assert alive.streams.held == {"t1": {lease.lease_id}}
     for _ in range(4):                                  # a refreshed lease outlives its TTL
         await asyncio.sleep(0.15)
-        await alive.refresh()
+        await alive.streams.refresh()
     assert await c.zscore("ei:cc:{t1}", lease.lease_id) is not None
-    await alive.release(lease)
-    assert await c.zcard("ei:cc:{t1}") == 0
+    assert not alive.finish_now(t, lease, 0)            # a Redis lease is settled by finish, from a task
+    await alive.finish(t, lease, 0)
+    assert await c.zcard("ei:cc:{t1}") == 0 and alive.streams.held == {}
     await c.aclose()
 
 
-async def test_stream_limiter_falls_back_to_the_local_count_when_redis_is_down():
+async def test_admission_falls_back_to_in_process_limits_when_redis_is_down():
     import redis.asyncio as aredis
 
     from gateway.config import TenantConfig
     from gateway.streams import RedisStreamLimiter
 
     c = aredis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.1)   # nothing listens on port 1
-    lim = RedisStreamLimiter(c, ttl_s=5)
-    t = TenantConfig(id="t1", api_key_sha256=[], max_concurrent_streams=1)
-    first = await lim.acquire(t)
-    assert first is not None and first.kind == "local"
-    assert await lim.acquire(t) is None                 # the cap still holds, on this gateway's count
-    await lim.release(first)
-    assert (await lim.acquire(t)).kind == "local"
-    assert lim.failures >= 2
+    adm = _redis_admission(c, ttl_s=5)
+    t = TenantConfig(id="t1", api_key_sha256=[], max_concurrent_streams=1, requests_per_min=2)
+    decision, first = await adm.admit(t, 1)
+    assert decision.allowed and first is not None and first.kind == "local"
+    decision, second = await adm.admit(t, 1)
+    assert second is None                               # the cap still holds, on this gateway's count
+    assert adm.finish_now(t, first, 0)                  # a local lease goes back at once
+    decision, third = await adm.admit(t, 1)             # the refused one spent no rate budget: 2 of 2/min
+    assert decision.allowed and third is not None and third.kind == "local"
+    assert adm.finish_now(t, third, 0)
+    decision, fourth = await adm.admit(t, 1)
+    assert not decision.allowed and fourth is None      # the in-process rate limit (2/min) holds too
+    assert adm.streams.local.active == {}               # and the rate refusal gave its lease back
+    assert adm.failures >= 3
     unlimited = TenantConfig(id="t2", api_key_sha256=[])
-    assert (await lim.acquire(unlimited)).kind == "none"
+    assert (await adm.admit(unlimited, 1))[1].kind == "none"
     with pytest.raises(ValueError, match="ttl_s=0"):
         RedisStreamLimiter(c, ttl_s=0)
     await c.aclose()
