@@ -1,7 +1,7 @@
 """Admission of one request: the tenant's rate limits and its concurrent-stream cap, decided together; and
 the request's end: its lease released and its completion tokens charged.
 
-Admission (in-process, or with Redis down) runs the two limiters one after the other. RedisAdmission
+Admission (in-process, or with Redis down) runs the two limiters one after the other, cap first. RedisAdmission
 runs both in one Lua script per request and one at its end (keys `ei:rl:{t}:*` and `ei:cc:{t}` share the
 tenant's hash tag, so one cluster slot): each Redis round trip costs the gateway ~60-70 us of CPU in
 redis-py, which is most of what a Redis-backed gateway spends per request (benchmarks/bench_gateway.py
@@ -35,7 +35,7 @@ def _in_process(limiter: LocalLimiter, streams: LocalStreamLimiter, tenant: Tena
 
 
 class Admission:
-    """In-process: the GCRA limiter, then the stream count."""
+    """In-process: the stream count, then the GCRA limiter (see _in_process)."""
 
     def __init__(self, limiter: LocalLimiter, streams: LocalStreamLimiter) -> None:
         self.limiter = limiter
