@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import kernels
+from backend.quant.packing import unpack_uint4
 
 PREPACK_ENV = "EDGEINFER_CPU_PREPACK"
 PREPACK_BATCH_HINT = 64   # oneDNN picks its blocking for this many rows (a hint of 1 was 2x slower at 32 rows)
@@ -49,6 +50,10 @@ class DenseLinear(nn.Module):
 
     def weight_bytes(self) -> int:
         return self._nbytes
+
+    @property
+    def prepacked(self) -> bool:
+        return self.packed is not None
 
     def prepack(self, batch_hint: int = PREPACK_BATCH_HINT) -> bool:
         """Replace the plain weight by a prepacked copy (frees the plain one unless it is shared,
@@ -122,6 +127,10 @@ class W4A16Linear(nn.Module):
     def weight_bytes(self) -> int:
         return self._nbytes
 
+    @property
+    def prepacked(self) -> bool:
+        return self.int4pack is not None
+
     def prepack(self) -> bool:
         """CPU only: repack for torch's int4 CPU GEMM and free the original buffers. False, changing
         nothing, where the op, the device or the group size does not allow it."""
@@ -131,7 +140,7 @@ class W4A16Linear(nn.Module):
         if self.qweight.device.type != "cpu" or group is None or not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
             return False
         n, k = self._shape
-        q = torch.stack([self.qweight & 0xF, self.qweight >> 4], dim=-1).reshape(n, k).to(torch.int32)
+        q = unpack_uint4(self.qweight).to(torch.int32)       # [out, in] in 0..15
         # s, z: [out, in // group_size] -> [out, in // group], each repeated over the sub-groups
         s = self.scales.float().repeat_interleave(self.group_size // group, dim=1)
         z = self.zeros.float().repeat_interleave(self.group_size // group, dim=1) if self.zeros is not None \

@@ -152,8 +152,9 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = norm
         self.tied_lm_head = lm_head is None
-        self.lm_head = self.embed_tokens if lm_head is None else nn.Parameter(lm_head, requires_grad=False)
-        self.lm_head_linear = DenseLinear(self.lm_head)
+        # [vocab, hidden]; the only holder of an untied head, so prepacking it frees the plain copy; a tied
+        # head shares the embedding's storage, which the lookup keeps (its packed copy: prepacked_copy_bytes)
+        self.lm_head_linear = DenseLinear(self.embed_tokens.data if lm_head is None else lm_head)
         self.rotary = Rotary(cfg, device)
 
     @property
@@ -164,8 +165,14 @@ class LlamaModel(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.device
 
+    @property
+    def lm_head(self) -> torch.Tensor | None:
+        """The plain [vocab, hidden] head (the embedding when tied); None once an untied head is prepacked."""
+        return self.embed_tokens if self.tied_lm_head else self.lm_head_linear.weight
+
     def weight_bytes(self) -> int:
-        """Bytes of the checkpoint's weights as held (a tied lm_head counted once)."""
+        """Bytes of the checkpoint's weights as held, plain or prepacked (a tied lm_head counted once: its
+        packed copy is prepacked_copy_bytes())."""
         seen, total = set(), 0
         for t in list(self.parameters()) + list(self.buffers()):
             if t.data_ptr() in seen or t is self.rotary.cos or t is self.rotary.sin:
@@ -173,15 +180,14 @@ class LlamaModel(nn.Module):
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
         for m in self.modules():
-            if isinstance(m, DenseLinear) and m.packed is not None and m is not self.lm_head_linear:
-                total += m.weight_bytes()
-        if self.lm_head_linear.packed is not None and not self.tied_lm_head:
-            total += self.lm_head_linear.weight_bytes()
+            if isinstance(m, DenseLinear | W4A16Linear) and m.prepacked:
+                if not (m is self.lm_head_linear and self.tied_lm_head):
+                    total += m.weight_bytes()
         return total
 
     def prepacked_copy_bytes(self) -> int:
         """Extra bytes a prepacked lm_head costs when it is tied to the embedding (both layouts held)."""
-        tied = self.tied_lm_head and self.lm_head_linear.packed is not None
+        tied = self.tied_lm_head and self.lm_head_linear.prepacked
         return self.lm_head_linear.weight_bytes() if tied else 0
 
     def prepack(self) -> int:

@@ -82,6 +82,8 @@ def quantized_tensors(model: LlamaModel, group_size: int, clips: dict[str, torch
     out["model.embed_tokens.weight"] = model.embed_tokens.data.clone()
     out["model.norm.weight"] = model.norm.weight.data.clone()
     if not cfg.tie_word_embeddings:
+        if model.lm_head is None:
+            raise QuantizeError("the model's lm_head is prepacked: load it with prepack=False to quantize it")
         out["lm_head.weight"] = model.lm_head.data.clone()
     return {k: v.contiguous() for k, v in out.items()}
 

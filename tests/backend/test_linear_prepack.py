@@ -79,6 +79,27 @@ def test_weight_bytes_unchanged_by_prepacking(smol_dir):
     assert packed.embed_tokens is packed.lm_head    # the embedding lookup keeps the plain table
 
 
+@needs_mkldnn
+def test_untied_lm_head_is_held_once_when_prepacked(smol_dir):
+    """An untied head has one holder (lm_head_linear): packing it frees the plain copy, nothing is counted
+    twice, and the logits match the plain layout."""
+    import dataclasses
+
+    from backend.model.config import ModelConfig
+    from backend.model.llama import build_model, read_tensors
+
+    cfg = dataclasses.replace(ModelConfig.from_dir(smol_dir), tie_word_embeddings=False)
+    tensors = read_tensors(smol_dir)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].flip(0).contiguous()
+    plain = build_model(cfg, tensors, torch.float32, torch.device("cpu"))
+    packed = build_model(cfg, tensors, torch.float32, torch.device("cpu"), prepack=True)
+    assert packed.lm_head is None and packed.lm_head_linear.prepacked and plain.lm_head is not None
+    assert packed.prepacked_copy_bytes() == 0
+    assert packed.weight_bytes() == plain.weight_bytes() == sum(t.numel() * 4 for t in tensors.values())
+    h = torch.randn(3, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(packed.compute_logits(h), plain.compute_logits(h), atol=1e-3, rtol=1e-4)
+
+
 def test_in_fresh_thread_returns_and_raises():
     import threading
 

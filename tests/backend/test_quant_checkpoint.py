@@ -250,6 +250,7 @@ def test_cpu_int4_prepacked_path_matches_the_oracle(tiny, tmp_path, method):
     assert all(m.int4pack.dtype == torch.uint8 and m.int4pack.numel() * 2 == m._shape[0] * m._shape[1]
                for m in linears)                                    # 4 bits a weight, the originals freed
     assert packed.linear_weight_bytes() == plain.linear_weight_bytes()
+    assert packed.weight_bytes() == plain.weight_bytes()               # the packed linears are counted
     got, ref = _logits(packed), _dequantized_reference(qdir)
     # bf16 in, bf16 out (8-bit mantissa: 2^-8 relative per GEMM) and bf16-rounded scales, through 2 layers
     # of 4 GEMMs each: within 0.5% of the largest logit (measured: 0.1%)
