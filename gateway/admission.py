@@ -15,7 +15,7 @@ import logging
 import os
 
 from gateway.config import TenantConfig
-from gateway.ratelimit import GCRA_LUA, UNLIMITED, WINDOW_MS, Decision, LocalLimiter, RedisLimiter, _limits
+from gateway.ratelimit import GCRA_LUA, UNLIMITED, WINDOW_MS, Decision, LocalLimiter, _limits, rate_key
 from gateway.streams import Lease, LocalStreamLimiter, RedisStreamLimiter
 
 log = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ def _in_process(limiter: LocalLimiter, streams: LocalStreamLimiter, tenant: Tena
     lease = streams.acquire_local(tenant)
     if lease is None:
         return UNLIMITED, None
-    decision = limiter.acquire_now(tenant, tokens)
+    decision = limiter.acquire(tenant, tokens)
     if not decision.allowed:
         streams.release_local(lease)
         return decision, None
@@ -37,9 +37,11 @@ def _in_process(limiter: LocalLimiter, streams: LocalStreamLimiter, tenant: Tena
 class Admission:
     """In-process: the stream count, then the GCRA limiter (see _in_process)."""
 
-    def __init__(self, limiter: LocalLimiter, streams: LocalStreamLimiter) -> None:
-        self.limiter = limiter
-        self.streams = streams
+    failures = 0
+
+    def __init__(self) -> None:
+        self.limiter = LocalLimiter()
+        self.streams = LocalStreamLimiter()
 
     async def admit(self, tenant: TenantConfig, tokens: int) -> tuple[Decision, Lease | None]:
         """(rate decision, lease). Not admitted: decision.allowed is False (rate), or lease is None (cap)."""
@@ -49,8 +51,7 @@ class Admission:
         """Settle the request's end (lease back, completion tokens charged). False: nothing was done, call
         `finish` from a task (it needs Redis)."""
         self.streams.release_local(lease)
-        if completion_tokens:
-            self.limiter.charge_now(tenant, completion_tokens)
+        self.limiter.charge(tenant, completion_tokens)
         return True
 
     async def finish(self, tenant: TenantConfig, lease: Lease, completion_tokens: int) -> None:
@@ -78,37 +79,45 @@ end
 return out
 """
 
+# KEYS: tokens key, stream key; ARGV: lease id ('' for none), window, interval (0: no charge), cost
 _FINISH = """
 if ARGV[1] ~= '' then redis.call('ZREM', KEYS[2], ARGV[1]) end
-local interval = tonumber(ARGV[2])
-local cost = tonumber(ARGV[3])
-if interval > 0 and cost > 0 then
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
-  local tat = tonumber(redis.call('GET', KEYS[1]) or now)
-  if tat < now then tat = now end
-  local new = tat + cost * interval
-  redis.call('SET', KEYS[1], string.format('%.3f', new), 'PX', math.ceil(new - now) + 1)
-end
+if tonumber(ARGV[3]) <= 0 or tonumber(ARGV[4]) <= 0 then return 1 end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+local n = 1
+local window = tonumber(ARGV[2])
+local force = true
+""" + GCRA_LUA + """
 return 1
 """
 
 
 class RedisAdmission:
-    """Shared by every gateway on the same Redis: one Lua call to admit, one to settle (module docstring)."""
+    """Shared by every gateway on the same Redis: one Lua call to admit, one to settle (module docstring).
+    Redis down or slow (> timeout_s): the in-process limits, counted in `failures` and logged."""
 
-    def __init__(self, limiter: RedisLimiter, streams: RedisStreamLimiter) -> None:
-        self.limiter = limiter
-        self.streams = streams
-        self.failures = 0
-        self._admit = limiter.client.register_script(_ADMIT)
-        self._finish = limiter.client.register_script(_FINISH)
+    def __init__(self, client, prefix: str = "ei", ttl_s: float = 30.0, timeout_s: float = 0.25) -> None:
+        self.prefix = prefix
+        self.timeout_s = timeout_s
+        self.fallback = LocalLimiter()
+        self.streams = RedisStreamLimiter(client, prefix, ttl_s, timeout_s)
+        self._failures = 0
+        self._admit = client.register_script(_ADMIT)
+        self._finish = client.register_script(_FINISH)
+
+    @property
+    def failures(self) -> int:
+        return self._failures + self.streams.failures
 
     def _failed(self, what: str, e: Exception) -> None:
-        self.failures += 1
-        if self.failures == 1 or self.failures % 1000 == 0:
+        self._failures += 1
+        if self._failures == 1 or self._failures % 1000 == 0:
             log.warning("redis admission %s failed (%s: %s); using the in-process limits", what,
                         type(e).__name__, e)
+
+    async def run(self) -> None:
+        await self.streams.run()
 
     async def admit(self, tenant: TenantConfig, tokens: int) -> tuple[Decision, Lease | None]:
         limits = _limits(tenant, tokens)
@@ -120,13 +129,13 @@ class RedisAdmission:
         for _, interval, cost in limits:
             args += [repr(interval), cost]
         args += [cap, lease_id, self.streams.ttl_ms]
-        keys = [self.limiter._key(tenant.id, name) for name, _, _ in limits] + [self.streams.key(tenant.id)]
+        keys = [rate_key(self.prefix, tenant.id, name) for name, _, _ in limits] + [self.streams.key(tenant.id)]
         try:
-            async with asyncio.timeout(self.limiter.timeout_s):
+            async with asyncio.timeout(self.timeout_s):
                 out = await self._admit(keys=keys, args=args)
-        except Exception as e:  # Redis down or slow: the in-process limits, as each limiter does alone
+        except Exception as e:  # Redis down or slow: the in-process limits
             self._failed("admit", e)
-            return _in_process(self.limiter.fallback, self.streams.local, tenant, tokens)
+            return _in_process(self.fallback, self.streams.local, tenant, tokens)
         if int(out[0]) == -1:
             return UNLIMITED, None
         allowed, retry_ms, by = int(out[0]), int(out[1]), int(out[2])
@@ -139,7 +148,7 @@ class RedisAdmission:
             return decision, None
         if not cap:
             return decision, Lease(tenant.id, "", "none")
-        self.streams.held.setdefault(tenant.id, set()).add(lease_id)
+        self.streams.hold(tenant.id, lease_id)
         return decision, Lease(tenant.id, lease_id, "redis")
 
     def finish_now(self, tenant: TenantConfig, lease: Lease, completion_tokens: int) -> bool:
@@ -149,21 +158,16 @@ class RedisAdmission:
         return True
 
     async def finish(self, tenant: TenantConfig, lease: Lease, completion_tokens: int) -> None:
-        if lease.kind != "redis":
-            self.streams.release_local(lease)
+        if lease.kind == "redis":
+            self.streams.drop(tenant.id, lease.lease_id)
         else:
-            ids = self.streams.held.get(tenant.id)
-            if ids is not None:
-                ids.discard(lease.lease_id)
-                if not ids:
-                    del self.streams.held[tenant.id]
+            self.streams.release_local(lease)
         interval = WINDOW_MS / tenant.tokens_per_min if tenant.tokens_per_min else 0
-        args = [lease.lease_id if lease.kind == "redis" else "", repr(interval), completion_tokens]
-        keys = [self.limiter._key(tenant.id, "tokens"), self.streams.key(tenant.id)]
+        args = [lease.lease_id if lease.kind == "redis" else "", WINDOW_MS, repr(interval), completion_tokens]
+        keys = [rate_key(self.prefix, tenant.id, "tokens"), self.streams.key(tenant.id)]
         try:
-            async with asyncio.timeout(self.limiter.timeout_s):
+            async with asyncio.timeout(self.timeout_s):
                 await self._finish(keys=keys, args=args)
         except Exception as e:  # the lease expires by itself; the tokens are charged in-process
             self._failed("finish", e)
-            if completion_tokens:
-                self.limiter.fallback.charge_now(tenant, completion_tokens)
+            self.fallback.charge(tenant, completion_tokens)

@@ -142,9 +142,7 @@ async def ready(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     st = request.app[STATE]
     st.metrics.inflight.set(st.inflight)
-    limiter = st.limiter
-    st.metrics.limiter_fallbacks.set(getattr(limiter, "failures", 0) + getattr(st.streams, "failures", 0)
-                                     + getattr(st.admission, "failures", 0))
+    st.metrics.limiter_fallbacks.set(st.admission.failures)
     return web.Response(body=st.metrics.render(), headers={"content-type": "text/plain; version=0.0.4"})
 
 
@@ -177,7 +175,8 @@ async def _resources(app: web.Application):
                                        timeout=aiohttp.ClientTimeout(total=None))
     await st.pool.refresh()
     probes = asyncio.get_running_loop().create_task(st.pool.run())
-    leases = asyncio.get_running_loop().create_task(st.streams.run()) if hasattr(st.streams, "run") else None
+    run = getattr(st.admission, "run", None)        # Redis: refresh the stream leases this gateway holds
+    leases = asyncio.get_running_loop().create_task(run()) if run is not None else None
     yield
     probes.cancel()
     if leases is not None:

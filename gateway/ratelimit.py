@@ -6,14 +6,13 @@ TAT advances by c*T. Requests and tokens are checked together and charged all-or
 Prompt tokens are charged on admission, completion tokens after the response (`charge`, never
 rejected: it may push the tenant into debt so the next request waits).
 
-RedisLimiter runs both limits in one Lua script (atomic, Redis clock) so many gateways share one
-budget; LocalLimiter is the same arithmetic in-process, for single-node mode and as the fallback
-when Redis fails (fail-soft: counted in metrics, logged).
+GCRA_LUA is the arithmetic as a Lua fragment: gateway/admission.py runs it in one script with the
+concurrent-stream cap (atomic, Redis clock) so many gateways share one budget. LocalLimiter is the
+same arithmetic in-process, for single-node mode and as the fallback when Redis fails.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
@@ -81,10 +80,7 @@ class LocalLimiter:
         self._clock = clock
         self._tat: dict[tuple[str, str], float] = {}
 
-    async def acquire(self, tenant: TenantConfig, tokens: int, force: bool = False) -> Decision:
-        return self.acquire_now(tenant, tokens, force)
-
-    def acquire_now(self, tenant: TenantConfig, tokens: int, force: bool = False) -> Decision:
+    def acquire(self, tenant: TenantConfig, tokens: int, force: bool = False) -> Decision:
         limits = _limits(tenant, tokens)
         if not limits:
             return UNLIMITED
@@ -97,10 +93,7 @@ class LocalLimiter:
             self._tat = {k: v for k, v in self._tat.items() if v > now}
         return decision
 
-    async def charge(self, tenant: TenantConfig, tokens: int) -> None:
-        self.charge_now(tenant, tokens)
-
-    def charge_now(self, tenant: TenantConfig, tokens: int) -> None:
+    def charge(self, tenant: TenantConfig, tokens: int) -> None:
         """Completion tokens after the response: never rejected, may leave the tenant in debt."""
         if tenant.tokens_per_min and tokens > 0:
             now = self._clock() * 1000.0
@@ -139,56 +132,7 @@ for i = 1, n do
 end
 """
 
-_LUA = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
-local force = ARGV[1] == '1'
-local n = #KEYS
-local window = tonumber(ARGV[2])
-""" + GCRA_LUA + """
-return out
-"""
 
-
-class RedisLimiter:
-    """Keys `<prefix>:rl:{<tenant>}:requests|tokens` (hash tag: one slot per tenant, so the script's keys
-    are co-located on a Redis Cluster)."""
-
-    def __init__(self, client, prefix: str = "ei", timeout_s: float = 0.25) -> None:
-        self.client = client
-        self.prefix = prefix
-        self.timeout_s = timeout_s
-        self.fallback = LocalLimiter()
-        self.failures = 0
-        self._script = client.register_script(_LUA)
-
-    def _key(self, tenant: str, name: str) -> str:
-        return f"{self.prefix}:rl:{{{tenant}}}:{name}"
-
-    async def acquire(self, tenant: TenantConfig, tokens: int, force: bool = False) -> Decision:
-        limits = _limits(tenant, tokens)
-        if not limits:
-            return UNLIMITED
-        args: list = ["1" if force else "0", WINDOW_MS]
-        for _, interval, cost in limits:
-            args += [repr(interval), cost]
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                out = await self._script(keys=[self._key(tenant.id, n) for n, _, _ in limits], args=args)
-        except Exception as e:  # Redis down or slow: keep serving on the in-process budget
-            self.failures += 1
-            if self.failures == 1 or self.failures % 1000 == 0:
-                log.warning("redis rate limiter failed (%s: %s); using the in-process limiter",
-                            type(e).__name__, e)
-            return await self.fallback.acquire(tenant, tokens, force)
-        allowed, retry_ms, by = int(out[0]), int(out[1]), int(out[2])
-        remaining, reset = {}, {}
-        for i, (name, _, _) in enumerate(limits):
-            remaining[name] = int(out[3 + 2 * i])
-            reset[name] = int(out[4 + 2 * i]) / 1000.0
-        return Decision(bool(allowed), retry_ms / 1000.0, limits[by - 1][0] if by else "", remaining, reset)
-
-    async def charge(self, tenant: TenantConfig, tokens: int) -> None:
-        if tenant.tokens_per_min and tokens > 0:
-            t = TenantConfig(id=tenant.id, api_key_sha256=[], tokens_per_min=tenant.tokens_per_min)
-            await self.acquire(t, tokens, force=True)
+def rate_key(prefix: str, tenant: str, name: str) -> str:
+    """`<prefix>:rl:{<tenant>}:requests|tokens` (hash tag: one cluster slot per tenant)."""
+    return f"{prefix}:rl:{{{tenant}}}:{name}"

@@ -21,9 +21,7 @@ from gateway.errors import APIError
 from gateway.metrics import Metrics
 from gateway.models import ServedModel
 from gateway.nodes import Node, NodePool
-from gateway.ratelimit import LocalLimiter, RedisLimiter
 from gateway.routing import PrefixIndex, Router
-from gateway.streams import LocalStreamLimiter, RedisStreamLimiter
 from gateway.tenants import TenantTable
 from gateway.upstream import Upstream
 
@@ -42,26 +40,15 @@ class GatewayState:
     pool: NodePool
     router: Router
     upstream: Upstream
-    limiter: LocalLimiter | RedisLimiter
+    admission: Admission | RedisAdmission    # rate limits + stream caps (gateway/admission.py)
     index: PrefixIndex
     fill_index: bool
-    streams: LocalStreamLimiter | RedisStreamLimiter = field(default_factory=LocalStreamLimiter)
-    admission: Admission | RedisAdmission = field(init=False)   # limiter + streams (gateway/admission.py)
     redis: Redis | None = None
     session: aiohttp.ClientSession | None = None
     inflight: int = 0
     draining: bool = False
     started: int = field(default_factory=lambda: int(time.time()))
     tasks: set[asyncio.Task] = field(default_factory=set)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.limiter, RedisLimiter) and isinstance(self.streams, RedisStreamLimiter):
-            self.admission = RedisAdmission(self.limiter, self.streams)
-        elif isinstance(self.limiter, LocalLimiter) and isinstance(self.streams, LocalStreamLimiter):
-            self.admission = Admission(self.limiter, self.streams)
-        else:
-            raise TypeError(f"limiter {type(self.limiter).__name__} and streams {type(self.streams).__name__}: "
-                            "expected both Redis-backed or both in-process")
 
     def authenticate(self, request: web.Request) -> TenantConfig:
         tenant = self.tenants.authenticate(request.headers.get("authorization"))
@@ -112,11 +99,10 @@ def build_state(cfg: GatewayConfig, models: dict[str, ServedModel] | None = None
         index = InMemoryPageIndex()
     router = Router(index, cfg.seed, s.route_load_cost_tokens, s.route_affinity_tokens)
     upstream = Upstream(s.connect_timeout_s, s.first_byte_timeout_s, s.chunk_timeout_s)
-    limiter = RedisLimiter(redis_client, s.key_prefix) if redis_client is not None else LocalLimiter()
-    streams = (RedisStreamLimiter(redis_client, s.key_prefix, s.stream_lease_ttl_s) if redis_client is not None
-               else LocalStreamLimiter())
-    st = GatewayState(cfg, models, TenantTable(cfg.tenants), metrics, pool, router, upstream, limiter, index,
-                      fill_index=cfg.fill_index_at_gateway, streams=streams, redis=redis_client)
+    admission = (RedisAdmission(redis_client, s.key_prefix, s.stream_lease_ttl_s) if redis_client is not None
+                 else Admission())
+    st = GatewayState(cfg, models, TenantTable(cfg.tenants), metrics, pool, router, upstream, admission, index,
+                      fill_index=cfg.fill_index_at_gateway, redis=redis_client)
     holder["state"] = st
     return st
 

@@ -87,6 +87,16 @@ class RedisStreamLimiter:
     def release_local(self, lease: Lease) -> None:
         self.local.release_local(lease)
 
+    def hold(self, tenant: str, lease_id: str) -> None:
+        self.held.setdefault(tenant, set()).add(lease_id)
+
+    def drop(self, tenant: str, lease_id: str) -> None:
+        ids = self.held.get(tenant)
+        if ids is not None:
+            ids.discard(lease_id)
+            if not ids:
+                del self.held[tenant]
+
     async def refresh(self) -> None:
         """Extend every lease this gateway holds (call every ttl/3)."""
         for tenant, ids in list(self.held.items()):

@@ -206,10 +206,8 @@ def test_concurrent_stream_limit_shared_by_two_gateways_in_redis(harness, valkey
 
 def _redis_admission(client, ttl_s: float):
     from gateway.admission import RedisAdmission
-    from gateway.ratelimit import RedisLimiter
-    from gateway.streams import RedisStreamLimiter
 
-    return RedisAdmission(RedisLimiter(client), RedisStreamLimiter(client, ttl_s=ttl_s))
+    return RedisAdmission(client, ttl_s=ttl_s)
 
 
 async def test_stream_leases_of_a_dead_gateway_expire(valkey):
