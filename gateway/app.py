@@ -39,8 +39,8 @@ class _ParserErrorHandler(web_protocol.RequestHandler):
         log.info("malformed HTTP request from %s: %s", request.remote, reason)
         code = "request_header_fields_too_large" if status == 431 else (
             "invalid_http_request" if status < 500 else "internal_error")
-        body = _encode(APIError(status, f"malformed HTTP request: {reason}", code=code).body())
-        resp = web.Response(status=status, body=body, content_type="application/json")
+        resp = _error_response(APIError(status, f"malformed HTTP request: {reason}", code=code),
+                               api.new_request_id(None))
         resp.force_close()
         return resp
 
