@@ -44,25 +44,17 @@ def page_index(block_tables, context_lens, num_tokens: int, page_size: int) -> t
 
 
 def gather_index(cache, scale, flat, batch: int, num_tokens: int, dtype=torch.float32):
-    """Pages `flat` (from page_index) -> [B, num_tokens, kv_heads, head_dim] in `dtype` (fp8 dequantized)."""
+    """Pages `flat` (from page_index) -> [B, num_tokens, kv_heads, head_dim] in `dtype` (fp8 dequantized).
+
+    Rows past a sequence's context hold whatever the pool holds there (finite: the pool is zero-initialised
+    and only ever written with finite values); callers mask them.
+    """
     # index_select, not cache[pages]: advanced indexing is ~300x slower on CPU for this shape
     x = _select(cache, flat).view(batch, -1, *cache.shape[2:])[:, :num_tokens]
     if scale is not None:
         sc = scale.index_select(0, flat).view(batch, -1, scale.shape[2])[:, :num_tokens]
         x = x.float() * sc.float()[..., None]
     return x.to(dtype)
-
-
-def gather_pages(cache, scale, block_tables, context_lens, num_tokens, dtype=torch.float32):
-    """-> ([B, num_tokens, kv_heads, head_dim] in `dtype` (fp8 dequantized), valid [B, num_tokens] bool).
-
-    Rows past a sequence's context hold whatever the pool holds there (finite: the pool is zero-initialised
-    and only ever written with finite values); callers mask them with `valid`.
-    """
-    flat = page_index(block_tables, context_lens, num_tokens, cache.shape[1])
-    x = gather_index(cache, scale, flat, block_tables.shape[0], num_tokens, dtype)
-    valid = torch.arange(num_tokens, device=cache.device)[None, :] < context_lens[:, None]
-    return x, valid
 
 
 def _compute_dtype(q: torch.Tensor) -> torch.dtype:

@@ -17,7 +17,8 @@ from kernels.paged_decode_attention import (
     _compute_dtype,
     check_paged_kv,
     dot_precision,
-    gather_pages,
+    gather_index,
+    page_index,
 )
 
 
@@ -32,9 +33,9 @@ def paged_prefill_attention_reference(q, k_cache, v_cache, block_tables, cu_seql
         s, e = bounds[b], bounds[b + 1]
         if e == s:
             continue
-        table, length = block_tables[b : b + 1], context_lens[b : b + 1]
-        k = gather_pages(k_cache, k_scale, table, length, n, cd)[0][0].transpose(0, 1)
-        v = gather_pages(v_cache, v_scale, table, length, n, cd)[0][0].transpose(0, 1)
+        pages = page_index(block_tables[b : b + 1], context_lens[b : b + 1], n, k_cache.shape[1])   # K and V
+        k = gather_index(k_cache, k_scale, pages, 1, n, cd)[0].transpose(0, 1)
+        v = gather_index(v_cache, v_scale, pages, 1, n, cd)[0].transpose(0, 1)
         # k, v: [kv_heads, n, D]; q: [heads, q_len, D]; query i sits at position n - q_len + i
         qb, k, v = q[s:e].to(cd).transpose(0, 1)[None], k[None], v[None]   # 4-D: SDPA's fused CPU path
         if e - s == n:
