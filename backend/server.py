@@ -143,7 +143,7 @@ def _operator_ok(request: web.Request) -> bool:
     if not key:
         return False
     got = request.headers.get("authorization", "")
-    return hmac.compare_digest(got.encode(), f"Bearer {key}".encode())
+    return hmac.compare_digest(got.encode(errors="surrogateescape"), f"Bearer {key}".encode())  # non-UTF-8: 401
 
 
 async def _set_state(request: web.Request, state: str, hook: str) -> web.Response:

@@ -6,6 +6,12 @@ runs both in one Lua script per request and one at its end (keys `ei:rl:{t}:*` a
 tenant's hash tag, so one cluster slot): each Redis round trip costs the gateway ~60-70 us of CPU in
 redis-py, which is most of what a Redis-backed gateway spends per request (benchmarks/bench_gateway.py
 --redis). A request the cap refuses consumes no rate budget; one the rate limit refuses takes no lease.
+Admission runs before the prompt is tokenized (tokens at cost 0); `charge_prompt` charges the counted
+prompt tokens after (a third round trip, only for tenants with tokens_per_min).
+
+Cancellation: a client that resets while its admission is in Redis cancels the handler; the script runs
+anyway (it was sent), so RedisAdmission.admit runs under asyncio.shield and gives back a lease whose
+caller is gone. The in-process path never suspends, so a cancellation cannot split it.
 """
 
 from __future__ import annotations
@@ -19,6 +25,16 @@ from gateway.ratelimit import GCRA_LUA, UNLIMITED, WINDOW_MS, Decision, LocalLim
 from gateway.streams import Lease, LocalStreamLimiter, RedisStreamLimiter
 
 log = logging.getLogger(__name__)
+
+
+def _decision(out: list, limits: list[tuple[str, float, int]]) -> Decision:
+    """GCRA_LUA's `out` as a Decision."""
+    allowed, retry_ms, by = int(out[0]), int(out[1]), int(out[2])
+    remaining, reset = {}, {}
+    for i, (name, _, _) in enumerate(limits):
+        remaining[name] = int(out[3 + 2 * i])
+        reset[name] = int(out[4 + 2 * i]) / 1000.0
+    return Decision(bool(allowed), retry_ms / 1000.0, limits[by - 1][0] if by else "", remaining, reset)
 
 
 def _in_process(limiter: LocalLimiter, streams: LocalStreamLimiter, tenant: TenantConfig,
@@ -57,6 +73,10 @@ class Admission:
     async def finish(self, tenant: TenantConfig, lease: Lease, completion_tokens: int) -> None:
         self.finish_now(tenant, lease, completion_tokens)
 
+    async def charge_prompt(self, tenant: TenantConfig, tokens: int) -> Decision:
+        """The prompt's tokens against tokens_per_min (checked); after admit, once they are counted."""
+        return self.limiter.acquire(tenant, tokens, requests=False)
+
 
 _ADMIT = """
 local t = redis.call('TIME')
@@ -76,6 +96,17 @@ if allowed == 1 and cap > 0 then
   redis.call('ZADD', cc, math.floor(now) + ttl, ARGV[4 + 2 * n])
   redis.call('PEXPIRE', cc, ttl)
 end
+return out
+"""
+
+# KEYS: tokens key; ARGV: 1, window, interval, cost
+_CHARGE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+local n = 1
+local window = tonumber(ARGV[2])
+local force = false
+""" + GCRA_LUA + """
 return out
 """
 
@@ -105,6 +136,8 @@ class RedisAdmission:
         self._failures = 0
         self._admit = client.register_script(_ADMIT)
         self._finish = client.register_script(_FINISH)
+        self._charge = client.register_script(_CHARGE)
+        self._orphans: set[asyncio.Task] = set()    # leases of cancelled admissions, being given back
 
     @property
     def failures(self) -> int:
@@ -120,6 +153,24 @@ class RedisAdmission:
         await self.streams.run()
 
     async def admit(self, tenant: TenantConfig, tokens: int) -> tuple[Decision, Lease | None]:
+        """Shielded: if the caller is cancelled, the script still finishes and its lease is given back."""
+        task = asyncio.ensure_future(self._admit_once(tenant, tokens))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(lambda t: self._give_back(tenant, t))
+            raise
+
+    def _give_back(self, tenant: TenantConfig, task: asyncio.Task) -> None:
+        if task.cancelled() or task.exception() is not None:
+            return
+        lease = task.result()[1]
+        if lease is not None and not self.finish_now(tenant, lease, 0):
+            orphan = asyncio.ensure_future(self.finish(tenant, lease, 0))
+            self._orphans.add(orphan)
+            orphan.add_done_callback(self._orphans.discard)
+
+    async def _admit_once(self, tenant: TenantConfig, tokens: int) -> tuple[Decision, Lease | None]:
         limits = _limits(tenant, tokens)
         cap = tenant.max_concurrent_streams
         if not limits and not cap:
@@ -138,12 +189,7 @@ class RedisAdmission:
             return _in_process(self.fallback, self.streams.local, tenant, tokens)
         if int(out[0]) == -1:
             return UNLIMITED, None
-        allowed, retry_ms, by = int(out[0]), int(out[1]), int(out[2])
-        remaining, reset = {}, {}
-        for i, (name, _, _) in enumerate(limits):
-            remaining[name] = int(out[3 + 2 * i])
-            reset[name] = int(out[4 + 2 * i]) / 1000.0
-        decision = Decision(bool(allowed), retry_ms / 1000.0, limits[by - 1][0] if by else "", remaining, reset)
+        decision = _decision(out, limits)
         if not decision.allowed:
             return decision, None
         if not cap:
@@ -171,3 +217,17 @@ class RedisAdmission:
         except Exception as e:  # the lease expires by itself; the tokens are charged in-process
             self._failed("finish", e)
             self.fallback.charge(tenant, completion_tokens)
+
+    async def charge_prompt(self, tenant: TenantConfig, tokens: int) -> Decision:
+        limits = _limits(tenant, tokens, requests=False)
+        if not limits or tokens <= 0:
+            return UNLIMITED
+        _, interval, cost = limits[0]
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                out = await self._charge(keys=[rate_key(self.prefix, tenant.id, "tokens")],
+                                         args=[1, WINDOW_MS, repr(interval), cost])
+        except Exception as e:  # Redis down or slow: the in-process limits
+            self._failed("charge", e)
+            return self.fallback.acquire(tenant, tokens, requests=False)
+        return _decision(out, limits)

@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 
 import msgspec
 from aiohttp import web
+from aiohttp.http_exceptions import ContentEncodingError
 
 from backend.protocol import SamplingParams, StreamChunk
 from gateway.config import TenantConfig
@@ -54,6 +57,10 @@ async def read_body(request: web.Request, st: GatewayState) -> bytes:
             return await request.read()
     except web.HTTPRequestEntityTooLarge as e:
         raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large") from e
+    except ContentEncodingError as e:   # e.g. content-encoding: gzip on a body that is not gzip
+        raise APIError(400, f"request body cannot be decoded as content-encoding "
+                            f"{request.headers.get('content-encoding', '')!r}: {e.message}",
+                       code="invalid_content_encoding") from e
     except TimeoutError as e:
         raise APIError(408, f"request body not received within {st.cfg.server.body_read_timeout_s}s",
                        code="timeout") from e
@@ -111,8 +118,16 @@ class Job:
         self.created = int(time.time())
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + self.backend_id
         self.headers: dict[str, str] = {}
+        self.completion_tokens = 0                          # charged when the lease is given back
 
-    def limits(self, prompts: list[list[int]], requested: int | None) -> int:
+    def check_chars(self, chars: int, param: str) -> None:
+        """The tenant's prompt size cap, checked before anything is tokenized."""
+        cap = self.tenant.max_prompt_chars
+        if cap and chars > cap:
+            raise APIError(413, f"prompt has {chars} characters; this API key allows at most {cap} "
+                                f"(max_prompt_chars)", code="prompt_too_large", param=param)
+
+    def limits(self, prompts: list[Sequence[int]], requested: int | None) -> int:
         """Checks prompt sizes against the tenant and the nodes; returns max_tokens per choice."""
         st, tenant = self.st, self.tenant
         nodes = st.pool.for_model(self.model.name)
@@ -143,11 +158,24 @@ class Job:
             raise APIError(400, f"request needs {prompt_tokens} prompt tokens; this API key's budget is "
                                 f"{tenant.tokens_per_min} tokens/min", code="tokens_exceed_limit")
 
-    async def admit(self, prompt_tokens: int) -> Lease:
-        """Rate limits and one of the tenant's max_concurrent_streams (across every gateway sharing Redis),
-        decided together; 429 if either refuses. The caller must `finish` the lease."""
+    @asynccontextmanager
+    async def admitted(self) -> AsyncIterator[None]:
+        """Admission before any expensive work (tokenizing, routing); the lease is given back on leaving,
+        whatever happens (error, cancellation), with `completion_tokens` charged."""
+        lease = await self._admit()
+        try:            # nothing between the admission and this try: the lease is always given back
+            yield
+        finally:
+            st, tenant = self.st, self.tenant
+            if not st.admission.finish_now(tenant, lease, self.completion_tokens):
+                st.spawn(st.admission.finish(tenant, lease, self.completion_tokens))
+
+    async def _admit(self) -> Lease:
+        """The request rate limit, the tokens budget not in debt and one of the tenant's
+        max_concurrent_streams (across every gateway sharing Redis), decided together; 429 if any refuses.
+        The prompt's tokens are charged once counted (`charge_prompt`)."""
         st, tenant = self.st, self.tenant
-        decision, lease = await st.admission.admit(tenant, prompt_tokens)
+        decision, lease = await st.admission.admit(tenant, 0)
         self.headers.update(decision.headers(tenant))
         if not decision.allowed:
             st.metrics.rate_limited.labels(tenant.id, decision.limited_by).inc()
@@ -160,9 +188,20 @@ class Job:
                            headers={**self.headers, "retry-after": "1"})
         return lease
 
-    def runs(self, prompts: list[list[int]], n: int, make_sampling) -> list[Run]:
+    async def charge_prompt(self, prompt_tokens: int) -> None:
+        st, tenant = self.st, self.tenant
+        decision = await st.admission.charge_prompt(tenant, prompt_tokens)
+        self.headers.update((k, v) for k, v in decision.headers(tenant).items() if "-tokens" in k or k == "retry-after")
+        if not decision.allowed:
+            st.metrics.rate_limited.labels(tenant.id, "tokens").inc()
+            raise APIError(429, f"rate limit exceeded (tokens per minute: the prompt has {prompt_tokens}); retry "
+                                f"after {decision.retry_after_s:.2f}s", code="rate_limit_exceeded",
+                           headers=self.headers)
+
+    def runs(self, prompts: list[Sequence[int]], n: int, make_sampling) -> list[Run]:
+        lists = [ids if isinstance(ids, list) else ids.tolist() for ids in prompts]  # type: ignore[attr-defined]
         return [Run(p * n + i, ids, make_sampling(i), f"{self.backend_id}-{p * n + i}")
-                for p, ids in enumerate(prompts) for i in range(n)]
+                for p, ids in enumerate(lists) for i in range(n)]
 
 
 class Tally:
@@ -189,12 +228,11 @@ class Tally:
 
 
 async def execute(job: Job, runs: list[Run], n: int, stream: bool, include_usage: bool,
-                  session: str, prompt_tokens: int) -> web.StreamResponse:
+                  session: str) -> web.StreamResponse:
     st, request = job.st, job.request
     tenant, model = job.tenant, job.model
     target = Target(model.name, tenant.namespace, session)
     tally = Tally(n)
-    lease = await job.admit(prompt_tokens)     # nothing between this and the try: the lease is always finished
     finished = False
     t0: float = request["t0"]
     try:
@@ -220,8 +258,7 @@ async def execute(job: Job, runs: list[Run], n: int, stream: bool, include_usage
         series.cached_tokens.inc(usage.prompt_tokens_details.cached_tokens)
         if not finished and any(r.stream is not None and not r.stream.finished for r in runs):
             series.aborts.inc()
-        if not st.admission.finish_now(tenant, lease, usage.completion_tokens):
-            st.spawn(st.admission.finish(tenant, lease, usage.completion_tokens))
+        job.completion_tokens = usage.completion_tokens
 
 
 def _error_event(message: str, code: str) -> bytes:
@@ -329,7 +366,13 @@ async def _collect(job: Job, runs: list[Run], tally: Tally, t0: float) -> web.Re
 
 
 def _session(request: web.Request) -> str:
-    return request.headers.get("x-session-affinity", "")[:256]
+    session = request.headers.get("x-session-affinity", "")[:256]
+    try:
+        session.encode()
+    except UnicodeEncodeError as e:   # aiohttp keeps non-UTF-8 header bytes as lone surrogates
+        raise APIError(400, "x-session-affinity header is not UTF-8 text", code="invalid_header",
+                       param="x-session-affinity") from e
+    return session
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -339,19 +382,24 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     request["model"] = req.model
     check_chat(req, st.cfg.server.max_n)
     model = served_model(st, tenant, req.model)
-    prompt = await model.encode_chat(message_dicts(req.messages))
+    messages = message_dicts(req.messages)
     job = Job(request, st, tenant, model, "chat")
-    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    max_tokens = job.limits([prompt], requested)
-    job.check_budget(len(prompt))
-    top = req.top_logprobs or 0
+    job.check_chars(sum(len(m["content"]) for m in messages), "messages")
+    session = _session(request)
+    async with job.admitted():
+        prompt = await model.encode_chat(messages)
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = job.limits([prompt], requested)
+        job.check_budget(len(prompt))
+        await job.charge_prompt(len(prompt))
+        top = req.top_logprobs or 0
 
-    def make(i: int) -> SamplingParams:
-        return sampling_params(req, max_tokens, None if req.seed is None else req.seed + i, req.logprobs, top)
+        def make(i: int) -> SamplingParams:
+            return sampling_params(req, max_tokens, None if req.seed is None else req.seed + i, req.logprobs, top)
 
-    runs = job.runs([prompt], req.n, make)
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return await execute(job, runs, req.n, req.stream, include_usage, _session(request), len(prompt))
+        runs = job.runs([prompt], req.n, make)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await execute(job, runs, req.n, req.stream, include_usage, session)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -362,32 +410,38 @@ async def completions(request: web.Request) -> web.StreamResponse:
     check_completion(req, st.cfg.server.max_n)
     model = served_model(st, tenant, req.model)
     p = req.prompt
-    if isinstance(p, str):
-        prompts = [await model.encode_prompt(p)]
-    elif isinstance(p[0], str):
-        prompts = [await model.encode_prompt(s) for s in p]  # type: ignore[arg-type]
-    elif isinstance(p[0], int):
-        prompts = [list(p)]  # type: ignore[arg-type]
-    else:
-        prompts = [list(x) for x in p]  # type: ignore[union-attr]
-    if len(prompts) * req.n > st.cfg.server.max_n:
-        raise bad_value("n", f"{len(prompts)} prompts x n={req.n} = {len(prompts) * req.n} choices exceeds the "
+    texts = [p] if isinstance(p, str) else list(p) if p and isinstance(p[0], str) else []
+    count = len(texts) if texts else (1 if p and isinstance(p[0], int) else len(p))
+    if count * req.n > st.cfg.server.max_n:
+        raise bad_value("n", f"{count} prompts x n={req.n} = {count * req.n} choices exceeds the "
                              f"limit of {st.cfg.server.max_n}")
-    for ids in prompts:
-        model.check_ids(ids)
     job = Job(request, st, tenant, model, "completion")
-    max_tokens = job.limits(prompts, 16 if req.max_tokens is None else req.max_tokens)
-    prompt_tokens = sum(len(x) for x in prompts)
-    job.check_budget(prompt_tokens)
-    top = req.logprobs or 0
+    job.check_chars(sum(len(t) for t in texts), "prompt")  # type: ignore[arg-type]
+    session = _session(request)
+    async with job.admitted():
+        prompts: list[Sequence[int]]
+        if texts:
+            prompts = [await model.encode_prompt(t) for t in texts]  # type: ignore[arg-type]
+        elif isinstance(p[0], int):
+            prompts = [list(p)]  # type: ignore[arg-type]
+        else:
+            prompts = [list(x) for x in p]  # type: ignore[union-attr]
+        if not texts:
+            for ids in prompts:
+                model.check_ids(ids)  # type: ignore[arg-type]
+        max_tokens = job.limits(prompts, 16 if req.max_tokens is None else req.max_tokens)
+        prompt_tokens = sum(len(x) for x in prompts)
+        job.check_budget(prompt_tokens)
+        await job.charge_prompt(prompt_tokens)
+        top = req.logprobs or 0
 
-    def make(i: int) -> SamplingParams:
-        return sampling_params(req, max_tokens, None if req.seed is None else req.seed + i,
-                               req.logprobs is not None, top)
+        def make(i: int) -> SamplingParams:
+            return sampling_params(req, max_tokens, None if req.seed is None else req.seed + i,
+                                   req.logprobs is not None, top)
 
-    runs = job.runs(prompts, req.n, make)
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return await execute(job, runs, req.n, req.stream, include_usage, _session(request), prompt_tokens)
+        runs = job.runs(prompts, req.n, make)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await execute(job, runs, req.n, req.stream, include_usage, session)
 
 
 async def list_models(request: web.Request) -> web.Response:

@@ -16,6 +16,7 @@ from gateway.config import ConfigError, GatewayConfig
 from gateway.errors import APIError
 from gateway.openapi import openapi_document
 from gateway.state import STATE, GatewayState, build_state
+from gateway.tokenpool import TokenizerPool
 
 log = logging.getLogger("edgeinfer.gateway")
 access_log = logging.getLogger("edgeinfer.gateway.access")
@@ -96,8 +97,16 @@ async def edge_middleware(request: web.Request, handler) -> web.StreamResponse:
         if e.status < 400:
             raise
         return _error_response(APIError(e.status, e.reason or "error", code=str(e.status)), rid)
-    except (ConnectionResetError, asyncio.CancelledError):
+    except ConnectionResetError as e:
+        if not _client_gone(request):
+            raise                              # not the client's connection: a bug, aiohttp logs it
         status, error = 499, "client_closed"
+        log.info("client closed the connection (request %s, %s %s): %s", rid, request.method, request.path, e)
+        return web.Response(status=499)        # never sent: aiohttp sees the closed transport and drops it
+    except asyncio.CancelledError:
+        status, error = 499, "client_closed"
+        if _client_gone(request):
+            log.info("client closed the connection (request %s, %s %s)", rid, request.method, request.path)
         raise
     except Exception as e:
         log.exception("unhandled error in %s %s (request %s)", request.method, request.path, rid)
@@ -126,6 +135,11 @@ async def edge_middleware(request: web.Request, handler) -> web.StreamResponse:
             access_log.handle(access_log.makeRecord(access_log.name, logging.INFO, __file__, 0,
                                                     _encode(rec).decode(),
                                                     None, None))  # type: ignore[arg-type]
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
 
 
 async def health(request: web.Request) -> web.Response:
@@ -170,6 +184,11 @@ async def admin_nodes(request: web.Request) -> web.Response:
 
 async def _resources(app: web.Application):
     st: GatewayState = app[STATE]
+    sources = {name: m.tokenizer.source for name, m in st.models.items() if m.tokenizer.source}
+    workers = st.cfg.server.tokenizer_workers
+    pool = TokenizerPool(sources, workers) if sources and workers else None    # workers start on first use
+    for m in st.models.values():
+        m.pool = pool
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=300, keepalive_timeout=60)
     st.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                        timeout=aiohttp.ClientTimeout(total=None))
@@ -187,6 +206,11 @@ async def _resources(app: web.Application):
         await asyncio.wait(list(st.tasks), timeout=5)
     st.upstream.close()
     await st.session.close()
+    if pool is not None:
+        for m in st.models.values():
+            if m.pool is pool:
+                m.pool = None
+        pool.close()
     if st.redis is not None:
         await st.redis.aclose()
 

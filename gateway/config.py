@@ -44,6 +44,7 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     route_load_cost_tokens: int = 32        # one in-flight request costs as much as this many cached tokens
     route_affinity_tokens: int = 256        # bonus of the x-session-affinity node, in cached tokens
     stream_lease_ttl_s: float = 30.0        # with redis: a dead gateway's share of max_concurrent_streams frees after this
+    tokenizer_workers: int = 2              # processes tokenizing long prompts off the event loop (0: a thread)
     access_log: bool = True
 
 
@@ -67,6 +68,7 @@ class TenantConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tokens_per_min: int = 0
     max_concurrent_streams: int = 0
     max_prompt_tokens: int = 0
+    max_prompt_chars: int = 1_000_000       # checked before tokenizing; 0: only max_body_bytes bounds it
 
     @property
     def namespace(self) -> str:
@@ -102,6 +104,8 @@ def _check(cfg: GatewayConfig) -> GatewayConfig:
     for name in ("max_body_bytes", "max_n", "default_max_tokens", "max_attempts"):
         if getattr(s, name) < 1:
             raise ConfigError(f"server.{name}={getattr(s, name)} must be >= 1")
+    if s.tokenizer_workers < 0:
+        raise ConfigError(f"server.tokenizer_workers={s.tokenizer_workers} must be >= 0 (0: tokenize in a thread)")
     for name in ("body_read_timeout_s", "connect_timeout_s", "first_byte_timeout_s", "chunk_timeout_s",
                  "keepalive_timeout_s", "shutdown_grace_s", "health_interval_s", "stream_lease_ttl_s"):
         v = getattr(s, name)
@@ -132,7 +136,8 @@ def _check(cfg: GatewayConfig) -> GatewayConfig:
             if h.lower() in seen:
                 raise ConfigError(f"tenants {seen[h.lower()]!r} and {t.id!r} share an API key")
             seen[h.lower()] = t.id
-        for name in ("requests_per_min", "tokens_per_min", "max_concurrent_streams", "max_prompt_tokens"):
+        for name in ("requests_per_min", "tokens_per_min", "max_concurrent_streams", "max_prompt_tokens",
+                     "max_prompt_chars"):
             if getattr(t, name) < 0:
                 raise ConfigError(f"tenant {t.id!r}: {name}={getattr(t, name)} must be >= 0 (0: unlimited)")
     return cfg

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
+from concurrent.futures.process import BrokenProcessPool
 from functools import lru_cache
 from pathlib import Path
 
@@ -11,8 +13,9 @@ from backend.tokenizer import Tokenizer, TokenizerError
 from gateway.errors import APIError
 from gateway.schemas import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 from gateway.segments import SegmentEncoder
+from gateway.tokenpool import TokenizerPool, WorkerFailed
 
-_OFFLOAD_CHARS = 8192  # longer prompts are tokenized in a thread so the event loop keeps streaming
+_OFFLOAD_CHARS = 8192  # longer prompts are tokenized off the event loop: in `pool`, else in a thread
 
 
 def resolve_tokenizer_dir(spec: str) -> Path:
@@ -23,10 +26,15 @@ def resolve_tokenizer_dir(spec: str) -> Path:
     return Path(spec)
 
 
+def _template_error(message: str) -> APIError:
+    return APIError(400, f"cannot apply the chat template: {message}", code="invalid_messages", param="messages")
+
+
 class ServedModel:
     def __init__(self, name: str, tokenizer: Tokenizer) -> None:
         self.name = name
         self.tokenizer = tokenizer
+        self.pool: TokenizerPool | None = None     # set by the app while it runs (gateway/app.py)
         self.token_str = lru_cache(maxsize=65536)(self._token_str)
         seg = SegmentEncoder.build(tokenizer.source, tokenizer.encode) if tokenizer.source else None
         self._encode_text = seg.encode if seg is not None else tokenizer.encode
@@ -38,16 +46,25 @@ class ServedModel:
     def _token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    async def _run(self, fn, *args, size: int):
+    async def _run(self, fn, arg, kind: str, size: int) -> Sequence[int]:
+        """Token ids: a list, or an int32 array from the pool (`.tolist()` once the prompt is accepted)."""
         try:
-            if size > _OFFLOAD_CHARS:
-                return await asyncio.to_thread(fn, *args)
-            return fn(*args)
+            if size <= _OFFLOAD_CHARS:
+                return fn(arg)
+            if self.pool is not None and self.pool.serves(self.name):
+                return await self.pool.encode(self.name, kind, arg)
+            return await asyncio.to_thread(fn, arg)
+        except BrokenProcessPool as e:
+            raise APIError(503, "the tokenizer worker died; retry the request", code="tokenizer_unavailable",
+                           headers={"retry-after": "1"}) from e
+        except WorkerFailed as e:
+            if e.tokenizer:
+                raise APIError(400, e.message, code="tokenization_failed") from e
+            raise _template_error(e.message) from e
         except TokenizerError as e:
             raise APIError(400, str(e), code="tokenization_failed") from e
         except Exception as e:  # jinja2 TemplateError (raise_exception in the template), bad input
-            raise APIError(400, f"cannot apply the chat template: {type(e).__name__}: {e}",
-                           code="invalid_messages", param="messages") from e
+            raise _template_error(f"{type(e).__name__}: {e}") from e
 
     def _chat_ids(self, messages: list[dict]) -> list[int]:
         return self._encode_text(self.tokenizer.apply_chat_template(messages))
@@ -59,12 +76,12 @@ class ServedModel:
             ids = [tok.bos_token_id, *ids]
         return ids
 
-    async def encode_chat(self, messages: list[dict]) -> list[int]:
+    async def encode_chat(self, messages: list[dict]) -> Sequence[int]:
         size = sum(len(m["content"]) for m in messages)
-        return await self._run(self._chat_ids, messages, size=size)
+        return await self._run(self._chat_ids, messages, "chat", size)
 
-    async def encode_prompt(self, prompt: str) -> list[int]:
-        return await self._run(self._prompt_ids, prompt, size=len(prompt))
+    async def encode_prompt(self, prompt: str) -> Sequence[int]:
+        return await self._run(self._prompt_ids, prompt, "prompt", len(prompt))
 
     def check_ids(self, ids: list[int]) -> None:
         vocab = self.tokenizer.vocab_size

@@ -2,9 +2,11 @@
 
 Each limit L per 60 s has an emission interval T = 60000/L ms and a burst tolerance of one window
 (tau = 60000 ms): a request of cost c is admitted iff max(TAT, now) + c*T - now <= tau, and then
-TAT advances by c*T. Requests and tokens are checked together and charged all-or-nothing.
-Prompt tokens are charged on admission, completion tokens after the response (`charge`, never
-rejected: it may push the tenant into debt so the next request waits).
+TAT advances by c*T. Admission runs before the prompt is tokenized: it charges the request and checks
+the tokens budget at cost 0 (refused only while the tenant is in debt). The prompt's tokens are charged
+once counted (`acquire(requests=False)`, checked: 429 if they do not fit; the request stays counted),
+completion tokens after the response (`charge`, never rejected: it may push the tenant into debt so the
+next request waits).
 
 GCRA_LUA is the arithmetic as a Lua fragment: gateway/admission.py runs it in one script with the
 concurrent-stream cap (atomic, Redis clock) so many gateways share one budget. LocalLimiter is the
@@ -46,9 +48,9 @@ class Decision(NamedTuple):
 UNLIMITED = Decision(True, 0.0, "", {}, {})
 
 
-def _limits(t: TenantConfig, tokens: int) -> list[tuple[str, float, int]]:
+def _limits(t: TenantConfig, tokens: int, requests: bool = True) -> list[tuple[str, float, int]]:
     out = []
-    if t.requests_per_min:
+    if requests and t.requests_per_min:
         out.append(("requests", WINDOW_MS / t.requests_per_min, 1))
     if t.tokens_per_min:
         out.append(("tokens", WINDOW_MS / t.tokens_per_min, tokens))
@@ -80,8 +82,9 @@ class LocalLimiter:
         self._clock = clock
         self._tat: dict[tuple[str, str], float] = {}
 
-    def acquire(self, tenant: TenantConfig, tokens: int, force: bool = False) -> Decision:
-        limits = _limits(tenant, tokens)
+    def acquire(self, tenant: TenantConfig, tokens: int, force: bool = False, requests: bool = True) -> Decision:
+        """requests=False: the tokens limit alone (the prompt's tokens, charged after admission)."""
+        limits = _limits(tenant, tokens, requests)
         if not limits:
             return UNLIMITED
         now = self._clock() * 1000.0

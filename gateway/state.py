@@ -31,6 +31,18 @@ if TYPE_CHECKING:
 log = logging.getLogger("edgeinfer.gateway")
 
 
+def _authorization(request: web.Request) -> str | None:
+    """The Authorization header; 401 if it is not UTF-8 (aiohttp keeps such bytes as lone surrogates)."""
+    value = request.headers.get("authorization")
+    if value is not None:
+        try:
+            value.encode()
+        except UnicodeEncodeError as e:
+            raise APIError(401, "malformed Authorization header: not UTF-8 text; expected `Bearer <key>`",
+                           code="invalid_api_key") from e
+    return value
+
+
 @dataclass(eq=False)
 class GatewayState:
     cfg: GatewayConfig
@@ -51,7 +63,7 @@ class GatewayState:
     tasks: set[asyncio.Task] = field(default_factory=set)
 
     def authenticate(self, request: web.Request) -> TenantConfig:
-        tenant = self.tenants.authenticate(request.headers.get("authorization"))
+        tenant = self.tenants.authenticate(_authorization(request))
         request["tenant"] = tenant.id
         return tenant
 
@@ -59,7 +71,7 @@ class GatewayState:
         want = self.cfg.server.admin_key_sha256
         if not want:
             raise APIError(404, "admin endpoints are disabled (set server.admin_key_sha256)", code="not_found")
-        _, _, key = (request.headers.get("authorization") or "").partition(" ")
+        _, _, key = (_authorization(request) or "").partition(" ")
         if not hmac.compare_digest(hashlib.sha256(key.strip().encode()).hexdigest(), want.lower()):
             raise APIError(401, "invalid admin key", code="invalid_api_key")
 
