@@ -137,7 +137,7 @@ class RedisAdmission:
         self._admit = client.register_script(_ADMIT)
         self._finish = client.register_script(_FINISH)
         self._charge = client.register_script(_CHARGE)
-        self._orphans: set[asyncio.Task] = set()    # leases of cancelled admissions, being given back
+        self.orphans: set[asyncio.Future] = set()   # admissions whose caller was cancelled, until settled
 
     @property
     def failures(self) -> int:
@@ -158,17 +158,19 @@ class RedisAdmission:
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
+            self.orphans.add(task)
             task.add_done_callback(lambda t: self._give_back(tenant, t))
             raise
 
-    def _give_back(self, tenant: TenantConfig, task: asyncio.Task) -> None:
+    def _give_back(self, tenant: TenantConfig, task: asyncio.Future) -> None:
+        self.orphans.discard(task)
         if task.cancelled() or task.exception() is not None:
             return
         lease = task.result()[1]
         if lease is not None and not self.finish_now(tenant, lease, 0):
-            orphan = asyncio.ensure_future(self.finish(tenant, lease, 0))
-            self._orphans.add(orphan)
-            orphan.add_done_callback(self._orphans.discard)
+            back = asyncio.ensure_future(self.finish(tenant, lease, 0))
+            self.orphans.add(back)
+            back.add_done_callback(self.orphans.discard)
 
     async def _admit_once(self, tenant: TenantConfig, tokens: int) -> tuple[Decision, Lease | None]:
         limits = _limits(tenant, tokens)

@@ -57,10 +57,13 @@ async def read_body(request: web.Request, st: GatewayState) -> bytes:
             return await request.read()
     except web.HTTPRequestEntityTooLarge as e:
         raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large") from e
-    except ContentEncodingError as e:   # e.g. content-encoding: gzip on a body that is not gzip
-        raise APIError(400, f"request body cannot be decoded as content-encoding "
-                            f"{request.headers.get('content-encoding', '')!r}: {e.message}",
-                       code="invalid_content_encoding") from e
+    except web.RequestPayloadError as e:    # the body's framing or content-encoding is broken
+        request.content.feed_eof()          # aiohttp would read the rest of a broken body after the answer
+        request.protocol.close()            # ... and the connection's state is unknown: close it after
+        if isinstance(e.__cause__, ContentEncodingError):
+            raise APIError(400, f"request body is not valid for content-encoding "
+                                f"{request.headers.get('content-encoding', '')!r}", code="invalid_content_encoding") from e
+        raise APIError(400, f"malformed request body: {e}", code="invalid_body") from e
     except TimeoutError as e:
         raise APIError(408, f"request body not received within {st.cfg.server.body_read_timeout_s}s",
                        code="timeout") from e
