@@ -6,6 +6,7 @@ lease; non-UTF-8 headers and a bad content-encoding are 4xx, not 500; a client d
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import logging
@@ -184,48 +185,62 @@ def _evalsha_calls(r) -> int:
 
 
 def test_clients_resetting_during_admission_leave_no_leases(harness, valkey):
-    """Redis is held busy (a Lua loop) while 40 clients send a request and reset: every handler is cancelled
-    while its admission script waits in Redis; the scripts then run and add their leases. Before the fix
-    those leases stayed until their 30 s TTL and the tenant (cap 2) got 429. (The admission timeout is
-    raised so that the busy Redis is waited for, not replaced by the in-process fallback.)"""
+    """The issue's race, made deterministic: 40 clients' admission scripts wait in a busy Redis (a Lua
+    loop); the gateway's event loop is stalled, the clients reset, then the scripts run (leases added,
+    replies queued); when the loop resumes, handlers are cancelled with their admission reply unread. Before the fix those leases stayed until their 30 s TTL and the tenant (cap 2) got 429."""
     import redis
 
     r = redis.Redis.from_url(valkey.url)
     r.flushall()
-    stub = harness.stub()
-    gw = harness.gateway([stub], tenants=[tenant(max_concurrent_streams=2)],
-                         redis_url=valkey.url)
-    gw.app[STATE].admission.timeout_s = 10.0
+    gw = harness.gateway([harness.stub()], tenants=[tenant(max_concurrent_streams=2)], redis_url=valkey.url)
+    st = gw.app[STATE]
+    st.admission.timeout_s = 30.0     # wait for the busy Redis instead of falling back to in-process limits
+
+    async def connect(n: int) -> None:  # n pooled connections, so no admission waits on a Redis handshake
+        await asyncio.gather(*(st.redis.ping() for _ in range(n)))
+
+    gw.call(connect(48))
+    deadline = time.monotonic() + 30
+    while requests.get(gw.url + "/ready", timeout=10).status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.05)              # the stub has been probed
     c = client(gw)
     c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "warm"}], max_tokens=1)
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
     raw = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {DEMO_KEY}\r\n"
            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode()
     evals = _evalsha_calls(r)
-    busy = threading.Thread(target=lambda: redis.Redis.from_url(valkey.url).eval(_BUSY, 0, 0.3))
+    busy = threading.Thread(target=lambda: redis.Redis.from_url(valkey.url).eval(_BUSY, 0, 0.5))
     busy.start()
     time.sleep(0.02)
-    socks = []
-    for _ in range(40):
-        s = socket.create_connection(("127.0.0.1", gw.port))
-        s.sendall(raw)
-        socks.append(s)
-    time.sleep(0.15)
+    socks = [socket.create_connection(("127.0.0.1", gw.port)) for _ in range(40)]
     for s in socks:
+        s.sendall(raw)
+    deadline = time.monotonic() + 10
+    while st.inflight < 40 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(0.05)                  # every handler is now awaiting its admission script
+    release = threading.Event()
+    gw.loop.call_soon_threadsafe(release.wait, 30)   # stall the gateway's loop (like a long GC pause)
+    time.sleep(0.02)
+    for s in socks:                   # the resets reach the gateway first ...
         _reset(s)
-    busy.join()
-    st = gw.app[STATE]
+    busy.join()                       # ... then Redis runs the 40 scripts: leases added, replies sent
+    time.sleep(0.2)
+    release.set()
     deadline = time.monotonic() + 15
     while (st.inflight or st.tasks or getattr(st.admission, "orphans", ()) or r.zcard("ei:cc:{demo}")
            ) and time.monotonic() < deadline:
         time.sleep(0.05)     # every burst handler has ended (and what it started): nothing should be held now
     assert st.inflight == 0
+    assert _evalsha_calls(r) - evals >= 20, "the reset requests' admission scripts did not run"
     assert r.zcard("ei:cc:{demo}") == 0, f"{r.zcard('ei:cc:{demo}')} leases leaked by reset clients"
     ok = c.chat.completions.with_raw_response.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                                      max_tokens=1)
     assert ok.status_code == 200
-    assert _evalsha_calls(r) - evals >= 20, "the reset requests did not reach Redis admission"
-    assert gw.app[STATE].admission.streams.held == {}
+    deadline = time.monotonic() + 10
+    while (st.admission.streams.held or r.zcard("ei:cc:{demo}")) and time.monotonic() < deadline:
+        time.sleep(0.02)              # the served request's lease goes back from a task after the answer
+    assert st.admission.streams.held == {} and r.zcard("ei:cc:{demo}") == 0
 
 
 # ---- item 7: non-UTF-8 headers and a bad content-encoding are 4xx --------------------------------
