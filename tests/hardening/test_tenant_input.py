@@ -345,3 +345,29 @@ def test_client_disconnect_mid_stream_logs_one_info_line(harness, caplog, delay_
         lines = [r for r in caplog.records if r.name == "edgeinfer.gateway" and rid in r.getMessage()]
         assert len(lines) == 1 and lines[0].levelno == logging.INFO, [r.getMessage() for r in lines]
         assert "client closed the connection" in lines[0].getMessage()
+
+
+async def test_non_utf8_operator_key_at_backend_admin_drain_is_401(smol_model, smol_tokenizer):
+    from aiohttp import web
+
+    from backend.engine.config import EngineConfig
+    from backend.engine.engine import LLMEngine
+    from backend.metrics import BackendMetrics
+    from backend.server import BackendState, make_app
+
+    st = BackendState(engine=LLMEngine(smol_model, smol_tokenizer, EngineConfig(num_pages=16)),
+                      metrics=BackendMetrics("smol"), node_id="n-utf8", operator_key="op-secret")
+    runner = web.AppRunner(make_app(st), handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        for auth in (b"Bearer \xff\xfe", b"Bearer op-secret\xc3"):
+            status, out = await asyncio.to_thread(
+                _raw, port, b"POST /admin/drain HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nAuthorization: "
+                + auth + b"\r\n\r\n")
+            assert status == 401, (auth, status, out[:200])
+        assert st.state == "active"
+    finally:
+        await runner.cleanup()
