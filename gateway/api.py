@@ -389,13 +389,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     job = Job(request, st, tenant, model, "chat")
     job.check_chars(sum(len(m["content"]) for m in messages), "messages")
     session = _session(request)
+    top = req.top_logprobs or 0
+    sampling_params(req, 1, req.seed, req.logprobs, top)   # a bad sampling value: 400 before admission
     async with job.admitted():
         prompt = await model.encode_chat(messages)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = job.limits([prompt], requested)
         job.check_budget(len(prompt))
         await job.charge_prompt(len(prompt))
-        top = req.top_logprobs or 0
 
         def make(i: int) -> SamplingParams:
             return sampling_params(req, max_tokens, None if req.seed is None else req.seed + i, req.logprobs, top)
@@ -421,6 +422,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     job = Job(request, st, tenant, model, "completion")
     job.check_chars(sum(len(t) for t in texts), "prompt")  # type: ignore[arg-type]
     session = _session(request)
+    top = req.logprobs or 0
+    sampling_params(req, 1, req.seed, req.logprobs is not None, top)   # a bad sampling value: 400 before admission
     async with job.admitted():
         prompts: list[Sequence[int]]
         if texts:
@@ -436,7 +439,6 @@ async def completions(request: web.Request) -> web.StreamResponse:
         prompt_tokens = sum(len(x) for x in prompts)
         job.check_budget(prompt_tokens)
         await job.charge_prompt(prompt_tokens)
-        top = req.logprobs or 0
 
         def make(i: int) -> SamplingParams:
             return sampling_params(req, max_tokens, None if req.seed is None else req.seed + i,
