@@ -88,18 +88,23 @@ class Prompts:
         return out
 
 
-def prompt_tokens(model_dir: Path) -> list[int]:
-    import pydoc_data.topics
-
+def tokenizer(model_dir: Path):
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+
+
+def prompt_tokens(tok) -> list[int]:
+    import pydoc_data.topics
+
     return tok.encode(Path(pydoc_data.topics.__file__).read_text(encoding="utf-8")).ids
 
 
-def run_levels(srv: Running, a, prompts: Prompts) -> list[dict]:
+def run_levels(srv: Running, a, prompts: Prompts, tok) -> list[dict]:
     def go(ps: list[list[int]], n: int) -> list[load.Shot]:
-        return asyncio.run(load.wave(srv.spec.url, srv.model, srv.spec.api_key, ps, n, a.request_timeout))
+        sent = [tok.decode(p) for p in ps] if srv.spec.text_prompts else ps
+        return asyncio.run(load.wave(srv.spec.url, srv.model, srv.spec.api_key, sent, n, a.request_timeout,
+                                     srv.spec.extra_body))
 
     go(prompts.take(16, max(a.levels)), 4)                   # warm-up at the largest batch, not recorded
     rows = []
@@ -141,7 +146,8 @@ def specs(a, model_dir: Path, gguf: Path) -> dict[str, ServerSpec]:
     if "llamacpp" in a.peers:
         out["llamacpp"] = llamacpp_spec(a.threads, gguf, a.llamacpp_build, a.llamacpp_venv, slots, ctx)
     if "vllm" in a.peers:
-        out["vllm"] = vllm_spec(a.threads, model_dir, a.vllm_venv, a.vllm_dtype, slots, max(1024, ctx), a.vllm_kv_gib)
+        out["vllm"] = vllm_spec(a.threads, model_dir, a.vllm_venv, a.vllm_dtype, slots, max(1024, ctx), a.vllm_kv_gib,
+                                 a.vllm_eager)
     return out
 
 
@@ -354,6 +360,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vllm-venv", type=Path, default=PEERS_HOME / "vllm")
     p.add_argument("--vllm-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--vllm-kv-gib", type=int, default=1)
+    p.add_argument("--vllm-eager", action="store_true", help="vLLM without torch.compile (starts faster, runs slower)")
     p.add_argument("--install", action="store_true", help="create the peers' venvs and install them first")
     p.add_argument("--no-edgeinfer", dest="edgeinfer", action="store_false",
                    help="peers only (to check a peer's setup; no ratios)")
@@ -392,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
         say(f"skipping {n}: {why}")
     a.peers = [n for n in a.peers if n not in skipped]
     systems = ["edgeinfer", *a.peers] if a.edgeinfer else a.peers
-    ids = prompt_tokens(model_dir)
+    tok = tokenizer(model_dir)
+    ids = prompt_tokens(tok)
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_peers_{os.getpid()}"
     log_dir.mkdir(parents=True, exist_ok=True)
     say(f"systems {systems}, levels {a.levels}, rounds {a.rounds}, {a.max_tokens} tokens, threads {a.threads}; "
@@ -411,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
                     with Running(spec, log_dir, a.ready_timeout) as srv:
                         run["startup_s"] = round(srv.startup_s, 1)
                         run["model"] = srv.model
-                        run["levels"] = run_levels(srv, a, Prompts(ids))
+                        run["levels"] = run_levels(srv, a, Prompts(ids), tok)
                     run["memory"] = srv.memory
                     if name == "edgeinfer":
                         run["weights"] = edgeinfer_weights(srv.log_tail(1 << 20))

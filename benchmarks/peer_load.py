@@ -56,24 +56,25 @@ async def shoot(session, url: str, headers: dict, body: dict) -> Shot:
                     if obj.get("usage"):
                         usage = obj["usage"]
                     for c in obj.get("choices") or []:
-                        first = first if first is not None else now
-                        last = now
-                        events += 1
                         finish = c.get("finish_reason") or finish
+                        if c.get("text") or (c.get("delta") or {}).get("content") or first is None:
+                            first = first if first is not None else now
+                            last = now
+                            events += 1
     except (TimeoutError, aiohttp.ClientError, ValueError) as e:
         return Shot(t0, first, last, events, None, finish, f"{type(e).__name__}: {e}")
     return Shot(t0, first, last, int(usage.get("completion_tokens", events)), usage.get("prompt_tokens"), finish)
 
 
-async def wave(url: str, model: str, api_key: str | None, prompts: list[list[int]], max_tokens: int,
-               timeout_s: float) -> list[Shot]:
+async def wave(url: str, model: str, api_key: str | None, prompts: list[list[int]] | list[str], max_tokens: int,
+               timeout_s: float, extra_body: dict | None = None) -> list[Shot]:
     import aiohttp
 
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s), connector=conn) as s:
         bodies = [{"model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                   "stream_options": {"include_usage": True}, "ignore_eos": True} for p in prompts]
+                   "stream_options": {"include_usage": True}, "ignore_eos": True, **(extra_body or {})} for p in prompts]
         return list(await asyncio.gather(*[shoot(s, url, headers, b) for b in bodies]))
 
 

@@ -30,6 +30,8 @@ class ServerSpec:
     ready_path: str
     api_key: str | None = None
     notes: dict = field(default_factory=dict)
+    text_prompts: bool = False                  # the server takes no token-id prompts: send the decoded text
+    extra_body: dict = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -210,13 +212,14 @@ def llamacpp_spec(threads: int, gguf: Path, build_dir: Path, venv: Path, slots: 
         return ServerSpec("llamacpp", cmd, env, port, "/health", None, {"server": str(server)})
     cmd = [str(venv / "bin" / "python"), "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
            "--port", str(port), "--n_threads", str(threads), "--n_threads_batch", str(threads),
-           "--n_ctx", str(ctx_per_slot)]
+           "--n_ctx", str(ctx_per_slot), "--interrupt_requests", "False"]
     return ServerSpec("llamacpp", cmd, env, port, "/v1/models", None,
-                      {"server": "llama_cpp.server (no llama-server binary found: one request at a time)"})
+                      {"server": "llama_cpp.server (no llama-server binary found: one request at a time)"},
+                      text_prompts=True, extra_body={"logit_bias": {"2": -100.0}})   # no ignore_eos: ban EOS (id 2)
 
 
 def vllm_spec(threads: int, model_dir: Path, venv: Path, dtype: str, max_seqs: int, max_len: int,
-              kv_gib: int) -> ServerSpec:
+              kv_gib: int, eager: bool = False) -> ServerSpec:
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": str(kv_gib),
            "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
@@ -224,5 +227,6 @@ def vllm_spec(threads: int, model_dir: Path, venv: Path, dtype: str, max_seqs: i
     env.pop("PYTHONPATH", None)
     cmd = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--served-model-name", model_dir.name, "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port),
-           "--max-model-len", str(max_len), "--max-num-seqs", str(max_seqs)]
-    return ServerSpec("vllm", cmd, env, port, "/health", None, {"dtype": dtype, "kv_cache_gib": kv_gib})
+           "--max-model-len", str(max_len), "--max-num-seqs", str(max_seqs), *(["--enforce-eager"] if eager else [])]
+    return ServerSpec("vllm", cmd, env, port, "/health", None,
+                      {"dtype": dtype, "kv_cache_gib": kv_gib, "enforce_eager": eager})
