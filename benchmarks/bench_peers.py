@@ -347,6 +347,24 @@ def print_report(summary: dict, rat: dict, raw_rat: dict, gl: list[dict], levels
         print(f"  [{state:^12}] {x['goal']}: {_f(x['value'], 3)} (target {x['target']})")
 
 
+def markdown(summary: dict, rat: dict, gl: list[dict], levels: list[int], header: str) -> str:
+    """The README table: one row per metric and level, each system's number and edgeinfer's ratio to it."""
+    systems = list(summary)
+    lines = [header, "", "| metric | c | " + " | ".join(systems) + "".join(f" | edgeinfer / {p}" for p in rat) + " |",
+             "|---|---:|" + "---:|" * (len(systems) + len(rat))]
+    for key, label, _ in METRICS:
+        for c in levels:
+            lines.append(f"| {label} | {c} | " + " | ".join(_f(summary[s]["levels"][str(c)][key]) for s in systems)
+                         + "".join(f" | {_f(rat[p]['levels'][str(c)][key], 2)}x" for p in rat) + " |")
+    lines.append("| peak RSS MiB | | " + " | ".join(_f(summary[s]["peak_rss_mib"], 0) for s in systems)
+                 + "".join(f" | {_f(rat[p]['peak_rss'], 2)}x" for p in rat) + " |")
+    lines += ["", "| goal | value | target | |", "|---|---:|---|---|"]
+    for x in gl:
+        state = "not measured" if x["met"] is None else ("met" if x["met"] else "**missed**")
+        lines.append(f"| {x['goal']} | {_f(x['value'], 3)} | {x['target']} | {state} |")
+    return "\n".join(lines) + "\n"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke run: 1 round, levels 1,8, 16 tokens, small raw benches")
@@ -460,7 +478,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=2) + "\n")
-    say(f"wrote {a.out}")
+    md = a.out.with_suffix(".md")
+    md.write_text(markdown(summary, rat, gl, a.levels,
+                           f"{model_dir.name}, {a.threads} threads, {a.max_tokens} tokens/request, "
+                           f"{a.rounds} round(s), medians; {platform.node()} ({os.cpu_count()} CPUs)"))
+    say(f"wrote {a.out} and {md}")
     failed = [r for r in runs if "error" in r or any(x["problem_count"] for x in r["levels"])]
     return 1 if failed or skipped or deadline_hit else 0
 
