@@ -57,11 +57,15 @@ class RedisGuard:
         return self._failing and (self._clock() < self._open_until or self._probe_in_flight)
 
     async def run(self, op: Callable[[], Awaitable[T]], fallback: T, what: str,
-                  timeout_s: float | None = None) -> T:
-        """Await op() within the timeout; on any failure (or while open) return `fallback`."""
+                  timeout_s: float | None = None, *, force: bool = False) -> T:
+        """Await op() within the timeout; on any failure (or while open) return `fallback`.
+
+        force: run even while the breaker is open (for a rare call off the request path, such as the
+        registry heartbeat, so a node is back in a restarted Redis at its next beat); a success closes it.
+        """
         self.stats.calls += 1
         probe = False
-        if self._failing:
+        if self._failing and not force:
             if self._clock() < self._open_until or self._probe_in_flight:
                 self.stats.skipped += 1
                 return fallback
