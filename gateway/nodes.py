@@ -4,7 +4,7 @@ Sources: static `[[nodes]]` from config, and/or the shared registry (cache_store
 is configured. Each node has its own probe loop (/ready, and /internal/info once per version), so a
 hung node slows nobody else's probes. A probe unanswered after `probe_timeout_s` fails: the node is
 not routable, and every request still waiting for its first byte on it is moved (see `Node.watchers`,
-gateway.upstream). A node whose last answer is older than `stale_after_s` is not routable either. A
+gateway.upstream) when another node can take it. A node whose last answer is older than `stale_after_s` is not routable either. A
 node that fails a request is marked down at once (passive check) until a probe succeeds again.
 
 A registry node that the listing misses (Redis restarted empty, a listing failed) stays: it leaves
@@ -162,11 +162,19 @@ class NodePool:
                 log.warning("node %s (%s) probe failed: %s: %s", node.node_id, node.url, type(e).__name__, e)
             node.ready = False
             node.probe_failed = True
-            if isinstance(e, _NO_ANSWER):
-                moved = node.stopped_answering()
-                if moved:
-                    log.warning("node %s (%s) stopped answering; moving %d request(s) waiting for their "
-                                "first byte", node.node_id, node.url, moved)
+            if isinstance(e, _NO_ANSWER) and node.watchers:
+                self._move_waiters(node)
+
+    def _move_waiters(self, node: Node) -> None:
+        """Move the requests waiting on `node` for their first byte, if another node can take them
+        (with none, moving would turn a slow answer into a 503: they keep waiting, and the next
+        unanswered probe tries again)."""
+        if not self.for_model(node.model):
+            log.warning("node %s (%s) stopped answering; %d request(s) keep waiting on it: no other node "
+                        "serves %s", node.node_id, node.url, len(node.watchers), node.model)
+            return
+        log.warning("node %s (%s) stopped answering; moving %d request(s) waiting for their first byte",
+                    node.node_id, node.url, node.stopped_answering())
 
     async def _probe_loop(self, node: Node) -> None:
         while True:

@@ -184,6 +184,42 @@ def test_hung_backend_requests_move_to_another_node_before_the_first_byte(harnes
         live.stop()
 
 
+def test_hung_only_node_keeps_its_waiting_request_rather_than_a_503(harness):
+    """With no other node to move to, a request waiting on a node that stops answering stays: once the
+    node runs again it is answered (moving it would have been a 503 "no healthy backend")."""
+    solo = StubProcess("solo", harness.tokenizer_dir, "--first-token-delay", "1.0")
+    stopped = False
+    try:
+        gw = harness.gateway([solo], first_byte_timeout_s=120.0,  # type: ignore[list-item]
+                             admin_key_sha256=config_mod.hash_key(ADMIN))
+        assert wait_until(lambda: _routable(gw) == {"solo"}, 15), _nodes(gw)
+        outcome: list[str] = []
+
+        def call() -> None:
+            try:
+                out = client(gw).chat.completions.create(model=MODEL, messages=MSGS, max_tokens=3)
+                outcome.append(out.choices[0].message.content or "")
+            except Exception as e:  # noqa: BLE001
+                outcome.append(f"ERROR {e!r}")
+
+        t = threading.Thread(target=call)
+        t.start()
+        assert wait_until(lambda: len(solo.stats()["requests"]) == 1, 10)
+        os.kill(solo.pid, signal.SIGSTOP)
+        stopped = True
+        assert wait_until(lambda: "solo" not in _routable(gw), 10)     # its probes go unanswered
+        time.sleep(1.0)
+        os.kill(solo.pid, signal.SIGCONT)
+        stopped = False
+        t.join(timeout=60)
+        assert outcome == ["The"]
+        assert _retries(gw, "solo") == 0
+    finally:
+        if stopped:
+            os.kill(solo.pid, signal.SIGCONT)
+        solo.stop()
+
+
 @pytest.mark.parametrize("value", [1, 0, -3, 2.5, True, "3"])
 def test_config_health_stale_intervals_must_be_an_integer_of_at_least_2(value):
     with pytest.raises(config_mod.ConfigError, match="health_stale_intervals"):
