@@ -224,3 +224,13 @@ def test_hung_only_node_keeps_its_waiting_request_rather_than_a_503(harness):
 def test_config_health_stale_intervals_must_be_an_integer_of_at_least_2(value):
     with pytest.raises(config_mod.ConfigError, match="health_stale_intervals"):
         config_mod.parse({"server": {"health_stale_intervals": value}})
+
+
+def test_config_health_stale_intervals_sets_the_probe_timeout_and_staleness():
+    from gateway.state import build_state
+
+    cfg = config_mod.parse({"server": {"health_interval_s": 0.5, "health_stale_intervals": 5}})
+    pool = build_state(cfg, models={}).pool
+    assert (pool.probe_timeout_s, pool.stale_after_s) == (2.0, 2.5)
+    short = build_state(config_mod.parse({"server": {"health_interval_s": 0.1}}), models={}).pool
+    assert (short.probe_timeout_s, short.stale_after_s) == (0.5, 0.6)     # default 3, the 0.5 s floor
