@@ -4,8 +4,9 @@ Sources: static `[[nodes]]` from config, and/or the shared registry (cache_store
 is configured. Each node has its own probe loop (/ready, and /internal/info once per version), so a
 hung node slows nobody else's probes. A probe unanswered after `probe_timeout_s` fails: the node is
 not routable, and every request still waiting for its first byte on it is moved (see `Node.watchers`,
-gateway.upstream) when another node can take it. A node whose last answer is older than `stale_after_s` is not routable either. A
-node that fails a request is marked down at once (passive check) until a probe succeeds again.
+gateway.upstream) when another node can take it. A node whose last answer is older than
+`stale_after_s` is not routable either. A node that fails a request is marked down at once (passive
+check) until a probe succeeds again.
 
 A registry node that the listing misses (Redis restarted empty, a listing failed) stays: it leaves
 only when its own probe fails, when another id lists its URL, or after `forget_after_s` unlisted.
