@@ -45,7 +45,7 @@ import torch
 from cache_store.codec import DecodedPage, PageFormat, decode, encode
 from cache_store.index import PageIndex
 from cache_store.page_id import page_hashes
-from cache_store.registry import NodeRecord, NodeRegistry, NodeState
+from cache_store.registry import NodeRecord, NodeRegistry, NodeState, keep_registered
 from cache_store.store import PageStore, TieredPageStore
 
 log = logging.getLogger("edgeinfer.store_bridge")
@@ -120,7 +120,7 @@ class PageStoreBridge(EngineObserver):
     def __init__(self, engine, *, node_id: str, store: TieredPageStore | None, index: PageIndex | None = None,
                  registry: NodeRegistry | None = None, metrics=None, url: str = "", version: str = "",
                  state_fn: Callable[[], NodeState] | None = None, redis_client=None,
-                 heartbeat_s: float = 2.0, fetch_timeout_s: float = 1.0,
+                 fetch_timeout_s: float = 1.0,
                  fetch_chunk_bytes: int = 96 << 20, max_pending_bytes: int = 256 << 20,
                  publish_batch_bytes: int = 16 << 20, published_memory: int = 1 << 16,
                  unindex_interval_s: float = 0.5) -> None:
@@ -134,7 +134,6 @@ class PageStoreBridge(EngineObserver):
         self.version = version
         self.state_fn: Callable[[], NodeState] = state_fn or (lambda: "active")
         self.redis_client = redis_client
-        self.heartbeat_s = heartbeat_s
         self.fetch_timeout_s = fetch_timeout_s
         self.format = page_format(engine)
         self.page_bytes = engine.runner.page_bytes
@@ -194,8 +193,9 @@ class PageStoreBridge(EngineObserver):
             self.engine.blocks.on_evict = self._evicted.append
             self._tasks.append(asyncio.create_task(self._unindexer(), name="page-store-unindexer"))
         if self.registry is not None:
-            await self.registry.register(self.record())
-            self._tasks.append(asyncio.create_task(self._heartbeats(), name="page-store-heartbeat"))
+            landed = await self.registry.register(self.record())
+            self._tasks.append(asyncio.create_task(keep_registered(self.registry, self.record, landed=landed),
+                                                   name="page-store-heartbeat"))
 
     async def stop(self, app=None) -> None:
         await self.flush(timeout_s=2.0)
@@ -239,15 +239,6 @@ class PageStoreBridge(EngineObserver):
                           state=self.state_fn(), running=e.num_running, waiting=e.num_waiting,
                           kv_usage=b.num_used / max(b.num_pages, 1), cache_hit_rate=b.hits / max(b.queries, 1),
                           started_at=self.started_at)
-
-    async def _heartbeats(self) -> None:
-        while True:
-            await asyncio.sleep(self.heartbeat_s)
-            try:
-                assert self.registry is not None   # this task runs only with a registry (start)
-                await self.registry.heartbeat(self.record())
-            except Exception:  # noqa: BLE001
-                log.exception("heartbeat failed")
 
     async def on_drain(self, app=None) -> None:
         if self.registry is not None:
@@ -570,7 +561,6 @@ def attach_page_store(st, args) -> PageStoreBridge | None:
     bridge = PageStoreBridge(st.engine, node_id=st.node_id, store=TieredPageStore(tiers), index=index,
                              registry=registry, metrics=st.metrics, url=st.url, version=st.version,
                              state_fn=lambda: st.state, redis_client=client,
-                             heartbeat_s=getattr(args, "heartbeat", 2.0),
                              fetch_timeout_s=getattr(args, "store_fetch_timeout", 1.0))
     st.engine.observers.append(bridge)
     st.extensions.append(bridge)

@@ -1,7 +1,9 @@
 """Backend node registry: who serves which model, in what state, under what load.
 
 `<prefix>:node:<node_id>` -> msgspec JSON NodeRecord, TTL = 3 heartbeats, so a
-node that stops heartbeating disappears by itself. `<prefix>:nodes` is the set
+node that stops heartbeating disappears by itself. Every heartbeat writes the whole record and the
+set membership (not just a TTL), so a Redis that restarted empty holds the node again after its next
+beat; `keep_registered` drives the beats (sooner after one that did not land). `<prefix>:nodes` is the set
 of registered ids (no SCAN: on a cluster SCAN is per node). Listing reads the
 set, then GETs each record in one pipeline; single-key commands only, so the
 record keys may sit on any cluster slot. Ids whose record expired are pruned
@@ -11,6 +13,8 @@ from the set lazily.
 from __future__ import annotations
 
 import abc
+import asyncio
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -21,6 +25,7 @@ import msgspec
 from cache_store.keys import KeySpace
 from cache_store.resilience import RedisGuard
 
+log = logging.getLogger(__name__)
 NodeState = Literal["active", "draining"]
 
 
@@ -97,7 +102,8 @@ class RedisNodeRegistry(NodeRegistry):
             pipe.set(self.keys.node(record.node_id), blob, px=ttl_ms)
             pipe.sadd(self.keys.nodes, record.node_id.encode())
 
-        results = await self.guard.run(lambda: self._execute(fill), None, "node heartbeat")
+        # forced through an open breaker: the beat is what puts the node back into a restarted Redis
+        results = await self.guard.run(lambda: self._execute(fill), None, "node heartbeat", force=True)
         return results is not None and results[0] is True
 
     async def register(self, record: NodeRecord) -> bool:
@@ -167,3 +173,16 @@ class InMemoryNodeRegistry(NodeRegistry):
             for node_id in [n for n, (_, exp) in self._records.items() if exp <= now]:
                 del self._records[node_id]
             return [r for n, (r, _) in sorted(self._records.items()) if model is None or r.model == model]
+
+
+async def keep_registered(registry: NodeRegistry, record: Callable[[], NodeRecord], *, landed: bool = True) -> None:
+    """Heartbeat `record()` forever: every heartbeat_s, or every heartbeat_s / 4 while beats do not land
+    (Redis down or restarting), so a node is listed again within a quarter beat of Redis coming back.
+    `landed`: whether the registration just before this loop reached the store."""
+    while True:
+        await asyncio.sleep(registry.heartbeat_s if landed else registry.heartbeat_s / 4)
+        try:
+            landed = await registry.heartbeat(record())
+        except Exception:  # noqa: BLE001 - a bad record must not end the beats
+            log.exception("node heartbeat failed")
+            landed = False

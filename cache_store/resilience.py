@@ -57,21 +57,29 @@ class RedisGuard:
         return self._failing and (self._clock() < self._open_until or self._probe_in_flight)
 
     async def run(self, op: Callable[[], Awaitable[T]], fallback: T, what: str,
-                  timeout_s: float | None = None) -> T:
-        """Await op() within the timeout; on any failure (or while open) return `fallback`."""
+                  timeout_s: float | None = None, *, force: bool = False) -> T:
+        """Await op() within the timeout; on any failure (or while open) return `fallback`.
+
+        force: run even while the breaker is open (for a rare call off the request path, such as the
+        registry heartbeat, so a node is back in a restarted Redis at its next beat); a success closes
+        it, a failure leaves it as it was (the other callers' backoff does not grow).
+        """
         self.stats.calls += 1
-        probe = False
+        probe = bypass = False
         if self._failing:
             if self._clock() < self._open_until or self._probe_in_flight:
-                self.stats.skipped += 1
-                return fallback
-            probe = self._probe_in_flight = True
+                if not force:
+                    self.stats.skipped += 1
+                    return fallback
+                bypass = True
+            else:
+                probe = self._probe_in_flight = True
         try:
             async with asyncio.timeout(self.timeout_s if timeout_s is None else timeout_s):
                 result = await op()
         except TimeoutError:
             self.stats.timeouts += 1
-            self._trip(what, "timed out")
+            self._trip(what, "timed out", bypass)
             return fallback
         except ResponseError as e:
             self.stats.command_errors += 1
@@ -79,7 +87,7 @@ class RedisGuard:
             self._recover()
             return fallback
         except (RedisError, OSError) as e:
-            self._trip(what, f"{type(e).__name__}: {e}")
+            self._trip(what, f"{type(e).__name__}: {e}", bypass)
             return fallback
         finally:
             if probe:
@@ -88,8 +96,10 @@ class RedisGuard:
         self._recover()
         return result
 
-    def _trip(self, what: str, why: str) -> None:
+    def _trip(self, what: str, why: str, bypass: bool = False) -> None:
         self.stats.errors += 1
+        if bypass:      # a forced call through the open breaker: its failure changes nothing
+            return
         if self._failing:
             self._current_backoff = min(self._current_backoff * 2, self.max_backoff_s)
         else:

@@ -34,6 +34,7 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     keepalive_timeout_s: float = 75.0
     shutdown_grace_s: float = 30.0
     health_interval_s: float = 1.0
+    health_stale_intervals: int = 3         # unanswered this many health intervals: unroutable, waits moved
     max_attempts: int = 3                   # nodes tried before the first byte
     admin_key_sha256: str = ""              # empty: admin endpoints disabled
     page_seed_env: str = "EDGEINFER_CACHE_SEED"  # same variable backend.server reads for --cache-seed
@@ -111,6 +112,10 @@ def _check(cfg: GatewayConfig) -> GatewayConfig:
         v = getattr(s, name)
         if not math.isfinite(v) or v <= 0:
             raise ConfigError(f"server.{name}={v!r} is invalid: expected a finite number of seconds > 0")
+    if s.health_stale_intervals < 2:
+        raise ConfigError(f"server.health_stale_intervals={s.health_stale_intervals} must be >= 2: a node is "
+                          "unhealthy once its probes have gone unanswered for that many health_interval_s, "
+                          "and below 2 a node answering on time would flap")
     if s.index_fill not in ("gateway", "backends", "auto"):
         raise ConfigError(f"server.index_fill={s.index_fill!r}: expected gateway, backends or auto")
     names = [m.name for m in cfg.models]

@@ -1,14 +1,22 @@
 """Backend nodes as the gateway sees them: where they are, whether they answer, how busy they are.
 
 Sources: static `[[nodes]]` from config, and/or the shared registry (cache_store.registry) when Redis
-is configured. A background loop probes each node's /ready and /internal/info; a node that fails a
-request is marked down at once (passive check) until a probe succeeds again.
+is configured. Each node has its own probe loop (/ready, and /internal/info once per version), so a
+hung node slows nobody else's probes. A probe unanswered after `probe_timeout_s` fails: the node is
+not routable, and every request still waiting for its first byte on it is moved (see `Node.watchers`,
+gateway.upstream) when another node can take it. A node whose last answer is older than
+`stale_after_s` is not routable either. A node that fails a request is marked down at once (passive
+check) until a probe succeeds again.
+
+A registry node that the listing misses (Redis restarted empty, a listing failed) stays: it leaves
+only when its own probe fails, when another id lists its URL, or after `forget_after_s` unlisted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -18,6 +26,7 @@ import msgspec
 from backend.protocol import BackendInfo, info_decoder
 
 log = logging.getLogger(__name__)
+_NO_ANSWER = (TimeoutError, aiohttp.ClientConnectionError, OSError)
 
 
 @dataclass(eq=False)
@@ -33,6 +42,12 @@ class Node:
     down_until: float = 0.0        # passive health: set when a request failed
     static: bool = True
     version: str = ""
+    answered_at: float = -math.inf  # monotonic time of the last probe the node answered (any status)
+    stale_after_s: float = math.inf  # set by the pool: an older last answer makes the node unroutable
+    probe_failed: bool = False     # the last probe got no answer or no 200
+    listed_at: float = field(default_factory=time.monotonic)  # registry nodes: the last listing holding it
+    # the first-byte waits on this node (gateway.upstream): expired at once when a probe goes unanswered
+    watchers: set[asyncio.Timeout] = field(default_factory=set, repr=False)
     generate_url: str = field(init=False)
     abort_url: str = field(init=False)
 
@@ -42,9 +57,17 @@ class Node:
         self.abort_url = self.url + "/internal/abort"
 
     @property
+    def answer_age(self) -> float:
+        return time.monotonic() - self.answered_at
+
+    @property
+    def answering(self) -> bool:
+        return self.answer_age <= self.stale_after_s
+
+    @property
     def routable(self) -> bool:
         return (self.ready and self.info is not None and self.state == "active"
-                and self.down_until <= time.monotonic())
+                and self.down_until <= time.monotonic() and self.answering)
 
     @property
     def load(self) -> int:
@@ -54,14 +77,37 @@ class Node:
         self.down_until = time.monotonic() + cooldown_s
         self.ready = False
 
+    def stopped_answering(self) -> int:
+        """Expire every first-byte wait on this node now; returns how many there were."""
+        waits, self.watchers = self.watchers, set()
+        now = asyncio.get_running_loop().time()
+        for w in waits:
+            if not w.expired():
+                w.reschedule(now)
+        return len(waits)
+
 
 class NodePool:
-    def __init__(self, session_getter, static: list[Node], registry=None, interval_s: float = 1.0) -> None:
+    def __init__(self, session_getter, static: list[Node], registry=None, interval_s: float = 1.0,
+                 stale_intervals: int = 3, forget_after_s: float = 60.0) -> None:
         self._session = session_getter
-        self.nodes: dict[str, Node] = {n.node_id: n for n in static}
         self.registry = registry
         self.interval_s = interval_s
+        # a hung node's probe fails (stale_intervals - 1) intervals after it was sent, i.e. when the
+        # node's last answer is stale_intervals intervals old (the 0.5 s floor spares a busy loopback)
+        self.probe_timeout_s = max(0.5, (stale_intervals - 1) * interval_s)
+        self.stale_after_s = interval_s + self.probe_timeout_s
+        self.forget_after_s = forget_after_s
+        self.nodes: dict[str, Node] = {}
+        for n in static:
+            self._adopt(n)
+        self._loops: dict[str, tuple[Node, asyncio.Task]] = {}
         self._ready = asyncio.Event()
+
+    def _adopt(self, node: Node) -> Node:
+        node.stale_after_s = self.stale_after_s
+        self.nodes[node.node_id] = node
+        return node
 
     def for_model(self, model: str) -> list[Node]:
         return [n for n in self.nodes.values() if n.model == model and n.routable]
@@ -71,51 +117,112 @@ class NodePool:
 
     async def _sync_registry(self) -> None:
         records = await self.registry.list_nodes()
+        now = time.monotonic()
         seen = set()
         for r in records:
             seen.add(r.node_id)
             node = self.nodes.get(r.node_id)
             if node is None or node.url != r.url.rstrip("/") or node.version != r.version:
-                node = self.nodes[r.node_id] = Node(r.node_id, r.url, r.model, static=False, version=r.version)
+                node = self._adopt(Node(r.node_id, r.url, r.model, static=False, version=r.version))
             node.state = r.state
             node.reported_load = r.running + r.waiting
-        for node_id in [i for i, n in self.nodes.items() if not n.static and i not in seen]:
-            del self.nodes[node_id]
+            node.listed_at = now
+        listed_urls = {self.nodes[i].url for i in seen}
+        for node in [n for i, n in self.nodes.items() if not n.static and i not in seen]:
+            if node.url in listed_urls:
+                why = "another node id is listed at its URL"
+            elif node.probe_failed:
+                why = "unlisted and its probe failed"
+            elif now - node.listed_at > self.forget_after_s:
+                why = f"unlisted for {now - node.listed_at:.0f}s"
+            else:
+                continue   # e.g. Redis restarted empty: keep it until it re-registers or stops answering
+            log.info("node %s (%s) leaves the pool: %s", node.node_id, node.url, why)
+            del self.nodes[node.node_id]
 
     async def probe(self, node: Node) -> None:
         session: aiohttp.ClientSession = self._session()
-        timeout = aiohttp.ClientTimeout(total=max(0.5, self.interval_s * 2))
+        timeout = aiohttp.ClientTimeout(total=self.probe_timeout_s)
         try:
             async with session.get(node.url + "/ready", timeout=timeout) as r:
                 ready = r.status == 200
+            node.answered_at = time.monotonic()
             if ready and node.info is None:  # /ready answers 503 while draining; info is fixed per version
                 async with session.get(node.url + "/internal/info", timeout=timeout) as r:
                     r.raise_for_status()
                     node.info = info_decoder.decode(await r.read())
             was = node.ready
             node.ready = ready
+            node.probe_failed = not ready
             if ready:
                 node.down_until = 0.0
             if was != ready:
                 log.info("node %s (%s) is %s", node.node_id, node.url, "ready" if ready else "not ready")
-        except (TimeoutError, aiohttp.ClientError, OSError, msgspec.MsgspecError) as e:
+        except (*_NO_ANSWER, aiohttp.ClientError, msgspec.MsgspecError) as e:
             if node.ready:
                 log.warning("node %s (%s) probe failed: %s: %s", node.node_id, node.url, type(e).__name__, e)
             node.ready = False
+            node.probe_failed = True
+            if isinstance(e, _NO_ANSWER) and node.watchers:
+                self._move_waiters(node)
 
-    async def refresh(self) -> None:
+    def _move_waiters(self, node: Node) -> None:
+        """Move the requests waiting on `node` for their first byte, if another node can take them
+        (with none, moving would turn a slow answer into a 503: they keep waiting, and the next
+        unanswered probe tries again)."""
+        if not self.for_model(node.model):
+            log.warning("node %s (%s) stopped answering; %d request(s) keep waiting on it: no other node "
+                        "serves %s", node.node_id, node.url, len(node.watchers), node.model)
+            return
+        log.warning("node %s (%s) stopped answering; moving %d request(s) waiting for their first byte",
+                    node.node_id, node.url, node.stopped_answering())
+
+    async def _probe_loop(self, node: Node) -> None:
+        while True:
+            try:
+                await self.probe(node)
+            except Exception:  # noqa: BLE001 - the loop must outlive a bug in one probe
+                log.exception("probe of node %s failed", node.node_id)
+                node.ready = False
+            await asyncio.sleep(self.interval_s)
+
+    def _supervise(self) -> None:
+        """One probe loop per node in the pool: start the missing (or dead) ones, end the departed."""
+        for node_id, (node, task) in list(self._loops.items()):
+            if self.nodes.get(node_id) is not node:
+                task.cancel()
+                del self._loops[node_id]
+        loop = asyncio.get_running_loop()
+        for node in self.nodes.values():
+            entry = self._loops.get(node.node_id)
+            if entry is None or entry[1].done():
+                self._loops[node.node_id] = (node, loop.create_task(self._probe_loop(node)))
+
+    async def _sync(self) -> None:
         if self.registry is not None:
             try:
                 await self._sync_registry()
             except Exception as e:
                 log.warning("registry listing failed: %s: %s", type(e).__name__, e)
+
+    async def refresh(self) -> None:
+        """Sync the registry and probe every node once (at start, before serving)."""
+        await self._sync()
         await asyncio.gather(*(self.probe(n) for n in list(self.nodes.values())))
         self._ready.set()
 
     async def run(self) -> None:
-        while True:
-            await self.refresh()
-            await asyncio.sleep(self.interval_s)
+        try:
+            while True:
+                await self._sync()
+                self._supervise()
+                await asyncio.sleep(self.interval_s)
+        finally:
+            tasks = [t for _, t in self._loops.values()]
+            self._loops.clear()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def wait_first_probe(self) -> None:
         await self._ready.wait()

@@ -106,7 +106,8 @@ def build_state(cfg: GatewayConfig, models: dict[str, ServedModel] | None = None
         return holder["state"].get_session()
 
     nodes = [Node(n.id, n.url, n.model) for n in cfg.nodes]
-    pool = NodePool(session, nodes, registry=registry, interval_s=s.health_interval_s)
+    pool = NodePool(session, nodes, registry=registry, interval_s=s.health_interval_s,
+                    stale_intervals=s.health_stale_intervals)
     if index is None:
         index = InMemoryPageIndex()
     router = Router(index, cfg.seed, s.route_load_cost_tokens, s.route_affinity_tokens)

@@ -1,8 +1,9 @@
 """One generate stream to one backend over gateway.http1's keep-alive pool (NDJSON of StreamChunk).
 
-Failures before the first chunk raise Retryable (the caller tries another node); after it they
-raise UpstreamBroken. Closing a stream that did not finish drops the connection (which aborts on
-the backend) and also POSTs /internal/abort, in case the backend still holds the request.
+Failures before the first chunk raise Retryable (the caller tries another node), and so does the
+node ceasing to answer its health probes during that wait; after it they raise UpstreamBroken.
+Closing a stream that did not finish drops the connection (which aborts on the backend) and also
+POSTs /internal/abort, in case the backend still holds the request.
 """
 
 from __future__ import annotations
@@ -83,7 +84,20 @@ class Upstream:
         self._aborts: set[asyncio.Task] = set()
 
     async def open(self, node: Node, req: GenerateRequest) -> tuple[UpstreamStream, StreamChunk]:
-        """POST the request and read its first chunk; Retryable if that fails."""
+        """POST the request and read its first chunk; Retryable if that fails, or as soon as the node
+        stops answering its health probes while we wait (a hung node still accepts the connection)."""
+        try:
+            async with asyncio.timeout(None) as watch:   # expired by NodePool when a probe goes unanswered
+                node.watchers.add(watch)
+                try:
+                    return await self._open(node, req)
+                finally:
+                    node.watchers.discard(watch)
+        except TimeoutError as e:   # _open turns its own timeouts into Retryable: this is the watch
+            raise Retryable(f"node {node.node_id}: stopped answering its health probes while the request "
+                            f"waited for its first byte") from e
+
+    async def _open(self, node: Node, req: GenerateRequest) -> tuple[UpstreamStream, StreamChunk]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.first_byte_timeout_s
         resp: Response | None = None

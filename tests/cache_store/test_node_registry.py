@@ -1,10 +1,13 @@
 import asyncio
+import time
 
 import msgspec
 import pytest
 
 from cache_store.keys import KeySpace
-from cache_store.registry import InMemoryNodeRegistry, NodeRecord, RedisNodeRegistry
+from cache_store.registry import InMemoryNodeRegistry, NodeRecord, RedisNodeRegistry, keep_registered
+from cache_store.resilience import RedisGuard, redis_client
+from tests.redis_server import ValkeyServer, command
 
 
 def record(node_id: str, model: str = "smollm2-135m", **kw) -> NodeRecord:
@@ -80,3 +83,35 @@ def test_invalid_ids_rejected():
         KeySpace().node("a b")
     with pytest.raises(ValueError, match="model 'x{y}'"):
         KeySpace().idx("x{y}", b"\0" * 16)
+
+
+async def test_heartbeat_puts_the_whole_record_back_soon_after_redis_restarts_empty():
+    """Redis down for 3 s trips the shared breaker (backed off to 2 s, so a plain call would be skipped
+    until then); once an empty Redis is back on the port, the next beat, forced through the breaker,
+    writes the whole record and the set entry: listed again in well under two beats."""
+    beat = 0.4
+    server = ValkeyServer().start()
+    client = redis_client(server.url)
+    reg = RedisNodeRegistry(client, heartbeat_s=beat, guard=RedisGuard(timeout_s=0.5))
+    beats = asyncio.create_task(keep_registered(reg, lambda: record("n1", running=2),
+                                                landed=await reg.register(record("n1", running=2))))
+    try:
+        await asyncio.sleep(beat)
+        server.kill()
+        await asyncio.sleep(3.0)
+        assert reg.guard.is_open or reg.guard.stats.trips >= 1
+        await asyncio.to_thread(server.start)   # same port, nothing in it
+        back = time.monotonic()
+        while not await asyncio.to_thread(command, server.port, "EXISTS", KeySpace().node("n1")) == b":1\r\n":
+            assert time.monotonic() - back < 10, "the node never came back"
+            await asyncio.sleep(0.01)
+        took = time.monotonic() - back
+        assert took < 2 * beat, f"listed again {took:.2f}s after Redis came back (beat {beat}s)"
+        print(f"\nlisted again {took:.3f}s after an empty Redis came back (beat {beat}s)")
+        (n1,) = await reg.list_nodes()
+        assert (n1.node_id, n1.url, n1.running, n1.started_at) == ("n1", record("n1").url, 2, 1.7e9)
+    finally:
+        beats.cancel()
+        await asyncio.gather(beats, return_exceptions=True)
+        await client.aclose()
+        server.stop()

@@ -49,6 +49,30 @@ async def test_breaker_opens_backs_off_and_closes():
     assert (guard.stats.errors, guard.stats.skipped, guard.stats.trips, guard.stats.ok) == (2, 2, 1, 1)
 
 
+async def test_forced_call_runs_through_the_open_breaker_and_only_its_success_counts():
+    clock = Clock()
+    guard = RedisGuard(timeout_s=1, backoff_s=1, max_backoff_s=4, clock=clock)
+    calls = []
+
+    async def failing():
+        calls.append(1)
+        raise RedisConnectionError("down")
+
+    async def ok():
+        calls.append(1)
+        return "ok"
+
+    await guard.run(failing, None, "t")
+    assert guard.is_open and len(calls) == 1
+    assert await guard.run(failing, "miss", "beat", force=True) == "miss" and len(calls) == 2  # ran
+    clock.now = 1.0       # the forced failure did not extend the 1 s backoff: a plain call probes now
+    assert await guard.run(ok, "miss", "t") == "ok" and not guard.is_open
+    await guard.run(failing, None, "t")
+    assert guard.is_open
+    assert await guard.run(ok, "miss", "beat", force=True) == "ok" and not guard.is_open      # closes it
+    assert (guard.stats.errors, guard.stats.trips, guard.stats.skipped) == (3, 2, 0)
+
+
 async def test_command_errors_are_counted_but_do_not_trip():
     guard = RedisGuard()
 

@@ -30,6 +30,7 @@ PHRASE = "The quick brown fox jumps over the lazy dog. "
 @dataclass
 class StubBehaviour:
     token_delay_s: float = 0.0
+    first_token_delay_s: float = 0.0    # after the response head, before the first chunk (queueing + prefill)
     fail_status: int = 0                 # answer /internal/generate with this HTTP status
     drop_before_first: bool = False      # close the connection before any chunk
     fail_after_tokens: int = -1          # close the connection after this many tokens
@@ -87,6 +88,8 @@ class StubBackend:
         produced = 0
         finish = "length"
         try:
+            if b.first_token_delay_s:
+                await asyncio.sleep(b.first_token_delay_s)
             for i in range(sp.max_tokens):
                 ch = b.phrase[i % len(b.phrase)]
                 if i and i % len(b.phrase) == 0 and not sp.ignore_eos:

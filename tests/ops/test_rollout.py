@@ -79,6 +79,7 @@ redis_url = "{self.redis.url}"
 index_fill = "backends"
 page_seed = "{SEED}"
 health_interval_s = 0.25
+health_stale_intervals = 12          # 3 s: a real backend on a busy 2-core box can take > 0.5 s to answer
 admin_key_sha256 = "{hash_key(ADMIN_KEY)}"
 access_log = false
 
