@@ -339,6 +339,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     request["model"] = req.model
     check_chat(req, st.cfg.server.max_n)
     model = served_model(st, tenant, req.model)
+    sampling_params(req, 1, req.seed, req.logprobs, req.top_logprobs or 0)  # 400 before any node is looked at
     prompt = await model.encode_chat(message_dicts(req.messages))
     job = Job(request, st, tenant, model, "chat")
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -361,6 +362,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     request["model"] = req.model
     check_completion(req, st.cfg.server.max_n)
     model = served_model(st, tenant, req.model)
+    sampling_params(req, 1, req.seed, req.logprobs is not None, req.logprobs or 0)  # 400 before any node
     p = req.prompt
     if isinstance(p, str):
         prompts = [await model.encode_prompt(p)]
