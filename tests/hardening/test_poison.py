@@ -99,7 +99,7 @@ def backends():
             b.stop()
 
 
-VICTIM_TOKENS = 40
+VICTIM_TOKENS = 32
 
 
 @pytest.mark.slow
@@ -136,7 +136,7 @@ def test_poison_values_through_the_gateway_kill_no_victim_on_either_node(harness
     def poison(args):
         node, p = args
         r = on[node].chat.completions.create(model=name, messages=[{"role": "user", "content": "Say something."}],
-                                             max_tokens=3, seed=11, **p)
+                                             max_tokens=3, seed=11, extra_body=p)
         return node, r.choices[0].finish_reason, r.usage.completion_tokens
 
     with ThreadPoolExecutor(6) as pool:
