@@ -20,7 +20,7 @@ import msgspec
 
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
     max_tokens: int = 16
-    temperature: float = 1.0          # 0 -> greedy
+    temperature: float = 1.0          # below 1e-5 (sampler.GREEDY_BELOW) -> greedy
     top_p: float = 1.0
     top_k: int = 0                    # 0 -> disabled
     min_p: float = 0.0
@@ -95,7 +95,9 @@ class StreamChunk(msgspec.Struct, omit_defaults=True):
     finish_reason: str | None = None   # "stop" | "length" | "abort" | "error"
     usage: Usage | None = None
     error: str | None = None
-    error_code: int | None = None      # HTTP-like status for errors (400 prompt too long, 503 draining)
+    error_code: int | None = None      # HTTP-like status of an error: 4xx the request is invalid, 500 this
+    #                                    request failed on a healthy node (others were unaffected): neither is
+    #                                    retried elsewhere; 503 the node cannot serve (draining, engine failed)
 
 
 class AbortRequest(msgspec.Struct):

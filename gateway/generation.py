@@ -63,7 +63,7 @@ async def start(st, target: Target, run: Run) -> None:
             continue
         except BackendRejected as e:
             node.inflight -= 1
-            raise APIError(e.status, str(e), code="backend_rejected") from e
+            raise APIError(e.status, str(e), code=e.code) from e
         except BaseException:
             node.inflight -= 1
             raise

@@ -31,11 +31,13 @@ class UpstreamBroken(Exception):
 
 
 class BackendRejected(Exception):
-    """The backend answered the request with an error chunk (e.g. 400 prompt too long)."""
+    """The backend answered the request with an error the request caused (e.g. 400 prompt too long, 500 it
+    failed alone on a healthy node): not retried on another node, the node is not marked down."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, code: str = "backend_rejected") -> None:
         super().__init__(message)
         self.status = status
+        self.code = code
 
 
 class UpstreamStream:
@@ -132,6 +134,9 @@ class Upstream:
         if first.error is not None and not first.token_ids:
             resp.release()
             code = first.error_code or 500
+            if code == 500:     # the engine isolated the failure to this request: another node would repeat it
+                raise BackendRejected(500, f"generation failed on node {node.node_id}: {first.error}",
+                                      code="generation_failed")
             if code in (400, 413, 422):
                 raise BackendRejected(400, first.error)
             raise Retryable(f"node {node.node_id}: {code}: {first.error}")

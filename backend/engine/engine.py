@@ -17,7 +17,7 @@ import xxhash
 from backend.engine.block_manager import BlockManager
 from backend.engine.config import EngineConfig, kv_format_name
 from backend.engine.model_runner import ModelRunner
-from backend.engine.sampler import make_generator, sample
+from backend.engine.sampler import SamplingError, make_generator, sample
 from backend.engine.scheduler import Scheduler
 from backend.engine.sequence import SeqStatus, Sequence
 from backend.engine.stop import StopChecker
@@ -192,12 +192,12 @@ class LLMEngine:
         max_new = min(sp.max_tokens, self.max_model_len - len(req.prompt_token_ids))
 
         def emit_seq(seq: Sequence, ids: list[int], lps: list | None, text: str, reason: str | None,
-                     error: str | None = None) -> None:
+                     error: str | None = None, error_code: int = 500) -> None:
             usage = None
             if reason is not None:
                 usage = Usage(len(seq.prompt_ids), len(seq.output_ids), seq.num_cached_prompt_tokens)
             emit(StreamChunk(seq.request_id, token_ids=ids, text=text, logprobs=lps, finish_reason=reason,
-                             usage=usage, error=error, error_code=500 if error else None))
+                             usage=usage, error=error, error_code=error_code if error else None))
 
         seq = Sequence(req.request_id, req.prompt_token_ids, sp, self.key_context(req.cache_namespace), emit_seq)
         seq.max_new_tokens = max_new
@@ -241,11 +241,9 @@ class LLMEngine:
                 if self.scheduler.has_work:
                     self.step()
                 self._flush()
-            except Exception as e:  # a failed step must not hang clients: fail the batch, keep serving
+            except Exception as e:  # a failed step must not hang clients, nor fail the sequences it did not cause
                 log.exception("engine step failed")
-                self.error = None
-                for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
-                    self._finish_error(seq, f"engine step failed: {type(e).__name__}: {e}")
+                self._isolate(e)
                 self._flush()
 
     def _flush(self) -> None:
@@ -263,11 +261,76 @@ class LLMEngine:
             except RuntimeError:      # that loop is closed: its clients are gone
                 pass
 
-    def _finish_error(self, seq: Sequence, msg: str) -> None:
+    def _finish_error(self, seq: Sequence, msg: str, code: int = 500) -> None:
+        """End one sequence with an error chunk. code 500: this request failed on a healthy node (the gateway
+        does not retry it); 503: the node failed (the gateway may retry elsewhere)."""
+        if seq.status == SeqStatus.FINISHED:
+            return
         self.scheduler.remove(seq)
         seq.status = SeqStatus.FINISHED
+        seq.finish_reason = "error"
         self._seqs.pop(seq.request_id, None)
-        seq.emit(seq, [], None, "", "error", msg)
+        seq.emit(seq, [], None, "", "error", msg, code)
+        for o in self.observers:
+            o.on_finish(seq)
+
+    def _isolate(self, error: Exception) -> None:
+        """After a failed step: put every admitted sequence (and the queue, up to max_num_seqs) back to
+        recompute, then run each alone until it yields a token. A sequence whose solo step fails is the
+        culprit and ends with an error; the others carry on with the same tokens (recompute is exact).
+        If every one of two or more fails alone, the node is at fault: they end with 503."""
+        suspects = list(self.scheduler.running) + list(self.scheduler.waiting)
+        if not suspects:
+            return
+        for seq in suspects:
+            self.scheduler.remove(seq)          # frees its pages; the waiting queue is rebuilt below
+            seq.num_computed_tokens = 0
+            seq.page_hashes = []
+            seq.status = SeqStatus.WAITING
+        failed: list[tuple[Sequence, str]] = []
+        rest = list(suspects)
+        while rest and len(self.scheduler.running) < self.cfg.max_num_seqs:
+            seq = rest.pop(0)
+            outcome = self._probe(seq)
+            if outcome == "stuck":               # no room alone right now: queue it with the rest
+                rest.insert(0, seq)
+                break
+            if outcome is not None:
+                failed.append((seq, outcome))
+        self.scheduler.waiting.extendleft(reversed(rest))
+        code = 503 if len(failed) == len(suspects) > 1 else 500
+        for seq, msg in failed:
+            self._finish_error(seq, msg, code)
+        if failed:
+            log.warning("step failure isolated: %d of %d sequence(s) failed alone (%s): %s", len(failed),
+                        len(suspects), ", ".join(s.request_id for s, _ in failed), error)
+
+    def _probe(self, seq: Sequence) -> str | None:
+        """Run seq alone until it has a new token or finishes. None: fine (it is running again or
+        finished); "stuck": it could not be scheduled alone; otherwise the failure's message."""
+        solo = Scheduler(self.cfg, self.blocks, self.scheduler.prefix_lookup)
+        solo.add(seq)
+        main, self.scheduler = self.scheduler, solo
+        produced = len(seq.output_ids)
+        try:
+            while seq.status != SeqStatus.FINISHED and len(seq.output_ids) == produced:
+                computed = seq.num_computed_tokens
+                self.step()
+                if seq.status != SeqStatus.FINISHED and seq.num_computed_tokens == computed \
+                        and len(seq.output_ids) == produced:
+                    solo.remove(seq)
+                    seq.num_computed_tokens, seq.page_hashes, seq.status = 0, [], SeqStatus.WAITING
+                    return "stuck"
+        except Exception as e:  # this sequence fails alone: it is the culprit
+            log.exception("request %s fails alone", seq.request_id)
+            solo.remove(seq)
+            return f"engine step failed on this request: {type(e).__name__}: {e}"
+        finally:
+            self.scheduler = main
+            self._flush()
+        if seq.status != SeqStatus.FINISHED:
+            main.running.append(seq)
+        return None
 
     def step(self) -> None:
         t0 = time.monotonic()
@@ -287,12 +350,23 @@ class LLMEngine:
                         o.on_pages_filled(s, cached)
         now = time.monotonic()
         if seqs:
-            for seq, (tok, lp) in zip(seqs, sample(seqs, logits)):
-                self._append_token(seq, tok, lp, now)
+            for seq, got in zip(seqs, sample(seqs, logits)):
+                self._take(seq, got, now)
         self.steps += 1
         dt = time.monotonic() - t0
         for o in self.observers:
             o.on_step(self, batch, dt)
+
+    def _take(self, seq: Sequence, got: tuple[int, TokenLogprob | None] | SamplingError, now: float) -> None:
+        """Append a sampled token; a failure (sampling, stop check, detokenizing) ends this sequence only."""
+        try:
+            if isinstance(got, SamplingError):
+                raise got
+            self._append_token(seq, got[0], got[1], now)
+        except Exception as e:
+            log.warning("request %s failed: %s: %s", seq.request_id, type(e).__name__, e)
+            self._finish_error(seq, f"generation failed: {e}" if isinstance(e, SamplingError)
+                               else f"generation failed: {type(e).__name__}: {e}")
 
     def _append_token(self, seq: Sequence, tok: int, lp: TokenLogprob | None, now: float) -> None:
         seq.output_ids.append(tok)

@@ -22,10 +22,10 @@ class SeqStatus(enum.Enum):
 
 
 class EmitFn(Protocol):
-    """seq.emit(seq, token_ids, logprobs, text, finish_reason[, error])"""
+    """seq.emit(seq, token_ids, logprobs, text, finish_reason[, error, error_code])"""
 
     def __call__(self, seq: Sequence, ids: list[int], lps: list | None, text: str, reason: str | None,
-                 error: str | None = None) -> None: ...
+                 error: str | None = None, error_code: int = 500) -> None: ...
 
 
 class Sequence:

@@ -173,25 +173,28 @@ def test_bad_requests_are_rejected_with_clear_errors(smol_model, smol_tokenizer)
         EngineConfig(kv_dtype="int3")
 
 
-async def test_failed_step_ends_requests_with_an_error_and_engine_keeps_serving(smol_model, smol_tokenizer,
-                                                                                monkeypatch):
+async def test_failed_step_is_retried_then_fails_only_a_request_that_fails_alone(smol_model, smol_tokenizer,
+                                                                                  monkeypatch):
     eng = make_engine(smol_model, smol_tokenizer, num_pages=64)
     try:
+        alone, _, _ = await run(eng, [5, 6, 7, 8], max_tokens=4, ignore_eos=True)
         real = eng.runner.execute
         calls = {"n": 0}
 
         def flaky(batch):
             calls["n"] += 1
-            if calls["n"] == 1:
+            if calls["n"] == 1 or any(s.request_id == "boom" for s, _ in batch.prefills):
                 raise RuntimeError("injected step failure")
             return real(batch)
 
         monkeypatch.setattr(eng.runner, "execute", flaky)
+        toks, _, last = await run(eng, [5, 6, 7, 8], max_tokens=4, ignore_eos=True)   # a transient failure
+        assert last.finish_reason == "length" and toks == alone
         req = GenerateRequest("boom", [5, 6, 7, 8], SamplingParams(max_tokens=4, temperature=0), "t")
         chunks = [c async for c in eng.generate(req)]
         assert chunks[-1].finish_reason == "error" and "injected step failure" in chunks[-1].error
         toks, _, last = await run(eng, [5, 6, 7, 8], max_tokens=4, ignore_eos=True)
-        assert last.finish_reason == "length" and len(toks) == 4
+        assert last.finish_reason == "length" and toks == alone
         assert eng.blocks.num_used == 0
     finally:
         eng.stop()
