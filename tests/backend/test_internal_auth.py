@@ -155,7 +155,7 @@ async def test_health_ready_metrics_stay_open_and_admin_keeps_its_own_key(backen
 
 async def test_a_non_ascii_or_huge_authorization_header_is_a_401_not_a_crash(backend):
     _, http, rec = backend
-    for value in ("Bearer sécret-ünïcode-😀", "Bearer " + "x" * 6000, f"Bearer {SECRET}\x7f"):
+    for value in ("Bearer sécret-ünïcode-😀", "Bearer " + "x" * 6000, f"Bearer {SECRET}é"):
         async with http.post("/internal/generate", json=body("odd"),
                              headers={"authorization": value.encode("utf-8").decode("latin-1")}) as r:
             assert r.status == 401
