@@ -299,7 +299,8 @@ def build_state(args: argparse.Namespace) -> BackendState:
     engine.observers.append(m)
     m.set_memory(engine)
     st = BackendState(engine=engine, metrics=m, node_id=node_id, version=args.version,
-                      operator_key=args.operator_key, internal_secret=args.internal_secret, url=f"http://{args.host}:{args.port}",
+                      operator_key=args.operator_key, internal_secret=args.internal_secret,
+                      url=f"http://{args.host}:{args.port}",
                       state="draining" if args.start_drained else "active")
     log.info(json.dumps({"event": "memory", "model": engine.model_name, "weight_bytes": engine.model.weight_bytes(),
                          "prepacked_copy_bytes": engine.model.prepacked_copy_bytes(),
@@ -325,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
         uvloop.install()
     except ImportError:
         pass
+    if args.internal_secret is None:
+        log.warning("--insecure-no-internal-auth: /internal/* answers anyone who can connect to %s:%d",
+                    args.host, args.port)
     try:
         st = build_state(args)
     except (ValueError, OSError, RuntimeError) as e:
