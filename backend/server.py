@@ -1,4 +1,9 @@
-"""Backend HTTP server (aiohttp + uvloop): the internal API of backend/protocol.py over one LLMEngine."""
+"""Backend HTTP server (aiohttp + uvloop): the internal API of backend/protocol.py over one LLMEngine.
+
+/internal/* answers only a caller holding the internal secret (the gateway: `authorization: Bearer
+<secret>`, compared in constant time) or the operator key (ops canary and health gates); anything else
+is a 401 before the body is read. /health, /ready, /metrics stay open; /admin/* needs the operator key.
+"""
 
 from __future__ import annotations
 
@@ -27,6 +32,8 @@ from backend.protocol import AbortRequest, BackendInfo, GenerateRequest, StreamC
 
 log = logging.getLogger("edgeinfer.backend")
 VERSION = os.environ.get("EDGEINFER_VERSION", "0.1.0")
+INTERNAL_SECRET_ENV = "EDGEINFER_INTERNAL_SECRET"
+MIN_SECRET_CHARS = 16
 
 
 @dataclass
@@ -36,6 +43,7 @@ class BackendState:
     node_id: str
     version: str = VERSION
     operator_key: str | None = None
+    internal_secret: str | None = None   # None only with --insecure-no-internal-auth
     state: str = "active"
     url: str = ""
     in_flight: set[str] = field(default_factory=set)
@@ -146,6 +154,22 @@ def _operator_ok(request: web.Request) -> bool:
     return hmac.compare_digest(got.encode(errors="surrogateescape"), f"Bearer {key}".encode())  # non-UTF-8: 401
 
 
+def _internal_ok(request: web.Request) -> bool:
+    secret = request.app[STATE].internal_secret
+    if secret is None:
+        return True
+    got = request.headers.get("authorization", "")
+    return hmac.compare_digest(got.encode(), f"Bearer {secret}".encode()) or _operator_ok(request)
+
+
+@web.middleware
+async def internal_auth(request: web.Request, handler):
+    resource = request.match_info.route.resource    # the matched route, not the raw path text
+    if resource is not None and resource.canonical.startswith("/internal/") and not _internal_ok(request):
+        return _error(401, "internal API: missing or wrong internal secret (authorization: Bearer <secret>)")
+    return await handler(request)
+
+
 async def _set_state(request: web.Request, state: str, hook: str) -> web.Response:
     if not _operator_ok(request):
         return _error(401, "operator key required")
@@ -166,7 +190,7 @@ async def admin_undrain(request: web.Request) -> web.Response:
 
 
 def make_app(state: BackendState) -> web.Application:
-    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[internal_auth])
     app[STATE] = state
 
     async def lifecycle(app: web.Application):
@@ -218,6 +242,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--redis-key-prefix", default="ei", help="prefix of every Redis key (same as the gateway's)")
     p.add_argument("--cache-seed", default=os.environ.get("EDGEINFER_CACHE_SEED", "edgeinfer-dev-seed"))
     p.add_argument("--operator-key", default=os.environ.get("EDGEINFER_OPERATOR_KEY"))
+    p.add_argument("--internal-secret-file", default=None,
+                   help=f"file holding the secret the gateway sends on /internal/* (default: ${INTERNAL_SECRET_ENV})")
+    p.add_argument("--insecure-no-internal-auth", action="store_true",
+                   help="serve /internal/* to anyone who can connect (only on a trusted, isolated network)")
+    p.add_argument("--page-key-file", default=None,
+                   help="file holding the key that seals KV pages in the store (default: $EDGEINFER_PAGE_KEY, "
+                        "else derived from the cache seed); the same on every node")
     p.add_argument("--start-drained", action="store_true",
                    help="register as draining: no routed traffic until `edgeinfer ops undrain` (rollouts run "
                         "their canary first); needs --operator-key")
@@ -225,10 +256,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--heartbeat", type=float, default=2.0)
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
+    args.internal_secret = None if args.insecure_no_internal_auth else _internal_secret(p, args)
     if args.start_drained and not args.operator_key:
         p.error("--start-drained needs --operator-key (or EDGEINFER_OPERATOR_KEY): without it the node could "
                 "never be undrained")
     return args
+
+
+def _internal_secret(p: argparse.ArgumentParser, args: argparse.Namespace) -> str:
+    if args.internal_secret_file:
+        try:
+            secret = Path(args.internal_secret_file).read_text().strip()
+        except OSError as e:
+            p.error(f"--internal-secret-file: {e}")
+        origin = args.internal_secret_file
+    else:
+        secret, origin = os.environ.get(INTERNAL_SECRET_ENV, "").strip(), f"${INTERNAL_SECRET_ENV}"
+        if not secret:
+            p.error(f"no internal secret: set {INTERNAL_SECRET_ENV} or --internal-secret-file (the gateway sends "
+                    "it on /internal/*), or pass --insecure-no-internal-auth on an isolated network")
+    if len(secret) < MIN_SECRET_CHARS:
+        p.error(f"internal secret from {origin} is {len(secret)} characters; at least {MIN_SECRET_CHARS} needed")
+    return secret
 
 
 def build_state(args: argparse.Namespace) -> BackendState:
@@ -250,7 +299,8 @@ def build_state(args: argparse.Namespace) -> BackendState:
     engine.observers.append(m)
     m.set_memory(engine)
     st = BackendState(engine=engine, metrics=m, node_id=node_id, version=args.version,
-                      operator_key=args.operator_key, url=f"http://{args.host}:{args.port}",
+                      operator_key=args.operator_key, internal_secret=args.internal_secret,
+                      url=f"http://{args.host}:{args.port}",
                       state="draining" if args.start_drained else "active")
     log.info(json.dumps({"event": "memory", "model": engine.model_name, "weight_bytes": engine.model.weight_bytes(),
                          "prepacked_copy_bytes": engine.model.prepacked_copy_bytes(),
@@ -276,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
         uvloop.install()
     except ImportError:
         pass
+    if args.internal_secret is None:
+        log.warning("--insecure-no-internal-auth: /internal/* answers anyone who can connect to %s:%d",
+                    args.host, args.port)
     try:
         st = build_state(args)
     except (ValueError, OSError, RuntimeError) as e:

@@ -6,15 +6,15 @@ appends a PageStoreBridge to st.extensions and st.engine.observers.
 Publish (off the critical path):
   engine thread, on_pages_filled -> one gather of the new pages' KV into a host
   buffer (nothing else: no hashing, no I/O) -> loop.call_soon_threadsafe ->
-  publisher task: encode (codec tag) -> put to every tier -> index only the
+  publisher task: encode (keyed MAC, codec.PageKey) -> put to every tier -> index only the
   pages some tier acknowledged. Bounded by max_pending_bytes: beyond it pages
   are dropped (counted), never queued without limit.
 
 Fetch (before_generate, awaited before the request reaches the engine):
   prompt page hashes -> leading pages already in the local prefix cache ->
   the following pages from the tiers, nearest first (host, then Redis: one
-  pipeline per chunk of fetch_chunk_bytes) -> codec.decode each against what
-  this engine expects (hash, parent, tokens, format) -> stop at the first miss.
+  pipeline per chunk of fetch_chunk_bytes) -> codec.decode each (MAC under the page key) against
+  what this engine expects (hash, parent, tokens, format) -> stop at the first miss.
   An integrity failure is counted (integrity_failures{model,source}), logged
   with the page hash and tier, deleted from that tier, and ends the fetch (the
   rest is recomputed). Verified pages go into the KV pool on the engine
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict, deque
@@ -42,13 +43,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cache_store.codec import DecodedPage, PageFormat, decode, encode
+from cache_store.codec import DecodedPage, PageFormat, PageKey, decode, encode
 from cache_store.index import PageIndex
 from cache_store.page_id import page_hashes
 from cache_store.registry import NodeRecord, NodeRegistry, NodeState, keep_registered
 from cache_store.store import PageStore, TieredPageStore
 
 log = logging.getLogger("edgeinfer.store_bridge")
+PAGE_KEY_ENV = "EDGEINFER_PAGE_KEY"
 
 try:
     from backend.engine.engine import EngineObserver
@@ -117,7 +119,8 @@ class BridgeStats:
 class PageStoreBridge(EngineObserver):
     """Engine observer + server extension (start/stop/before_generate/on_drain/on_undrain)."""
 
-    def __init__(self, engine, *, node_id: str, store: TieredPageStore | None, index: PageIndex | None = None,
+    def __init__(self, engine, *, node_id: str, store: TieredPageStore | None, page_key: PageKey,
+                 index: PageIndex | None = None,
                  registry: NodeRegistry | None = None, metrics=None, url: str = "", version: str = "",
                  state_fn: Callable[[], NodeState] | None = None, redis_client=None,
                  fetch_timeout_s: float = 1.0,
@@ -127,6 +130,7 @@ class PageStoreBridge(EngineObserver):
         self.engine = engine
         self.node_id = node_id
         self.store = store
+        self.page_key = page_key
         self.index = index
         self.registry = registry
         self.metrics = metrics
@@ -309,7 +313,7 @@ class PageStoreBridge(EngineObserver):
         fmt = self.format
         for start in range(0, len(meta), self.publish_batch_pages):
             chunk = meta[start:start + self.publish_batch_pages]
-            items = [(h, encode(fmt.header(h, parent, tokens), rows[start + j]))
+            items = [(h, encode(fmt.header(h, parent, tokens), rows[start + j], self.page_key))
                      for j, (h, parent, tokens) in enumerate(chunk)]
             assert self.store is not None   # pages are queued only with a store (on_pages_filled)
             acks = await self.store.put_many(items)
@@ -437,8 +441,9 @@ class PageStoreBridge(EngineObserver):
                 blob, source = got
                 parent = hashes[k - 1] if k else root
                 page_tokens = tokens[k * p:(k + 1) * p]
-                res = decode(blob, self.format.expect(h, parent, page_tokens))
+                res = decode(blob, self.format.expect(h, parent, page_tokens), self.page_key)
                 if not isinstance(res, DecodedPage):
+                    self._published.pop(h, None)   # the store's copy is not ours: publish ours again once computed
                     if res.integrity_failure:
                         await self._integrity_failure(h, source, res)
                     else:
@@ -527,6 +532,20 @@ class PageStoreBridge(EngineObserver):
         return len(taken)
 
 
+def page_key_from_args(args) -> PageKey:
+    """--page-key-file, else $EDGEINFER_PAGE_KEY, else derived from --cache-seed (logged: weaker if the seed leaks)."""
+    path = getattr(args, "page_key_file", None)
+    if path:
+        with open(path, "rb") as f:
+            return PageKey.from_secret(f.read().strip(), origin=f"page key from {path}")
+    env = os.environ.get(PAGE_KEY_ENV)
+    if env:
+        return PageKey.from_secret(env.encode(), origin=f"page key from ${PAGE_KEY_ENV}")
+    log.warning("no page key (--page-key-file or $%s): pages are keyed by the cache seed, so anyone who knows "
+                "the seed can write pages this node accepts", PAGE_KEY_ENV)
+    return PageKey.from_seed(getattr(args, "cache_seed", "edgeinfer-dev-seed").encode())
+
+
 def attach_page_store(st, args) -> PageStoreBridge | None:
     """Called by backend.server.build_state: add the page store extension per the CLI flags."""
     from cache_store.index import RedisPageIndex
@@ -558,7 +577,8 @@ def attach_page_store(st, args) -> PageStoreBridge | None:
     if not tiers:
         log.info("page store off: no tier (host store of 0 bytes and no redis tier)")
         return None
-    bridge = PageStoreBridge(st.engine, node_id=st.node_id, store=TieredPageStore(tiers), index=index,
+    bridge = PageStoreBridge(st.engine, node_id=st.node_id, store=TieredPageStore(tiers), page_key=page_key_from_args(args),
+                             index=index,
                              registry=registry, metrics=st.metrics, url=st.url, version=st.version,
                              state_fn=lambda: st.state, redis_client=client,
                              fetch_timeout_s=getattr(args, "store_fetch_timeout", 1.0))

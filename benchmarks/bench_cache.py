@@ -2,9 +2,10 @@
 
     python benchmarks/bench_cache.py [--quick]
 
-1. Page tag + verify throughput vs a plain memory copy of the same bytes, for a
-   SmolLM2-135M page (30 layers, 3 kv heads, head_dim 64, 16 tokens) in bf16
-   and in fp8 e4m3 with per-(layer, k/v, head) fp32 scales.
+1. Page tag (the keyed MAC, codec.PageKey: AES-256-GMAC under a one-page key) + verify throughput vs a plain
+   memory copy of the same bytes, for a SmolLM2-135M page (30 layers, 3 kv heads, head_dim 64, 16 tokens)
+   in bf16 and in fp8 e4m3 with per-(layer, k/v, head) fp32 scales. Side by side, the same bytes through
+   the alternatives: unkeyed xxh3-64 (the old tag), keyed BLAKE2b, HMAC-SHA256.
 2. Tag + verify time as a share of moving the page through a real
    valkey-server on loopback (the cheapest "transfer" a page can have).
 3. Redis round trips per prefix lookup (1k and 4k token prompts), single
@@ -35,10 +36,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import hashlib  # noqa: E402
+import hmac  # noqa: E402
+
 import numpy as np  # noqa: E402
 import xxhash  # noqa: E402
 
-from cache_store.codec import DecodedPage, PageFormat, decode, encode  # noqa: E402
+from cache_store.codec import MAC_BYTES, SALT_BYTES, DecodedPage, PageFormat, PageKey, decode, encode  # noqa: E402
 from cache_store.index import RedisPageIndex  # noqa: E402
 from cache_store.page_id import PageKeyContext, page_hashes  # noqa: E402
 from cache_store.resilience import RedisGuard, redis_client  # noqa: E402
@@ -47,6 +51,7 @@ from tests.redis_server import ValkeyCluster, ValkeyServer  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM, PAGE = 30, 3, 64, 16
 RESULTS = ROOT / "benchmarks" / "results" / "bench_cache.json"
+KEY = PageKey.from_secret(b"bench-cache-page-key")
 
 
 def page_formats() -> dict[str, tuple[PageFormat, int]]:
@@ -88,25 +93,35 @@ def bench_codec(quick: bool) -> dict:
         h, parent = b"h" * 16, b"p" * 16
         header = fmt.header(h, parent, tokens)
         expect = fmt.expect(h, parent, tokens)
-        blob = encode(header, body)
-        assert isinstance(decode(blob, expect), DecodedPage)
+        blob = encode(header, body, KEY)
+        assert isinstance(decode(blob, expect, KEY), DecodedPage)
         dst = bytearray(len(blob))
+        sealed = memoryview(blob)[:-MAC_BYTES]
+        salt = bytes(sealed[-SALT_BYTES:])
+        bkey = os.urandom(32)
         t_copy_alloc = best_seconds(lambda body=body: bytearray(body), budget)
         t_copy_into = best_seconds(lambda dst=dst, blob=blob: dst.__setitem__(slice(None), blob), budget)
         t_hash = best_seconds(lambda blob=blob: xxhash.xxh3_64_intdigest(blob), budget)
-        t_encode = best_seconds(lambda header=header, body=body: encode(header, body), budget)
-        t_decode = best_seconds(lambda blob=blob, expect=expect: decode(blob, expect), budget)
+        t_mac = best_seconds(lambda salt=salt, sealed=sealed: KEY.mac(salt, sealed), budget)
+        t_blake = best_seconds(lambda sealed=sealed, bkey=bkey: hashlib.blake2b(sealed, key=bkey, digest_size=16).digest(),
+                               budget)
+        t_hmac = best_seconds(lambda sealed=sealed, bkey=bkey: hmac.digest(bkey, sealed, "sha256"), budget)
+        t_encode = best_seconds(lambda header=header, body=body: encode(header, body, KEY), budget)
+        t_decode = best_seconds(lambda blob=blob, expect=expect: decode(blob, expect, KEY), budget)
         gbps = lambda t, n=len(blob): n / t / 1e9  # noqa: E731
         out[name] = {
             "page_bytes": len(blob),
             "body_bytes": nbytes,
             "copy_alloc_us": t_copy_alloc * 1e6, "copy_alloc_GBps": gbps(t_copy_alloc),
             "copy_into_us": t_copy_into * 1e6, "copy_into_GBps": gbps(t_copy_into),
-            "xxh3_64_us": t_hash * 1e6, "xxh3_64_GBps": gbps(t_hash),
+            "mac_us": t_mac * 1e6, "mac_GBps": gbps(t_mac), "mac": "aes-256-gmac, one-page key blake2b(key, salt)",
+            "xxh3_64_us": t_hash * 1e6, "xxh3_64_GBps": gbps(t_hash),     # the old, unkeyed tag
+            "blake2b_keyed_us": t_blake * 1e6, "blake2b_keyed_GBps": gbps(t_blake),
+            "hmac_sha256_us": t_hmac * 1e6, "hmac_sha256_GBps": gbps(t_hmac),
             "encode_us": t_encode * 1e6, "encode_GBps": gbps(t_encode),
             "verify_us": t_decode * 1e6, "verify_GBps": gbps(t_decode),
-            # tag (sender hashes) + verify (receiver hashes and parses) vs copying the same bytes once
-            "tag_plus_verify_vs_copy": (t_hash + t_decode) / t_copy_alloc,
+            # tag (sender MACs) + verify (receiver MACs and parses) vs copying the same bytes once
+            "tag_plus_verify_vs_copy": (t_mac + t_decode) / t_copy_alloc,
             "encode_vs_copy": t_encode / t_copy_alloc,
             "verify_vs_copy": t_decode / t_copy_alloc,
         }
@@ -125,7 +140,7 @@ async def bench_redis_transfer(url: str, quick: bool, codec_results: dict) -> di
             for i in range(n_pages):
                 h = i.to_bytes(16, "little")
                 items.append((h, encode(fmt.header(h, b"p" * 16, list(range(PAGE))),
-                                        rng.integers(0, 256, nbytes, dtype=np.uint8).tobytes())))
+                                        rng.integers(0, 256, nbytes, dtype=np.uint8).tobytes(), KEY)))
                 expects.append(fmt.expect(h, b"p" * 16, list(range(PAGE))))
             assert all(await store.put_many(items))
             keys = [h for h, _ in items]
@@ -134,16 +149,20 @@ async def bench_redis_transfer(url: str, quick: bool, codec_results: dict) -> di
                 t = time.perf_counter()
                 blobs = await store.get_many(keys)
                 times.append(time.perf_counter() - t)
-            assert all(isinstance(decode(b, e), DecodedPage) for b, e in zip(blobs, expects, strict=True))
+            assert all(isinstance(decode(b, e, KEY), DecodedPage) for b, e in zip(blobs, expects, strict=True))
             per_page = statistics.median(times) / n_pages
             c = codec_results[name]
-            tag_verify_s = (c["xxh3_64_us"] + c["verify_us"]) / 1e6
+            tag_verify_s = (c["mac_us"] + c["verify_us"]) / 1e6
             out[name] = {
                 "pages_per_fetch": n_pages,
                 "fetch_round_trips": 1,
                 "redis_get_per_page_us": per_page * 1e6,
                 "redis_get_GBps": c["page_bytes"] / per_page / 1e9,
                 "tag_plus_verify_share_of_redis_get": tag_verify_s / per_page,
+                # the same with the alternatives (tag + one more pass to verify), for comparison
+                "xxh3_tag_plus_verify_share_of_redis_get": 2 * c["xxh3_64_us"] / 1e6 / per_page,
+                "blake2b_keyed_tag_plus_verify_share_of_redis_get": 2 * c["blake2b_keyed_us"] / 1e6 / per_page,
+                "hmac_sha256_tag_plus_verify_share_of_redis_get": 2 * c["hmac_sha256_us"] / 1e6 / per_page,
                 # the fetch path only verifies; the tag was computed once, at publish time
                 "verify_share_of_redis_get": c["verify_us"] / 1e6 / per_page,
             }
@@ -193,15 +212,19 @@ def print_report(r: dict) -> None:
     print(f"\n== page tag+verify vs memory copy ({r['machine']['cpu']}) ==")
     for name, c in r["codec"].items():
         print(f"{name:9s} page {c['page_bytes'] / 1e3:7.1f} KB | copy {c['copy_alloc_us']:7.1f} us "
-              f"({c['copy_alloc_GBps']:5.1f} GB/s) | xxh3 {c['xxh3_64_us']:6.1f} us ({c['xxh3_64_GBps']:5.1f} GB/s)"
-              f" | encode {c['encode_us']:7.1f} us | verify {c['verify_us']:6.1f} us"
+              f"({c['copy_alloc_GBps']:5.1f} GB/s) | mac {c['mac_us']:6.1f} us ({c['mac_GBps']:5.1f} GB/s)"
+              f" | [xxh3 {c['xxh3_64_us']:6.1f} us, keyed blake2b {c['blake2b_keyed_us']:7.1f} us, "
+              f"hmac-sha256 {c['hmac_sha256_us']:7.1f} us] | encode {c['encode_us']:7.1f} us | verify {c['verify_us']:6.1f} us"
               f" | (tag+verify)/copy = {c['tag_plus_verify_vs_copy']:.2f}x")
     print("\n== tag+verify share of a loopback valkey GET of the page ==")
     for name, t in r["redis_transfer"].items():
         print(f"{name:9s} GET {t['redis_get_per_page_us']:7.1f} us/page ({t['redis_get_GBps']:.2f} GB/s), "
               f"{t['pages_per_fetch']} pages in {t['fetch_round_trips']} round trip | "
               f"verify = {t['verify_share_of_redis_get'] * 100:.1f}%, "
-              f"tag+verify = {t['tag_plus_verify_share_of_redis_get'] * 100:.1f}% of it (goal <= 5%)")
+              f"tag+verify = {t['tag_plus_verify_share_of_redis_get'] * 100:.1f}% of it (goal <= 5%) | "
+              f"same for xxh3 {t['xxh3_tag_plus_verify_share_of_redis_get'] * 100:.1f}%, keyed blake2b "
+              f"{t['blake2b_keyed_tag_plus_verify_share_of_redis_get'] * 100:.1f}%, hmac-sha256 "
+              f"{t['hmac_sha256_tag_plus_verify_share_of_redis_get'] * 100:.1f}%")
     print("\n== redis round trips per prefix lookup ==")
     for mode, res in r["lookup"].items():
         for k, v in res.items():
@@ -245,7 +268,7 @@ async def bench_ttft(url: str, args) -> dict:
         guard = RedisGuard(timeout_s=2)
         rs = RedisPageStore(client, guard=guard, timeout_s=5)
         store = TieredPageStore([("host", HostPageStore(1 << 30)), ("redis", rs)])
-        br = PageStoreBridge(e, node_id=node, store=store, index=RedisPageIndex(client, guard=guard),
+        br = PageStoreBridge(e, node_id=node, store=store, page_key=KEY, index=RedisPageIndex(client, guard=guard),
                              redis_client=client, fetch_timeout_s=10)
         await br.start()
         engines.append(e)

@@ -233,7 +233,9 @@ def main() -> int:
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_load_{os.getpid()}"
     log_dir.mkdir(parents=True, exist_ok=True)
     procs = Procs(log_dir)
-    env = {**os.environ, "EDGEINFER_CACHE_SEED": SEED, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    secret = os.urandom(16).hex()   # the gateway's internal secret, shared with the backends through the env
+    env = {**os.environ, "EDGEINFER_CACHE_SEED": SEED, "EDGEINFER_INTERNAL_SECRET": secret, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT)}
     backends = []
     result: dict = {}
     try:
@@ -248,7 +250,8 @@ def main() -> int:
             _wait_http(url + "/ready", proc, 180)
         import requests
 
-        model = requests.get(backends[0][0] + "/internal/info", timeout=5).json()["model"]
+        model = requests.get(backends[0][0] + "/internal/info", headers={"authorization": f"Bearer {secret}"},
+                             timeout=5).json()["model"]
         gw_port = _free_port()
         cfg = log_dir / "gateway.toml"
         nodes = "".join(f'[[nodes]]\nid = "load-{i}"\nurl = "{u}"\nmodel = "{model}"\n\n'

@@ -1,44 +1,89 @@
-"""Page codec: msgspec header + contiguous KV body + xxh3-64 integrity tag.
+"""Page codec: msgspec header + contiguous KV body + a keyed MAC.
 
-Frame (little-endian), identical for every format version so that the tag can
-be checked before the header schema is interpreted:
+Frame (little-endian). The envelope is identical for every format version, so the
+version is known before anything else is interpreted:
 
     magic "EIKV" | version u16 | reserved u16 | header_len u32 | body_len u64
-    | header (msgpack PageHeader, array-like) | body | tag u64
+    | header (msgpack PageHeader, array-like) | body | salt 16B | mac 16B
 
-tag = xxh3-64 over every byte before it (envelope + header + body), so a flip
-of any bit, including the lengths and the reserved field, is detected.
+(every version from 2 on ends in salt | mac, so the MAC is checked before the
+version: a flipped bit anywhere, the version included, is an integrity failure)
+
+mac = AES-256-GMAC (AES-GCM with an empty plaintext) over every byte before it
+(envelope + header + body + salt), under a one-page key BLAKE2b(key=page key,
+salt) with a fresh random salt per page. Only a holder of the deployment's page
+key (PageKey) can write a page another node accepts: Redis is untrusted storage,
+a writer without the key cannot inject KV (it can only delete or damage pages,
+which are then recomputed). GMAC rather than HMAC/keyed BLAKE2b: it is the only
+keyed MAC here fast enough to stay a small share of a page transfer
+(benchmarks/bench_cache.py). Version 1 (an unkeyed xxh3-64 tag) is no longer
+accepted: such a page is an incompatibility (a miss), never served.
 `decode` never raises on bad bytes: it returns a `Miss` whose reason says
-whether the bytes are damaged (an integrity failure: count it, delete the
-page) or merely unusable by this engine (an incompatibility: leave it).
+whether the bytes are damaged or forged (an integrity failure: count it, delete
+the page) or merely unusable by this engine (an incompatibility: leave it).
 Torch-free: the gateway imports cache_store.
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
+import os
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import msgspec
 import numpy as np
-import xxhash
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from cache_store.page_id import HASH_BYTES
 
 MAGIC = b"EIKV"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 SUPPORTED_VERSIONS = frozenset({FORMAT_VERSION})
+LEGACY_VERSION = 1   # unkeyed xxh3-64 tag: never trusted
 
 _ENVELOPE = struct.Struct("<4sHHIQ")
-_TAG = struct.Struct("<Q")
 ENVELOPE_BYTES = _ENVELOPE.size
-TAG_BYTES = _TAG.size
+SALT_BYTES = 16
+MAC_BYTES = 16
+TAG_BYTES = SALT_BYTES + MAC_BYTES   # everything after the body
+MIN_SECRET_BYTES = 16
+_NONCE = bytes(12)   # every one-page key is used for exactly one MAC, so a fixed nonce is safe
 MAX_HEADER_BYTES = 1 << 20
 
 Buffer = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True)
+class PageKey:
+    """The deployment's page MAC key; every node that shares pages must hold the same one."""
+
+    key: bytes = field(repr=False)
+    origin: str = "page key"   # where it came from, for logs and misses (never the key itself)
+
+    def __post_init__(self) -> None:
+        if len(self.key) != 32:
+            raise ValueError(f"a page key is 32 bytes, got {len(self.key)}")
+
+    @classmethod
+    def from_secret(cls, secret: bytes, origin: str = "page key") -> PageKey:
+        """A key from an operator's secret (EDGEINFER_PAGE_KEY / --page-key-file): any bytes, >= 16 of them."""
+        if len(secret) < MIN_SECRET_BYTES:
+            raise ValueError(f"{origin}: a page key needs at least {MIN_SECRET_BYTES} bytes, got {len(secret)}")
+        return cls(hashlib.blake2b(secret, digest_size=32, person=b"ei-page-key").digest(), origin)
+
+    @classmethod
+    def from_seed(cls, seed: bytes) -> PageKey:
+        """Fallback: a key derived from the deployment's cache seed (exactly as secret as the seed)."""
+        return cls(hashlib.blake2b(seed, digest_size=32, person=b"ei-page-key-seed").digest(), "cache seed")
+
+    def mac(self, salt: Buffer, data: Buffer) -> bytes:
+        one_page_key = hashlib.blake2b(salt, key=self.key, digest_size=32, person=b"ei-page-gmac").digest()
+        return AESGCM(one_page_key).encrypt(_NONCE, b"", data)
 
 
 class PageHeader(msgspec.Struct, frozen=True, array_like=True):
@@ -62,7 +107,7 @@ class MissReason(enum.Enum):
     TRUNCATED = ("truncated", True)
     BAD_LENGTH = ("bad_length", True)
     BAD_MAGIC = ("bad_magic", True)
-    TAG_MISMATCH = ("tag_mismatch", True)
+    TAG_MISMATCH = ("tag_mismatch", True)   # the MAC does not verify: damaged, or written without the key
     BAD_HEADER = ("bad_header", True)
     HASH_MISMATCH = ("hash_mismatch", True)
     PARENT_MISMATCH = ("parent_mismatch", True)
@@ -143,39 +188,46 @@ _header_encoder = msgspec.msgpack.Encoder()
 _header_decoder = msgspec.msgpack.Decoder(PageHeader)
 
 
-def encode(header: PageHeader, body: Buffer) -> bytes:
-    """Frame `header` and `body` into one blob; the body is copied exactly once (into the result)."""
+def encode(header: PageHeader, body: Buffer, key: PageKey, salt: bytes | None = None) -> bytes:
+    """Frame `header` and `body` into one blob sealed with `key` (a fresh random salt unless given)."""
+    if header.format_version != FORMAT_VERSION:
+        raise ValueError(f"cannot write format version {header.format_version}; this codec writes {FORMAT_VERSION}")
+    salt = os.urandom(SALT_BYTES) if salt is None else salt
+    if len(salt) != SALT_BYTES:
+        raise ValueError(f"salt must be {SALT_BYTES} bytes, got {len(salt)}")
     hdr = _header_encoder.encode(header)
     body_view = memoryview(body).cast("B")
     env = _ENVELOPE.pack(MAGIC, header.format_version, 0, len(hdr), body_view.nbytes)
-    h = xxhash.xxh3_64()
-    h.update(env)
-    h.update(hdr)
-    h.update(body_view)
-    return b"".join((env, hdr, body_view, _TAG.pack(h.intdigest())))
+    sealed = b"".join((env, hdr, body_view, salt))
+    return sealed + key.mac(salt, sealed)
 
 
-def decode(blob: Buffer, expect: PageExpectation) -> DecodedPage | Miss:
-    """Verify and parse one page. Never raises on bad bytes; returns a Miss instead."""
+def decode(blob: Buffer, expect: PageExpectation, key: PageKey) -> DecodedPage | Miss:
+    """Verify (MAC under `key`) and parse one page. Never raises on bad bytes; returns a Miss instead."""
     view = memoryview(blob).cast("B")
     n = view.nbytes
-    if n < ENVELOPE_BYTES + TAG_BYTES:
-        return Miss(MissReason.TRUNCATED, f"{n} bytes, a frame needs at least {ENVELOPE_BYTES + TAG_BYTES}")
+    if n < ENVELOPE_BYTES:
+        return Miss(MissReason.TRUNCATED, f"{n} bytes, the envelope alone is {ENVELOPE_BYTES}")
     magic, version, _reserved, header_len, body_len = _ENVELOPE.unpack_from(view)
     if magic != MAGIC:
         return Miss(MissReason.BAD_MAGIC, f"magic {bytes(magic)!r}")
+    if version == LEGACY_VERSION:   # an unkeyed page of the old format: never trusted, left for old nodes
+        return Miss(MissReason.UNKNOWN_VERSION, f"format version {version} (no MAC); supported "
+                                                f"{sorted(SUPPORTED_VERSIONS)}")
     want = ENVELOPE_BYTES + header_len + body_len + TAG_BYTES
     if n < want:
         return Miss(MissReason.TRUNCATED, f"{n} bytes, frame declares {want}")
     if n > want:
         return Miss(MissReason.BAD_LENGTH, f"{n} bytes, frame declares {want}")
-    tagged = n - TAG_BYTES
-    (tag,) = _TAG.unpack_from(view, tagged)
-    actual = xxhash.xxh3_64_intdigest(view[:tagged])
-    if actual != tag:
-        return Miss(MissReason.TAG_MISMATCH, f"stored tag {tag:016x}, computed {actual:016x}")
-    if version not in SUPPORTED_VERSIONS:
+    sealed = n - MAC_BYTES
+    stored = view[sealed:]
+    actual = key.mac(view[sealed - SALT_BYTES:sealed], view[:sealed])
+    if not hmac.compare_digest(actual, stored):
+        return Miss(MissReason.TAG_MISMATCH, f"MAC {bytes(stored).hex()} does not verify under the {key.origin} "
+                                             "(damaged, or written without this deployment's page key)")
+    if version not in SUPPORTED_VERSIONS:   # sealed with our key by a node of another version
         return Miss(MissReason.UNKNOWN_VERSION, f"format version {version}; supported {sorted(SUPPORTED_VERSIONS)}")
+    tagged = sealed - SALT_BYTES
     if header_len > MAX_HEADER_BYTES:
         return Miss(MissReason.BAD_HEADER, f"header of {header_len} bytes")
     hdr_start = ENVELOPE_BYTES

@@ -190,8 +190,8 @@ async def _resources(app: web.Application):
     for m in st.models.values():
         m.pool = pool
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=300, keepalive_timeout=60)
-    st.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                       timeout=aiohttp.ClientTimeout(total=None))
+    st.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,   # node probes: /internal/info
+                                       timeout=aiohttp.ClientTimeout(total=None), headers=st.cfg.internal_auth)
     await st.pool.refresh()
     probes = asyncio.get_running_loop().create_task(st.pool.run())
     run = getattr(st.admission, "run", None)        # Redis: refresh the stream leases this gateway holds

@@ -12,11 +12,13 @@ import argparse
 import asyncio
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -128,7 +130,7 @@ def _override(cfg: GatewayConfig, host: str | None, port: int | None, models: li
     all_models = [*cfg.models, *extra]
     nodes = list(cfg.nodes)
     for i, url in enumerate(backends):
-        info = _backend_info(url, timeout_s=10)
+        info = _backend_info(url, timeout_s=10, headers=cfg.internal_auth)
         if info["model"] not in {m.name for m in all_models}:
             raise config_mod.ConfigError(f"backend {url} serves {info['model']!r}: add --model "
                                          f"{info['model']}=TOKENIZER_DIR")
@@ -137,13 +139,18 @@ def _override(cfg: GatewayConfig, host: str | None, port: int | None, models: li
     return config_mod.parse(data, cfg.source)
 
 
-def _backend_info(url: str, timeout_s: float) -> dict:
+def _backend_info(url: str, timeout_s: float, headers: dict[str, str]) -> dict:
     deadline = time.monotonic() + timeout_s
+    req = urllib.request.Request(url.rstrip("/") + "/internal/info", headers=headers)
     while True:
         try:
-            with urllib.request.urlopen(url.rstrip("/") + "/internal/info", timeout=2) as r:
+            with urllib.request.urlopen(req, timeout=2) as r:
                 return msgspec.json.decode(r.read())
         except OSError as e:
+            if isinstance(e, urllib.error.HTTPError) and e.code == 401:
+                raise config_mod.ConfigError(f"backend {url} refused this gateway's internal secret (401): give "
+                                             "both the same one (server.internal_secret_env, by default "
+                                             "EDGEINFER_INTERNAL_SECRET)") from e
             if time.monotonic() > deadline:
                 raise config_mod.ConfigError(f"backend {url} did not answer /internal/info: {e}") from e
             time.sleep(0.5)
@@ -201,11 +208,15 @@ def _serve(argv: list[str]) -> int:
     if not env.get(cfg.server.page_seed_env):  # a fresh secret shared by this machine's gateway and backend
         env[cfg.server.page_seed_env] = os.urandom(16).hex()
         os.environ[cfg.server.page_seed_env] = env[cfg.server.page_seed_env]
+    secret_env = cfg.server.internal_secret_env
+    if not env.get(secret_env):   # the backend reads only the env var; a fresh one unless the config has one
+        env[secret_env] = cfg.server.internal_secret or secrets.token_hex(32)
+        os.environ[secret_env] = env[secret_env]
     print(f"edgeinfer serve: starting backend: {' '.join(cmd)}", flush=True)
     proc = subprocess.Popen(cmd, env=env)
     try:
         _wait_ready(proc, url, args.ready_timeout)
-        info = _backend_info(url, timeout_s=10)
+        info = _backend_info(url, timeout_s=10, headers=cfg.internal_auth)
         cfg = _override(cfg, args.host, args.port, [f"{info['model']}={model_dir}"], [])
         cfg = config_mod.parse({**msgspec.to_builtins(cfg),
                                 "nodes": [{"id": info.get("node_id") or "local-0", "url": url,

@@ -39,6 +39,8 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     admin_key_sha256: str = ""              # empty: admin endpoints disabled
     page_seed_env: str = "EDGEINFER_CACHE_SEED"  # same variable backend.server reads for --cache-seed
     page_seed: str = "edgeinfer-dev-seed"   # the env var wins; must equal the backends' --cache-seed
+    internal_secret_env: str = "EDGEINFER_INTERNAL_SECRET"  # same variable backend.server reads
+    internal_secret: str = ""               # the env var wins; sent to backends on /internal/* (empty: nothing sent)
     redis_url: str = ""                     # empty: single-node mode (in-process limiter and index)
     key_prefix: str = "ei"
     index_fill: str = "auto"                # "gateway" | "backends" | "auto" (gateway iff no redis)
@@ -90,6 +92,15 @@ class GatewayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def seed(self) -> bytes:
         """Deployment secret mixed into every page hash (UTF-8 bytes, as backend.server's --cache-seed)."""
         return (os.environ.get(self.server.page_seed_env) or self.server.page_seed).encode()
+
+    @property
+    def internal_auth(self) -> dict[str, str]:
+        """Headers proving to a backend that this is the gateway (empty without a secret)."""
+        secret = (os.environ.get(self.server.internal_secret_env) or self.server.internal_secret).strip()
+        if any(c.isspace() or not c.isprintable() for c in secret):
+            raise ConfigError(f"the internal secret (${self.server.internal_secret_env} or server.internal_secret) "
+                              "must be printable characters without whitespace")
+        return {"authorization": f"Bearer {secret}"} if secret else {}
 
     @property
     def fill_index_at_gateway(self) -> bool:

@@ -274,8 +274,10 @@ class Response:
 class Pool:
     """Idle keep-alive connections per (host, port, tls); no limit on open connections."""
 
-    def __init__(self, connect_timeout_s: float, keepalive_s: float = 60.0) -> None:
+    def __init__(self, connect_timeout_s: float, keepalive_s: float = 60.0,
+                 headers: dict[str, str] | None = None) -> None:
         self.connect_timeout_s = connect_timeout_s
+        self._extra = b"".join(f"{k}: {v}\r\n".encode() for k, v in (headers or {}).items())  # on every request
         self.keepalive_s = keepalive_s
         self._idle: dict[tuple[str, int, bool], list[Connection]] = {}
         self._open: set[Connection] = set()
@@ -330,8 +332,8 @@ class Pool:
         """Send the request and wait for the response head (before `deadline`, loop time)."""
         key, path, host = self.target(url)
         msg = (b"POST " + path.encode() + b" HTTP/1.1\r\nHost: " + host +
-               b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode() +
-               b"\r\n\r\n" + body)
+               b"\r\nContent-Type: application/json\r\n" + self._extra + b"Content-Length: " +
+               str(len(body)).encode() + b"\r\n\r\n" + body)
         for attempt in (0, 1):
             conn = await self._get(key, deadline)
             try:

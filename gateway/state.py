@@ -111,7 +111,7 @@ def build_state(cfg: GatewayConfig, models: dict[str, ServedModel] | None = None
     if index is None:
         index = InMemoryPageIndex()
     router = Router(index, cfg.seed, s.route_load_cost_tokens, s.route_affinity_tokens)
-    upstream = Upstream(s.connect_timeout_s, s.first_byte_timeout_s, s.chunk_timeout_s)
+    upstream = Upstream(s.connect_timeout_s, s.first_byte_timeout_s, s.chunk_timeout_s, cfg.internal_auth)
     admission = (RedisAdmission(redis_client, s.key_prefix, s.stream_lease_ttl_s) if redis_client is not None
                  else Admission())
     st = GatewayState(cfg, models, TenantTable(cfg.tenants), metrics, pool, router, upstream, admission, index,

@@ -79,8 +79,9 @@ class UpstreamStream:
 
 
 class Upstream:
-    def __init__(self, connect_timeout_s: float, first_byte_timeout_s: float, chunk_timeout_s: float) -> None:
-        self.pool = Pool(connect_timeout_s)
+    def __init__(self, connect_timeout_s: float, first_byte_timeout_s: float, chunk_timeout_s: float,
+                 headers: dict[str, str] | None = None) -> None:
+        self.pool = Pool(connect_timeout_s, headers=headers)   # headers: the internal secret (config.internal_auth)
         self.first_byte_timeout_s = first_byte_timeout_s
         self.chunk_timeout_s = chunk_timeout_s
         self._aborts: set[asyncio.Task] = set()

@@ -1,7 +1,8 @@
 """One backend node as the operator sees it: its health, info, drain/undrain and a canary request.
 
 Plain blocking HTTP (urllib): the CLI does one thing at a time and must not need an event loop.
-Admin calls carry `authorization: Bearer <operator key>`; tenant keys never work there.
+Admin calls carry `authorization: Bearer <operator key>`; tenant keys never work there. The backends
+also take the operator key on /internal/* (info, the canary), where the gateway uses its internal secret.
 """
 
 from __future__ import annotations
@@ -67,9 +68,9 @@ class NodeClient:
     def _call(self, method: str, path: str, body: bytes | None = None, admin: bool = False,
               timeout_s: float | None = None) -> tuple[int, bytes]:
         headers = {"content-type": "application/json"}
-        if admin:
-            if not self.operator_key:
-                raise NodeError("no operator key: pass --operator-key or set EDGEINFER_OPERATOR_KEY")
+        if admin and not self.operator_key:
+            raise NodeError("no operator key: pass --operator-key or set EDGEINFER_OPERATOR_KEY")
+        if self.operator_key and (admin or path.startswith("/internal/")):
             headers["authorization"] = f"Bearer {self.operator_key}"
         req = urllib.request.Request(self.url + path, data=body, method=method, headers=headers)
         try:
@@ -96,6 +97,8 @@ class NodeClient:
 
     def info(self) -> dict:
         status, body = self._call("GET", "/internal/info")
+        if status == 401:
+            raise NodeError(f"{self.url} refused /internal/info: wrong or missing operator key")
         if status != 200:
             raise NodeError(f"{self.url}/internal/info answered {status}")
         return json.loads(body)
@@ -160,7 +163,7 @@ class NodeClient:
                               SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
                               cache_namespace="ops-canary", model=model)
         headers = {"content-type": "application/json"}
-        if self.operator_key:     # lets the canary reach a node that is still drained (--start-drained)
+        if self.operator_key:     # the internal API's credential; also lets it reach a drained node
             headers["authorization"] = f"Bearer {self.operator_key}"
         http = urllib.request.Request(self.url + "/internal/generate", data=msgspec.json.encode(req),
                                       method="POST", headers=headers)

@@ -14,6 +14,9 @@ import requests
 
 from tests.redis_server import free_port
 
+INTERNAL_SECRET = "edgeinfer-test-internal-secret"     # what the gateway sends on /internal/*
+INTERNAL_AUTH = {"authorization": f"Bearer {INTERNAL_SECRET}"}
+
 
 class BackendProcess:
     def __init__(self, model_dir, node_id: str, args: list[str], seed: str, log_path: Path | None = None) -> None:
@@ -24,7 +27,8 @@ class BackendProcess:
         cmd = [sys.executable, "-m", "backend.server", "--model", str(model_dir), "--port", str(self.port),
                "--node-id", node_id, "--log-level", "WARNING", *args]
         self._log = open(log_path, "wb") if log_path is not None else None
-        self.proc = subprocess.Popen(cmd, env={**os.environ, "EDGEINFER_CACHE_SEED": seed},
+        self.proc = subprocess.Popen(cmd, env={**os.environ, "EDGEINFER_CACHE_SEED": seed,
+                                                      "EDGEINFER_INTERNAL_SECRET": INTERNAL_SECRET},
                                      stdout=subprocess.DEVNULL, stderr=self._log)
 
     def _exit_detail(self) -> str:

@@ -20,9 +20,9 @@ import pytest
 import requests
 
 from backend.protocol import GenerateRequest, SamplingParams, chunk_decoder
-from cache_store.codec import ENVELOPE_BYTES, DecodedPage, decode
+from cache_store.codec import ENVELOPE_BYTES, TAG_BYTES, DecodedPage, PageKey, decode
 from cache_store.page_id import PageKeyContext, page_hashes
-from tests.backend_process import BackendProcess
+from tests.backend_process import INTERNAL_AUTH, BackendProcess
 from tests.redis_server import ValkeyServer
 
 pytestmark = pytest.mark.slow
@@ -51,7 +51,8 @@ class Backend(BackendProcess):
                 "cache_namespace": namespace}
         ids: list[int] = []
         last = None
-        with requests.post(self.url + "/internal/generate", json=body, stream=True, timeout=120) as r:
+        with requests.post(self.url + "/internal/generate", json=body, headers=INTERNAL_AUTH, stream=True,
+                           timeout=120) as r:
             assert r.status_code == 200, r.text
             for line in r.iter_lines():
                 if line:
@@ -122,7 +123,7 @@ def test_prompt_prefilled_on_a_is_served_by_b_from_the_store(nodes, valkey):
     assert b.metric("edgeinfer_backend_page_store_pages_total", event="uploaded") >= 63
     assert b.metric("edgeinfer_backend_integrity_failures_total") == 0
 
-    info = requests.get(a.url + "/internal/info", timeout=5).json()
+    info = requests.get(a.url + "/internal/info", headers=INTERNAL_AUTH, timeout=5).json()
     ctx = PageKeyContext(SEED.encode(), "tenant-1", info["model_fingerprint"], info["kv_format"], info["page_size"])
     hashes = page_hashes(ctx, prompt)
 
@@ -186,7 +187,7 @@ def test_drain_publishes_hot_pages_and_marks_node_draining(nodes, valkey):
     r = requests.post(b.url + "/admin/drain", headers=auth, timeout=60)
     assert r.status_code == 200
     assert b.published() >= base + 63
-    info = requests.get(b.url + "/internal/info", timeout=5).json()
+    info = requests.get(b.url + "/internal/info", headers=INTERNAL_AUTH, timeout=5).json()
     _, listed = asyncio.run(_redis_view(valkey.url, info["model"], []))
     assert {rec.node_id: rec.state for rec in listed}.get("store-b") == "draining"
     out, usage = a.generate(prompt, "tenant-fresh")
@@ -202,7 +203,7 @@ def corrupt(blob: bytes, rng: random.Random, region: str) -> bytes:
     """Flip 1-8 distinct random bits inside one region of a page frame."""
     header_len = int.from_bytes(blob[8:12], "little")
     lo, hi = {"envelope": (0, ENVELOPE_BYTES), "header": (ENVELOPE_BYTES, ENVELOPE_BYTES + header_len),
-              "body": (ENVELOPE_BYTES + header_len, len(blob) - 8), "tag": (len(blob) - 8, len(blob)),
+              "body": (ENVELOPE_BYTES + header_len, len(blob) - TAG_BYTES), "tag": (len(blob) - TAG_BYTES, len(blob)),
               "anywhere": (0, len(blob))}[region]
     out = bytearray(blob)
     for bit in rng.sample(range(lo * 8, hi * 8), rng.randint(1, 8)):
@@ -244,6 +245,7 @@ async def test_corrupted_pages_in_host_and_redis_are_all_detected_and_never_used
     redis_store = RedisPageStore(client, guard=guard, timeout_s=5)
     metrics = BackendMetrics(engine.model_name)
     bridge = PageStoreBridge(engine, node_id="inproc", store=TieredPageStore([("host", host), ("redis", redis_store)]),
+                             page_key=PageKey.from_secret(b"corruption-test-page-key"),
                              index=RedisPageIndex(client, guard=guard), metrics=metrics, redis_client=client,
                              fetch_timeout_s=30, fetch_chunk_bytes=4 * engine.runner.page_bytes)
     await bridge.start()
@@ -313,7 +315,8 @@ async def test_corrupted_pages_in_host_and_redis_are_all_detected_and_never_used
         pages = [blocks.cache[h].page for h in hashes[: n - 1]]
         rows = await engine.call_in_engine(gather_pages, engine.runner, pages)
         for h, row in zip(hashes, rows, strict=False):
-            body = decode(pristine[h], bridge.format.expect(h, blocks.cache[h].parent, list(blocks.cache[h].tokens)))
+            body = decode(pristine[h], bridge.format.expect(h, blocks.cache[h].parent, list(blocks.cache[h].tokens)),
+                          bridge.page_key)
             assert isinstance(body, DecodedPage) and row.numpy().tobytes() == bytes(body.body)
         out, usage = await _generate(engine, bridge, prompt, ns)
         assert out == ref and usage.cached_tokens == n * 16
@@ -358,6 +361,7 @@ async def test_pages_the_engine_evicts_leave_the_index(smol_dir, valkey):
     client = redis_client(valkey.url, socket_timeout_s=5)
     index = RedisPageIndex(client, guard=RedisGuard(timeout_s=5))
     bridge = PageStoreBridge(engine, node_id="evictor", store=TieredPageStore([("host", HostPageStore(1 << 30))]),
+                             page_key=PageKey.from_secret(b"unindex-test-page-key"),
                              index=index, redis_client=client, unindex_interval_s=3600)   # driven by hand below
     await bridge.start()
     try:

@@ -139,6 +139,7 @@ def test_start_drained_needs_an_operator_key(monkeypatch, capsys):
     from backend.server import parse_args
 
     monkeypatch.delenv("EDGEINFER_OPERATOR_KEY", raising=False)
+    monkeypatch.setenv("EDGEINFER_INTERNAL_SECRET", "internal-secret-for-tests")
     with pytest.raises(SystemExit) as e:
         parse_args(["--start-drained"])
     assert e.value.code == 2 and "--start-drained needs --operator-key" in capsys.readouterr().err

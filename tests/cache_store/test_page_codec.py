@@ -2,13 +2,24 @@ import dataclasses
 import random
 import struct
 
+import msgspec
 import numpy as np
 import pytest
 import xxhash
 
 from cache_store import codec
-from cache_store.codec import DecodedPage, Miss, MissReason, PageFormat, decode, encode
+from cache_store.codec import DecodedPage, Miss, MissReason, PageFormat, PageKey
 from cache_store.page_id import PageKeyContext, page_hashes
+
+KEY = PageKey.from_secret(b"codec-test-page-key")
+
+
+def encode(header, body, salt=None, key=KEY):
+    return codec.encode(header, body, key, salt)
+
+
+def decode(blob, expect, key=KEY):
+    return codec.decode(blob, expect, key)
 
 FMT = PageFormat(model_fingerprint="smollm2-135m@abc123", kv_dtype="bfloat16", num_layers=2,
                  kv_heads=3, head_dim=8, page_size=16)
@@ -26,10 +37,17 @@ def make_page(rng: random.Random, fmt: PageFormat = FMT, body_bytes: int = BODY_
     return encode(header, body), fmt.expect(page_hash, parent, tokens), body
 
 
-def frame(version: int, header_bytes: bytes, body: bytes, reserved: int = 0) -> bytes:
+def frame(version: int, header_bytes: bytes, body: bytes, reserved: int = 0, key: PageKey = KEY) -> bytes:
+    """A frame of any version, correctly sealed with `key` (the writer holds the key)."""
     env = struct.pack("<4sHHIQ", b"EIKV", version, reserved, len(header_bytes), len(body))
-    tag = xxhash.xxh3_64_intdigest(env + header_bytes + body)
-    return env + header_bytes + body + struct.pack("<Q", tag)
+    sealed = env + header_bytes + body + b"s" * codec.SALT_BYTES
+    return sealed + key.mac(b"s" * codec.SALT_BYTES, sealed)
+
+
+def v1_frame(header_bytes: bytes, body: bytes) -> bytes:
+    """The old unkeyed format: envelope v1 | header | body | xxh3-64 of all of it (anyone can compute it)."""
+    env = struct.pack("<4sHHIQ", b"EIKV", 1, 0, len(header_bytes), len(body))
+    return env + header_bytes + body + struct.pack("<Q", xxhash.xxh3_64_intdigest(env + header_bytes + body))
 
 
 def test_round_trip_body_is_a_view_into_the_blob():
@@ -46,7 +64,7 @@ def test_round_trip_body_is_a_view_into_the_blob():
 def test_encode_accepts_any_contiguous_buffer(as_buffer):
     rng = random.Random(2)
     blob, expect, body = make_page(rng)
-    again = encode(decode(blob, expect).header, as_buffer(body))
+    again = encode(decode(blob, expect).header, as_buffer(body), salt=blob[-32:-16])
     assert again == blob
     assert isinstance(decode(memoryview(again), expect), DecodedPage)
 
@@ -95,16 +113,18 @@ def test_tag_mismatch():
 def test_unknown_version_is_incompatible_not_corrupt():
     rng = random.Random(8)
     _, expect, body = make_page(rng)
-    header = codec.PageHeader(2, expect.page_hash, expect.parent_hash, expect.tokens, *[
+    header = codec.PageHeader(3, expect.page_hash, expect.parent_hash, expect.tokens, *[
         getattr(FMT, f) for f in ("model_fingerprint", "kv_dtype", "num_layers", "kv_heads", "head_dim",
                                   "page_size", "scale_layout")])
-    assert_miss(decode(encode(header, body), expect), MissReason.UNKNOWN_VERSION)
+    assert_miss(decode(frame(3, codec._header_encoder.encode(header), body), expect), MissReason.UNKNOWN_VERSION)
+    with pytest.raises(ValueError, match="cannot write format version 3"):
+        encode(header, body)
 
 
 @pytest.mark.parametrize("header_bytes", [b"", b"\xc1", b"\x93\x01\x02\x03", b"\x91\xa3abc"])
 def test_bad_header_with_valid_tag(header_bytes):
     _, expect, body = make_page(random.Random(9))
-    assert_miss(decode(frame(1, header_bytes, body), expect), MissReason.BAD_HEADER)
+    assert_miss(decode(frame(2, header_bytes, body), expect), MissReason.BAD_HEADER)
 
 
 def test_header_version_disagrees_with_frame():
@@ -112,7 +132,7 @@ def test_header_version_disagrees_with_frame():
     page = decode(blob, expect)
     header_bytes = codec._header_encoder.encode(
         codec.PageHeader(7, *[getattr(page.header, f) for f in codec.PageHeader.__struct_fields__[1:]]))
-    assert_miss(decode(frame(1, header_bytes, body), expect), MissReason.BAD_HEADER)
+    assert_miss(decode(frame(2, header_bytes, body), expect), MissReason.BAD_HEADER)
 
 
 @pytest.mark.parametrize("field,reason", [("page_hash", MissReason.HASH_MISMATCH),
@@ -192,3 +212,45 @@ def test_namespace_isolation_same_tokens_different_hashes():
     assert len(a) == len(b) == 4 and not set(a) & set(b)
     blob = encode(FMT.header(a[0], CTX.root, tokens[:16]), b"\0" * BODY_BYTES)
     assert_miss(decode(blob, FMT.expect(b[0], CTX.root, tokens[:16])), MissReason.HASH_MISMATCH)
+
+
+# ---------------------------------------------------------------------------------------------------- the key
+
+def test_a_page_sealed_with_another_key_is_an_integrity_failure():
+    blob, expect, body = make_page(random.Random(20))
+    other = PageKey.from_secret(b"some-other-deployment")
+    assert_miss(decode(blob, expect, key=other), MissReason.TAG_MISMATCH)
+    assert isinstance(decode(encode(decode(blob, expect).header, body, key=other), expect, key=other), DecodedPage)
+
+
+def test_an_old_unkeyed_page_with_a_valid_xxh3_tag_is_a_miss_not_an_error():
+    """The forgery of issue 14: the v1 format with a recomputed xxh3 tag; anyone could write it."""
+    blob, expect, body = make_page(random.Random(21))
+    header = decode(blob, expect).header
+    old = v1_frame(codec._header_encoder.encode(msgspec.structs.replace(header, format_version=1)), body)
+    assert_miss(decode(old, expect), MissReason.UNKNOWN_VERSION)
+    assert "no MAC" in decode(old, expect).detail
+
+
+def test_body_swapped_under_a_kept_salt_and_mac_is_an_integrity_failure():
+    rng = random.Random(22)
+    blob, expect, body = make_page(rng)
+    swapped = blob[:-codec.TAG_BYTES - len(body)] + rng.randbytes(len(body)) + blob[-codec.TAG_BYTES:]
+    assert len(swapped) == len(blob)
+    assert_miss(decode(swapped, expect), MissReason.TAG_MISMATCH)
+
+
+def test_every_page_gets_a_fresh_salt():
+    rng = random.Random(23)
+    blob, expect, body = make_page(rng)
+    again = encode(decode(blob, expect).header, body)
+    assert again[-32:-16] != blob[-32:-16] and again[-16:] != blob[-16:]
+    assert isinstance(decode(again, expect), DecodedPage)
+
+
+def test_page_key_secrets_are_long_enough_and_never_printed():
+    with pytest.raises(ValueError, match="at least 16 bytes, got 5"):
+        PageKey.from_secret(b"short")
+    k = PageKey.from_secret(b"0123456789abcdef", origin="page key from $EDGEINFER_PAGE_KEY")
+    assert k.key.hex() not in repr(k) and "EDGEINFER_PAGE_KEY" in repr(k)
+    assert k != PageKey.from_seed(b"0123456789abcdef")     # a seed-derived key is another key

@@ -3,11 +3,12 @@ import threading
 
 import pytest
 
-from cache_store.codec import Miss, PageFormat, decode, encode
+from cache_store.codec import Miss, PageFormat, PageKey, decode, encode
 from cache_store.keys import KeySpace
 from cache_store.store import HostPageStore, RedisPageStore
 
 FMT = PageFormat(model_fingerprint="m@1", kv_dtype="bfloat16", num_layers=2, kv_heads=1, head_dim=8)
+KEY = PageKey.from_secret(b"page-store-test-key")
 
 
 def pages(n: int, body_bytes: int = 1024, seed: int = 0):
@@ -16,7 +17,7 @@ def pages(n: int, body_bytes: int = 1024, seed: int = 0):
     for _ in range(n):
         h, parent = rng.randbytes(16), rng.randbytes(16)
         tokens = [rng.randrange(50000) for _ in range(16)]
-        out.append((h, encode(FMT.header(h, parent, tokens), rng.randbytes(body_bytes)),
+        out.append((h, encode(FMT.header(h, parent, tokens), rng.randbytes(body_bytes), KEY),
                     FMT.expect(h, parent, tokens)))
     return out
 
@@ -83,7 +84,7 @@ async def test_host_tier_detects_200_corrupted_pages():
         bad[bit // 8] ^= 1 << (bit % 8)
         store._pages[h] = bytes(bad)
     blobs = await store.get_many([h for h, _, _ in items])
-    results = [decode(b, e) for b, (_, _, e) in zip(blobs, items, strict=True)]
+    results = [decode(b, e, KEY) for b, (_, _, e) in zip(blobs, items, strict=True)]
     assert all(isinstance(r, Miss) and r.integrity_failure for r in results)
 
 
@@ -133,7 +134,7 @@ async def test_redis_tier_detects_200_corrupted_pages_and_deletes_them(redis, gu
         await redis.setrange(KeySpace().page(h), offset, bytes([byte]))
     blobs = await store.get_many([h for h, _, _ in items])
     assert all(b is not None for b in blobs)
-    results = [decode(b, e) for b, (_, _, e) in zip(blobs, items, strict=True)]
+    results = [decode(b, e, KEY) for b, (_, _, e) in zip(blobs, items, strict=True)]
     failed = [h for (h, _, _), r in zip(items, results, strict=True) if isinstance(r, Miss) and r.integrity_failure]
     assert len(failed) == 200
     await store.delete_many(failed)

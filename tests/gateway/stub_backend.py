@@ -51,6 +51,8 @@ class StubBackend:
     aborts: list[str] = field(default_factory=list)
     disconnects: list[str] = field(default_factory=list)
     completed: list[str] = field(default_factory=list)
+    secret: str = ""                     # when set, /internal/* wants `authorization: Bearer <secret>` (else 401)
+    auth_seen: list[tuple[str, str | None]] = field(default_factory=list)   # (path, authorization) per call
     history: dict[str, list[list[int]]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -140,8 +142,17 @@ class StubBackend:
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
+    @web.middleware
+    async def check_secret(self, request: web.Request, handler):
+        if request.path.startswith("/internal/"):
+            got = request.headers.get("authorization")
+            self.auth_seen.append((request.path, got))
+            if self.secret and got != f"Bearer {self.secret}":
+                return web.json_response({"error": {"message": "internal secret", "code": 401}}, status=401)
+        return await handler(request)
+
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self.check_secret])
         app.router.add_post("/internal/generate", self.generate)
         app.router.add_post("/internal/abort", self.abort)
         app.router.add_get("/internal/info", self.info)

@@ -3,6 +3,7 @@ the openai client through the gateway, a two-node routing test, and `edgeinfer s
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -13,7 +14,7 @@ import openai
 import pytest
 import requests
 
-from tests.backend_process import BackendProcess
+from tests.backend_process import INTERNAL_AUTH, INTERNAL_SECRET, BackendProcess
 from tests.gateway.conftest import DEMO_KEY, aclient, client, parsed, tenant
 from tests.redis_server import free_port
 
@@ -49,8 +50,8 @@ def backends(model_dir):
 
 
 def real_gateway(harness, model_dir, nodes):
-    name = requests.get(nodes[0].url + "/internal/info", timeout=5).json()["model"]
-    cfg = parsed({"server": {"page_seed": SEED, "health_interval_s": 0.5},
+    name = requests.get(nodes[0].url + "/internal/info", headers=INTERNAL_AUTH, timeout=5).json()["model"]
+    cfg = parsed({"server": {"page_seed": SEED, "health_interval_s": 0.5, "internal_secret": INTERNAL_SECRET},
                   "models": [{"name": name, "tokenizer": str(model_dir)}],
                   "nodes": [{"id": b.node_id, "url": b.url, "model": name} for b in nodes],
                   "tenants": [tenant()]})
@@ -99,9 +100,11 @@ def test_second_turn_routes_to_prefix_holder_and_reports_cached_tokens(harness, 
 
 
 def test_edgeinfer_serve_runs_gateway_and_backend(tmp_path):
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "ops.cli", "serve", "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    port, backend_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if k != "EDGEINFER_INTERNAL_SECRET"}
+    proc = subprocess.Popen([sys.executable, "-m", "ops.cli", "serve", "--port", str(port),
+                             "--backend-port", str(backend_port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         deadline = time.monotonic() + 180
         lines = []
@@ -118,6 +121,10 @@ def test_edgeinfer_serve_runs_gateway_and_backend(tmp_path):
                           json={"model": model, "max_tokens": 5, "messages": [{"role": "user", "content": "Hi"}]})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] >= 1
+        # serve made up an internal secret and gave it to both: the backend refuses anyone else
+        direct = requests.post(f"http://127.0.0.1:{backend_port}/internal/generate", timeout=10,
+                               json={"request_id": "x", "prompt_token_ids": [1, 2, 3], "cache_namespace": "t"})
+        assert direct.status_code == 401, direct.text
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-nope", max_retries=0).models.list()
     finally:

@@ -19,9 +19,11 @@ import requests
 from backend.engine.config import EngineConfig
 from backend.engine.engine import LLMEngine, RequestError
 from backend.protocol import GenerateRequest, SamplingParams
+from cache_store.codec import PageKey
 from cache_store.page_id import PageKeyContext, page_hashes
 from gateway import config as config_mod
 from gateway.state import STATE as GW_STATE
+from tests.backend_process import INTERNAL_AUTH, INTERNAL_SECRET
 from tests.gateway.conftest import Harness, client
 from tests.gateway.server_thread import ServerThread
 
@@ -168,6 +170,9 @@ def test_mann_whitney_fallback_agrees_with_scipy():
 # ------------------------------------------------------------------------------------------------ store
 
 
+PAGE_KEY = PageKey.from_secret(b"isolation-test-page-key")
+
+
 @pytest.fixture(scope="module")
 def two_nodes(smol_model, smol_tokenizer, valkey):
     """Engines A and B, each with its own KV pool and a Redis-only page store bridge on one valkey."""
@@ -187,7 +192,7 @@ def two_nodes(smol_model, smol_tokenizer, valkey):
         guard = RedisGuard(timeout_s=5)
         metrics = BackendMetrics("smol")
         store = RedisPageStore(client_, guard=guard, timeout_s=5)
-        bridge = PageStoreBridge(eng, node_id=name, store=TieredPageStore([("redis", store)]),
+        bridge = PageStoreBridge(eng, node_id=name, store=TieredPageStore([("redis", store)]), page_key=PAGE_KEY,
                                  index=RedisPageIndex(client_, guard=guard), metrics=metrics, redis_client=client_,
                                  fetch_timeout_s=30)
         eng.observers.append(bridge)
@@ -250,12 +255,13 @@ def stack(smol_model, smol_tokenizer, smol_dir, tokenizer, tokenizer_dir):
                     model_name="smol")
     m = BackendMetrics("smol")
     eng.observers.append(m)
-    st = BackendState(engine=eng, metrics=m, node_id="iso-node")
+    st = BackendState(engine=eng, metrics=m, node_id="iso-node", internal_secret=INTERNAL_SECRET)
     backend = ServerThread(lambda: make_app(st)).start()
     h = Harness(tokenizer, tokenizer_dir)
     tenants = [{"id": t, "api_key_sha256": [config_mod.hash_key(k)],
                 **({"cache_group": GROUP} if t in ("carol", "dave") else {})} for t, k in KEYS.items()]
-    cfg = config_mod.parse({"server": {"page_seed": SEED, "health_interval_s": 0.5},
+    cfg = config_mod.parse({"server": {"page_seed": SEED, "health_interval_s": 0.5,
+                                       "internal_secret": INTERNAL_SECRET},
                             "models": [{"name": "smol", "tokenizer": str(smol_dir)}],
                             "nodes": [{"id": "iso-node", "url": backend.url, "model": "smol"}],
                             "tenants": tenants})
@@ -295,7 +301,7 @@ def test_gateway_index_uses_namespace_salted_hashes(stack):
     client(gw, key=KEYS["bob"]).chat.completions.create(model="smol", messages=msgs, max_tokens=2)
     st = gw.app[GW_STATE]
     prompt = st.models["smol"]._chat_ids(msgs)
-    info = requests.get(stack[1].url + "/internal/info", timeout=5).json()
+    info = requests.get(stack[1].url + "/internal/info", headers=INTERNAL_AUTH, timeout=5).json()
 
     def held(ns: str) -> int:
         ctx = PageKeyContext(SEED.encode(), ns, info["model_fingerprint"], info["kv_format"], info["page_size"])

@@ -22,9 +22,20 @@ from backend.protocol import (
     request_decoder,
 )
 from cache_store import codec
-from cache_store.codec import DecodedPage, Miss, PageFormat, decode, encode
+from cache_store.codec import DecodedPage, Miss, PageFormat, PageKey
 from gateway import config as config_mod
 from tests.gateway.conftest import DEMO_KEY, MODEL, gateway_config, tenant
+
+KEY = PageKey.from_secret(b"parser-test-page-key")
+
+
+def encode(header, body):
+    return codec.encode(header, body, KEY)
+
+
+def decode(blob, expect):
+    return codec.decode(blob, expect, KEY)
+
 
 FMT = PageFormat(model_fingerprint="fp-1", kv_dtype="bf16", num_layers=2, kv_heads=2, head_dim=4, page_size=4,
                  body_nbytes=2 * 2 * 2 * 4 * 4 * 2)
@@ -51,7 +62,7 @@ def test_codec_decode_of_arbitrary_bytes_is_a_miss(data):
     assert isinstance(out, Miss)
 
 
-@given(st.binary(max_size=256).map(lambda b: b"EIKV\x01\x00\x00\x00" + b))
+@given(st.binary(max_size=256).map(lambda b: b"EIKV\x02\x00\x00\x00" + b))
 @settings(max_examples=300, deadline=None)
 def test_codec_decode_of_garbage_behind_a_valid_magic_is_a_miss(data):
     assert isinstance(decode(data, EXPECT), Miss)

@@ -23,6 +23,7 @@ import pytest
 import requests
 
 from gateway.config import hash_key
+from tests.backend_process import INTERNAL_AUTH, INTERNAL_SECRET
 from tests.redis_server import ValkeyServer, command, free_port
 
 pytestmark = pytest.mark.slow
@@ -39,6 +40,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _env() -> dict:
     return {**os.environ, "EDGEINFER_OPERATOR_KEY": OPERATOR_KEY, "EDGEINFER_CACHE_SEED": SEED,
+            "EDGEINFER_INTERNAL_SECRET": INTERNAL_SECRET,
             "OMP_NUM_THREADS": "1", "EDGEINFER_LOG_LEVEL": "WARNING"}
 
 
@@ -67,7 +69,7 @@ class Cluster:
         procs = [subprocess.Popen(self.template().format(node_id=n, port=self.ports[n], version=version),
                                   shell=True, env=_env()) for n in NODES]
         assert [p.wait(timeout=240) for p in procs] == [0, 0, 0]
-        self.model = requests.get(self.url(NODES[0]) + "/internal/info", timeout=5).json()["model"]
+        self.model = requests.get(self.url(NODES[0]) + "/internal/info", headers=INTERNAL_AUTH, timeout=5).json()["model"]
 
     def start_gateway(self) -> None:
         port = free_port()
@@ -119,7 +121,7 @@ models = ["*"]
                               cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
 
     def versions(self) -> dict[str, str]:
-        return {n: requests.get(self.url(n) + "/internal/info", timeout=5).json()["version"] for n in NODES}
+        return {n: requests.get(self.url(n) + "/internal/info", headers=INTERNAL_AUTH, timeout=5).json()["version"] for n in NODES}
 
     def status(self) -> dict[str, dict]:
         r = self.ops("status", "--json")

@@ -1,0 +1,200 @@
+"""The backend's internal API answers only the gateway (its internal secret) or the operator (operator key).
+
+Real engine (SmolLM2) behind the real aiohttp app over loopback HTTP. The engine's generate/abort are
+wrapped by a recorder that delegates to them, so a test can tell that a refused request never reached it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import msgspec
+import pytest
+from aiohttp import web
+
+from backend.engine.config import EngineConfig
+from backend.engine.engine import LLMEngine
+from backend.metrics import BackendMetrics
+from backend.protocol import StreamChunk
+from backend.server import BackendState, make_app
+
+SECRET = "gateway-internal-secret-0123456789"
+OPERATOR_KEY = "operator-key-for-auth-tests"
+GATEWAY = {"authorization": f"Bearer {SECRET}"}
+OPERATOR = {"authorization": f"Bearer {OPERATOR_KEY}"}
+WRONG = [
+    {},
+    {"authorization": ""},
+    {"authorization": SECRET},                               # no scheme
+    {"authorization": f"Basic {SECRET}"},
+    {"authorization": f"Bearer {SECRET[:-1]}"},              # a prefix of the secret
+    {"authorization": f"Bearer {SECRET}x"},                  # the secret plus more
+    {"authorization": f"Bearer {SECRET[:-1]}X"},             # same length, last character differs
+    {"authorization": f"bearer {SECRET.upper()}"},
+    {"authorization": "Bearer sk-edgeinfer-demo"},           # a tenant key is not the secret
+    {"x-internal-secret": SECRET},                           # the right value in another header
+]
+
+
+class Recorder:
+    """Delegates to the engine's generate/abort and remembers every call."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.calls: list[str] = []
+        gen, abort = engine.generate, engine.abort
+
+        def generate(req):
+            self.calls.append(f"generate:{req.request_id}")
+            return gen(req)
+
+        def record_abort(request_id):
+            self.calls.append(f"abort:{request_id}")
+            return abort(request_id)
+
+        engine.generate = generate          # type: ignore[method-assign]
+        engine.abort = record_abort         # type: ignore[method-assign]
+
+
+@pytest.fixture
+async def backend(smol_model, smol_tokenizer):
+    engine = LLMEngine(smol_model, smol_tokenizer, EngineConfig(num_pages=128))
+    metrics = BackendMetrics("smol")
+    st = BackendState(engine=engine, metrics=metrics, node_id="n-auth", operator_key=OPERATOR_KEY,
+                      internal_secret=SECRET)
+    rec = Recorder(engine)
+    runner = web.AppRunner(make_app(st), handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as http:
+        yield st, http, rec
+    await runner.cleanup()
+
+
+def body(rid: str, max_tokens: int = 4, **sp) -> dict:
+    return {"request_id": rid, "prompt_token_ids": list(range(100, 140)),
+            "sampling": {"temperature": 0, "max_tokens": max_tokens, **sp}, "cache_namespace": "tenant-a"}
+
+
+async def _stream(resp) -> list[StreamChunk]:
+    return [msgspec.json.decode(line, type=StreamChunk) async for line in resp.content if line.strip()]
+
+
+@pytest.mark.parametrize("headers", WRONG)
+async def test_internal_api_refuses_a_missing_or_wrong_secret(backend, headers):
+    st, http, rec = backend
+    for method, path, payload in (("POST", "/internal/generate", body("r-bad")),
+                                  ("POST", "/internal/abort", {"request_id": "r-bad"}),
+                                  ("GET", "/internal/info", None)):
+        async with http.request(method, path, json=payload, headers=headers) as r:
+            assert r.status == 401, (path, await r.text())
+            err = (await r.json())["error"]
+            assert "internal secret" in err["message"] and err["code"] == 401
+    assert rec.calls == [] and st.engine.blocks.queries == 0 and not st.in_flight
+
+
+async def test_the_gateway_secret_generates_aborts_and_reads_info(backend):
+    st, http, rec = backend
+    async with http.post("/internal/generate", json=body("r-ok"), headers=GATEWAY) as r:
+        assert r.status == 200
+        chunks = await _stream(r)
+    assert chunks[-1].finish_reason == "length" and sum(len(c.token_ids) for c in chunks) == 4
+    async with http.get("/internal/info", headers=GATEWAY) as r:
+        assert r.status == 200 and (await r.json())["node_id"] == "n-auth"
+    async with http.post("/internal/abort", json={"request_id": "r-ok"}, headers=GATEWAY) as r:
+        assert r.status == 200 and (await r.json()) == {"aborted": False}
+    assert rec.calls == ["generate:r-ok", "abort:r-ok"]
+
+
+async def test_a_wrong_secret_cannot_abort_another_request(backend):
+    """Before: anyone who could connect could abort any request by id (e.g. another tenant's)."""
+    st, http, rec = backend
+    r = await http.post("/internal/generate", json=body("victim", max_tokens=60, ignore_eos=True), headers=GATEWAY)
+    assert r.status == 200
+    first = await r.content.readline()                    # the victim is running
+    assert first.strip()
+    for headers in WRONG:
+        async with http.post("/internal/abort", json={"request_id": "victim"}, headers=headers) as a:
+            assert a.status == 401
+    rest = await _stream(r)
+    r.close()
+    assert rest[-1].finish_reason == "length"             # it ran to the end
+    assert rec.calls == ["generate:victim"]
+    # the gateway itself can abort
+    r = await http.post("/internal/generate", json=body("stoppable", max_tokens=200, ignore_eos=True),
+                        headers=GATEWAY)
+    await r.content.readline()
+    async with http.post("/internal/abort", json={"request_id": "stoppable"}, headers=GATEWAY) as a:
+        assert (await a.json()) == {"aborted": True}
+    chunks = await _stream(r)
+    r.close()
+    assert chunks[-1].finish_reason == "abort"
+
+
+async def test_the_operator_key_also_opens_the_internal_api(backend):
+    """ops: the canary and the rollout health gate (/internal/info) carry the operator key."""
+    _, http, rec = backend
+    async with http.post("/internal/generate", json=body("canary"), headers=OPERATOR) as r:
+        assert r.status == 200 and (await _stream(r))[-1].finish_reason == "length"
+    async with http.get("/internal/info", headers=OPERATOR) as r:
+        assert r.status == 200
+    assert rec.calls == ["generate:canary"]
+
+
+async def test_health_ready_metrics_stay_open_and_admin_keeps_its_own_key(backend):
+    st, http, _ = backend
+    for path in ("/health", "/ready", "/metrics"):
+        async with http.get(path) as r:
+            assert r.status == 200, path
+    async with http.post("/admin/drain", headers=GATEWAY) as r:   # the gateway's secret is not an admin key
+        assert r.status == 401
+    assert st.state == "active"
+
+
+async def test_a_non_ascii_or_huge_authorization_header_is_a_401_not_a_crash(backend):
+    _, http, rec = backend
+    for value in ("Bearer sécret-ünïcode-😀", "Bearer " + "x" * 6000, f"Bearer {SECRET}é"):
+        async with http.post("/internal/generate", json=body("odd"),
+                             headers={"authorization": value.encode("utf-8").decode("latin-1")}) as r:
+            assert r.status == 401
+    assert rec.calls == []
+
+
+def test_no_secret_configured_means_open_only_by_explicit_choice(monkeypatch, capsys, tmp_path):
+    from backend.server import parse_args
+
+    monkeypatch.delenv("EDGEINFER_INTERNAL_SECRET", raising=False)
+    with pytest.raises(SystemExit) as e:
+        parse_args([])
+    assert e.value.code == 2 and "no internal secret" in capsys.readouterr().err
+    monkeypatch.setenv("EDGEINFER_INTERNAL_SECRET", "short")
+    with pytest.raises(SystemExit):
+        parse_args([])
+    assert "5 characters; at least 16" in capsys.readouterr().err
+    monkeypatch.setenv("EDGEINFER_INTERNAL_SECRET", SECRET)
+    assert parse_args([]).internal_secret == SECRET
+    f = tmp_path / "secret"
+    f.write_text("from-a-file-0123456789\n")
+    assert parse_args(["--internal-secret-file", str(f)]).internal_secret == "from-a-file-0123456789"
+    with pytest.raises(SystemExit):
+        parse_args(["--internal-secret-file", str(tmp_path / "missing")])
+    assert "--internal-secret-file" in capsys.readouterr().err
+    assert parse_args(["--insecure-no-internal-auth"]).internal_secret is None
+
+
+async def test_concurrent_requests_with_and_without_the_secret(backend):
+    """Refusals do not disturb the gateway's own requests running at the same time."""
+    _, http, rec = backend
+
+    async def one(i: int) -> int:
+        headers = GATEWAY if i % 2 else WRONG[i % len(WRONG)]
+        async with http.post("/internal/generate", json=body(f"c{i}"), headers=headers) as r:
+            if r.status == 200:
+                assert (await _stream(r))[-1].finish_reason == "length"
+            return r.status
+
+    statuses = await asyncio.gather(*(one(i) for i in range(8)))
+    assert statuses == [401, 200] * 4
+    assert sorted(rec.calls) == sorted(f"generate:c{i}" for i in range(1, 8, 2))
