@@ -19,7 +19,7 @@ import openai
 import pytest
 import requests
 
-from tests.backend_process import BackendProcess
+from tests.backend_process import INTERNAL_AUTH, INTERNAL_SECRET, BackendProcess
 from tests.gateway.conftest import DEMO_KEY, MODEL, client, parsed, tenant
 from tests.gateway.test_routing_and_resilience import session_for
 
@@ -106,8 +106,9 @@ VICTIM_TOKENS = 32
 @pytest.mark.timeout(1800)       # two backends on a shared CPU: minutes when the machine is loaded
 def test_poison_values_through_the_gateway_kill_no_victim_on_either_node(harness, backends):
     model_dir, nodes = backends
-    name = requests.get(nodes[0].url + "/internal/info", timeout=5).json()["model"]
+    name = requests.get(nodes[0].url + "/internal/info", headers=INTERNAL_AUTH, timeout=5).json()["model"]
     cfg = parsed({"server": {"page_seed": "poison-test-seed", "health_interval_s": 0.5,
+                             "internal_secret": INTERNAL_SECRET,
                              "admin_key_sha256": hashlib.sha256(ADMIN_KEY.encode()).hexdigest()},
                   "models": [{"name": name, "tokenizer": str(model_dir)}],
                   "nodes": [{"id": b.node_id, "url": b.url, "model": name} for b in nodes],
