@@ -312,8 +312,9 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     tensors = read_tensors(path)
     make_linear = None
     if cfg.quantization is not None:
-        from backend.quant.loader import quantized_linear_factory
+        from backend.quant.loader import dense_embedding_from_q8, quantized_linear_factory
 
+        dense_embedding_from_q8(tensors, str(path))
         make_linear = quantized_linear_factory(cfg, tensors, dtype, torch.device(device), source=str(path))
     return build_model(cfg, tensors, dtype, torch.device(device), make_linear, source=str(path),
                        fuse_gate_up=fuse_gate_up, prepack=prepack)

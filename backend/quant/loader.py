@@ -1,4 +1,5 @@
-"""Build W4A16Linear modules from a quantized checkpoint (edgeinfer, AutoAWQ GEMM or GPTQ layouts).
+"""Build W4A16Linear modules from a quantized checkpoint (edgeinfer, AutoAWQ GEMM or GPTQ layouts), and the
+dense embedding of a checkpoint that stores it as GGUF Q8_0 blocks (int8 + per-32 scales).
 
 The model fuses q/k/v and gate/up: each HF prefix is converted to our layout, then the parts are
 concatenated along the output dim (groups run along K, so concatenating rows keeps them intact).
@@ -23,7 +24,8 @@ Packed = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 def _to_our_layout(qc: QuantConfig, name: str, k: int, take: Callable[[str], torch.Tensor],
                    tensors: dict[str, torch.Tensor]) -> Packed:
     if qc.layout == "edgeinfer":
-        return take(name + ".qweight"), take(name + ".scales"), take(name + ".zeros") if qc.zero_point else None
+        offset = (name + (".mins" if qc.offset == "min" else ".zeros")) if qc.zero_point else None
+        return take(name + ".qweight"), take(name + ".scales"), take(offset) if offset else None
     qweight, qzeros, scales = take(name + ".qweight"), take(name + ".qzeros"), take(name + ".scales")
     if qc.layout == "awq-gemm":
         return from_autoawq_gemm(qweight, qzeros, scales)
@@ -65,7 +67,7 @@ def quantized_linear_factory(cfg: ModelConfig, tensors: dict[str, torch.Tensor],
                     f"{source}: {name!r} unpacks to qweight {tuple(qweight.shape)}, scales {tuple(scales.shape)}; "
                     f"expected [{n_out}, {k // 2}] and [{n_out}, {k // want_g}] (group_size {want_g})")
             if zeros is not None and zeros.shape != scales.shape:
-                raise CheckpointError(f"{source}: {name!r} zeros shape {tuple(zeros.shape)} != scales "
+                raise CheckpointError(f"{source}: {name!r} {qc.offset}s shape {tuple(zeros.shape)} != scales "
                                       f"{tuple(scales.shape)}")
             parts.append((qweight, scales, zeros))
             group = want_g
@@ -76,6 +78,27 @@ def quantized_linear_factory(cfg: ModelConfig, tensors: dict[str, torch.Tensor],
             zeros = torch.cat([cast(torch.Tensor, p[2]) for p in parts]).to(device=device,
                                                                              dtype=torch.float16).contiguous()
         assert group is not None   # parts is non-empty here (torch.cat above raises on an empty list)
-        return W4A16Linear(qweight, scales, zeros, group, torch.cat(bs) if bs else None, compute_dtype=dtype)
+        mins = None
+        if qc.offset == "min":
+            zeros, mins = None, zeros
+        return W4A16Linear(qweight, scales, zeros, group, torch.cat(bs) if bs else None, compute_dtype=dtype,
+                           mins=mins)
 
     return make_linear
+
+
+EMBED_Q8 = ("model.embed_tokens.qweight", "model.embed_tokens.scales")   # int8 [V, H], fp16 [V, H/32]
+
+
+def dense_embedding_from_q8(tensors: dict[str, torch.Tensor], source: str = "") -> None:
+    """In place: a Q8_0-stored embedding (gguf native import) -> `model.embed_tokens.weight` fp32, exactly
+    gguf's dequantization (int8 * fp16 scale in fp32). No-op when the checkpoint has the dense weight."""
+    from backend.model.gguf_blocks import BLOCK, dequantize_int8
+
+    if "model.embed_tokens.weight" in tensors or EMBED_Q8[0] not in tensors:
+        return
+    q, s = tensors.pop(EMBED_Q8[0]), tensors.pop(EMBED_Q8[1], None)
+    if s is None or q.dtype != torch.int8 or q.dim() != 2 or tuple(s.shape) != (q.shape[0], q.shape[1] // BLOCK):
+        raise CheckpointError(f"{source}: {EMBED_Q8[0]} {q.dtype} {tuple(q.shape)} needs int8 [V, H] and "
+                              f"{EMBED_Q8[1]} [V, H/{BLOCK}], got {None if s is None else tuple(s.shape)}")
+    tensors["model.embed_tokens.weight"] = dequantize_int8(q, s)
