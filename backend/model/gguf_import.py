@@ -81,7 +81,11 @@ def ensure_native_default_model() -> Path:
     dst = native_default_dir()
     if (dst / "config.json").exists():
         return dst
-    import_gguf(default_gguf_path(), dst, native=True)
+    try:
+        import_gguf(default_gguf_path(), dst, native=True, progress=False)
+    except (ModelImportError, OSError):
+        if not (dst / "config.json").exists():   # else another process's import won the rename
+            raise
     return dst
 
 

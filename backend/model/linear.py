@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import kernels
+from backend.model.gguf_blocks import dequantize_int8
 from backend.quant.packing import group_dequantize_mins, unpack_uint4
 
 PREPACK_ENV = "EDGEINFER_CPU_PREPACK"
@@ -187,3 +188,39 @@ class W4A16Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.to(dtype)
+
+
+class Q8Embedding(nn.Module):
+    """A GGUF Q8_0 embedding held as int8 [vocab, hidden] + fp16 scales per 32 (a quarter of fp32's bytes);
+    `index_select` dequantizes only the looked-up rows, exactly as gguf does (int8 * scale in fp32)."""
+
+    qweight: torch.Tensor   # buffers (register_buffer in __init__)
+    scales: torch.Tensor
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+        self._dtype = dtype
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.qweight.shape
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        q = self.qweight if rows is None else self.qweight.index_select(0, rows)
+        s = self.scales if rows is None else self.scales.index_select(0, rows)
+        return dequantize_int8(q, s).to(self._dtype)
+
+    def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
+        if dim != 0:
+            raise ValueError(f"Q8Embedding.index_select: dim={dim}, only rows (0)")
+        return self.dequantize(index)

@@ -1,5 +1,5 @@
 """Build W4A16Linear modules from a quantized checkpoint (edgeinfer, AutoAWQ GEMM or GPTQ layouts), and the
-dense embedding of a checkpoint that stores it as GGUF Q8_0 blocks (int8 + per-32 scales).
+embedding of one that stores it as GGUF Q8_0 blocks (int8 + per-32 scales).
 
 The model fuses q/k/v and gate/up: each HF prefix is converted to our layout, then the parts are
 concatenated along the output dim (groups run along K, so concatenating rows keeps them intact).
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from backend.model.config import CheckpointError, ModelConfig
-from backend.model.linear import DenseLinear, W4A16Linear
+from backend.model.linear import DenseLinear, Q8Embedding, W4A16Linear
 from backend.quant.format import QuantConfig
 from backend.quant.packing import effective_group_size, from_autoawq_gemm, from_gptq
 
@@ -87,18 +87,13 @@ def quantized_linear_factory(cfg: ModelConfig, tensors: dict[str, torch.Tensor],
     return make_linear
 
 
-EMBED_Q8 = ("model.embed_tokens.qweight", "model.embed_tokens.scales")   # int8 [V, H], fp16 [V, H/32]
 
-
-def dense_embedding_from_q8(tensors: dict[str, torch.Tensor], source: str = "") -> None:
-    """In place: a Q8_0-stored embedding (gguf native import) -> `model.embed_tokens.weight` fp32, exactly
-    gguf's dequantization (int8 * fp16 scale in fp32). No-op when the checkpoint has the dense weight."""
-    from backend.model.gguf_blocks import BLOCK, dequantize_int8
-
-    if "model.embed_tokens.weight" in tensors or EMBED_Q8[0] not in tensors:
-        return
-    q, s = tensors.pop(EMBED_Q8[0]), tensors.pop(EMBED_Q8[1], None)
-    if s is None or q.dtype != torch.int8 or q.dim() != 2 or tuple(s.shape) != (q.shape[0], q.shape[1] // BLOCK):
-        raise CheckpointError(f"{source}: {EMBED_Q8[0]} {q.dtype} {tuple(q.shape)} needs int8 [V, H] and "
-                              f"{EMBED_Q8[1]} [V, H/{BLOCK}], got {None if s is None else tuple(s.shape)}")
-    tensors["model.embed_tokens.weight"] = dequantize_int8(q, s)
+def q8_embedding(tensors: dict[str, torch.Tensor], shape: tuple[int, int], dtype: torch.dtype,
+                 device: torch.device, source: str = "") -> Q8Embedding:
+    """`model.embed_tokens.qweight` int8 [V, H] + `.scales` fp16 [V, H/32] (a GGUF Q8_0 embedding, native import)."""
+    q, s = tensors["model.embed_tokens.qweight"], tensors.get("model.embed_tokens.scales")
+    want_s = (shape[0], shape[1] // 32)
+    if q.dtype != torch.int8 or tuple(q.shape) != shape or s is None or tuple(s.shape) != want_s:
+        raise CheckpointError(f"{source}: model.embed_tokens.qweight {q.dtype} {tuple(q.shape)} and .scales "
+                              f"{None if s is None else tuple(s.shape)}: expected int8 {shape} and {want_s}")
+    return Q8Embedding(q.to(device), s.to(device=device, dtype=torch.float16), dtype)
