@@ -157,7 +157,7 @@ class LlamaModel(nn.Module):
         # head shares the embedding's storage, which the lookup keeps (its packed copy: prepacked_copy_bytes).
         # A Q8_0 embedding is tied through its dequantized copy (exact), which the head alone holds.
         if lm_head is None:
-            lm_head = embed.dequantize() if isinstance(embed, Q8Embedding) else self.embed_tokens.data
+            lm_head = embed.dequantize() if isinstance(embed, Q8Embedding) else embed
         self.lm_head_linear = DenseLinear(lm_head)
         self.rotary = Rotary(cfg, device)
 

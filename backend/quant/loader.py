@@ -40,10 +40,10 @@ def quantized_linear_factory(cfg: ModelConfig, tensors: dict[str, torch.Tensor],
     if device.type == "cuda" and dtype not in (torch.float16, torch.bfloat16):
         raise CheckpointError(f"{source}: INT4 weights on CUDA need dtype bfloat16 or float16, got {dtype}")
 
-    def take(name: str) -> torch.Tensor:
+    def take(name: str) -> torch.Tensor:   # popped: the fused copy is built from it, the load's peak drops
         if name not in tensors:
             raise CheckpointError(f"{source}: missing tensor {name!r} (quant_method {qc.quant_method!r})")
-        return tensors[name]
+        return tensors.pop(name)
 
     def make_linear(names: list[str], shapes: list[tuple[int, int]], bias: bool = False) -> nn.Module:
         has_q = [n + ".qweight" in tensors for n in names]

@@ -169,7 +169,7 @@ def test_served_native_path_matches_oracle_within_bf16_rounding(native_dir, orac
     served = load_model(native_dir)   # as the backend loads it: prepacked for the CPU int4 GEMM
     linears = [m for m in served.modules() if isinstance(m, W4A16Linear)]
     assert len(linears) == 4 * 30 and all(m.prepacked and m.qweight is None for m in linears)
-    assert served.weight_bytes() < 0.35 * oracle.weight_bytes() and served.prepacked_copy_bytes() == 0
+    assert served.weight_bytes() < 0.4 * oracle.weight_bytes() and served.prepacked_copy_bytes() == 0
     got = served.compute_logits(paged_prefill(served, [ids], "fp32", 16))
     # The int4 GEMM rounds activations and the per-group scale/offset to bf16 (8-bit mantissa, 2^-9 relative)
     # in every one of 120 linears; the error measured here is ~1.3% of the logit range. Tolerance 4%, and the
