@@ -6,6 +6,7 @@ decoding, and engine decode steps at B sequences (64-token prompts; ms/step -> t
 GGUF's own dequantized weights through dense fp32 linears.
 
   python benchmarks/bench_gguf_native.py [--batch 1,8,32] [--steps 10] [--repeats 2] [--chunks 4] [--no-ppl]
+  python benchmarks/bench_gguf_native.py --weight-error    # only: served bf16 scale/offset vs exact weights
 
 Variants:
   fp32 dequantized     the dequantized import (today's tests' checkpoint), oneDNN-prepacked fp32 linears
@@ -121,6 +122,28 @@ def perplexity(chunks_n: int, chunk_len: int) -> list[dict]:
     return rows
 
 
+def bf16_weight_error() -> dict:
+    """The served int4 GEMM's format vs the exact weights, over every Q4_1 linear: w' = (q - 8) * bf16(d)
+    + bf16(m + 8 d) vs w = q * d + m."""
+    from safetensors.torch import load_file
+
+    from backend.model.gguf_import import ensure_native_default_model
+    from backend.quant.packing import group_dequantize_mins, unpack_uint4
+
+    t = load_file(str(ensure_native_default_model() / "model.safetensors"))
+    num = den = worst = 0.0
+    for key in [k for k in t if k.endswith(".qweight") and ".layers." in k]:
+        p = key.removesuffix(".qweight")
+        q, s, m = t[key], t[p + ".scales"].float(), t[p + ".mins"].float()
+        w = group_dequantize_mins(q, s.half(), m.half(), 32)
+        sb, zb = s.bfloat16().float(), (m + 8 * s).bfloat16().float()
+        qq = unpack_uint4(q).float().reshape(w.shape[0], -1, 32)
+        err = ((qq - 8) * sb[..., None] + zb[..., None]).reshape(w.shape) - w
+        num, den = num + float((err ** 2).sum()), den + float((w ** 2).sum())
+        worst = max(worst, float((err.abs() / s.repeat_interleave(32, 1).clamp(min=1e-12)).max()))
+    return {"rel_rms": (num / den) ** 0.5, "worst_in_steps_d": worst}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", default="1,8,32")
@@ -129,9 +152,13 @@ def main() -> int:
     ap.add_argument("--chunks", type=int, default=4)
     ap.add_argument("--chunk-len", type=int, default=512)
     ap.add_argument("--no-ppl", action="store_true")
+    ap.add_argument("--weight-error", action="store_true", help="only the bf16 scale/offset weight error")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     batches = [int(x) for x in args.batch.split(",")]
+    if args.weight_error:
+        print(json.dumps(bf16_weight_error()))
+        return 0
     if args.child:
         print(json.dumps(child(args.child, batches, args.steps)))
         return 0
@@ -164,8 +191,11 @@ def main() -> int:
               + " ".join(f"{r['tok_s'][b]:>10.1f}" for b in batches))
         r["speedup_vs_fp32"] = {b: round(base["step_ms"][b] / r["step_ms"][b], 2) for b in batches}
     ppl = [] if args.no_ppl else perplexity(args.chunks, args.chunk_len)
+    werr = bf16_weight_error()
+    print(f"bf16 scale/offset weight error: {werr}")
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps({"steps": args.steps, "repeats": args.repeats, "rows": rows, "perplexity": ppl,
+                               "bf16_weight_error": werr,
                                "host": {"platform": platform.platform(), "torch": torch.__version__,
                                         "threads": torch.get_num_threads()}}, indent=2))
     print(f"wrote {OUT}")
