@@ -218,7 +218,7 @@ def make_app(state: BackendState) -> web.Application:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="edgeinfer backend", description="Run one inference backend node.")
-    p.add_argument("--model", default=None, help="HF checkpoint directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help="HF checkpoint directory (default: SmolLM2-135M-Instruct, the GGUF's INT4 weights)")
     p.add_argument("--model-name", default=None, help="name served to clients (default: directory name)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
@@ -284,10 +284,10 @@ def build_state(args: argparse.Namespace) -> BackendState:
     import torch
 
     from backend.engine.engine import in_fresh_thread, load_engine
-    from backend.model.gguf_import import ensure_default_model
+    from backend.model.gguf_import import ensure_native_default_model
 
     # the import runs torch on CPU: off the main thread, so the engine thread's OpenMP pool stays the only one
-    model_dir = Path(args.model) if args.model else in_fresh_thread(ensure_default_model)
+    model_dir = Path(args.model) if args.model else in_fresh_thread(ensure_native_default_model)
     cfg = EngineConfig(page_size=args.page_size, kv_cache_bytes=args.kv_cache_bytes, num_pages=args.num_pages,
                        kv_dtype=args.kv_dtype, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,

@@ -196,10 +196,10 @@ def _serve(argv: list[str]) -> int:
     if args.model:
         model_dir = Path(args.model)
     else:
-        from backend.model.gguf_import import ensure_default_model
+        from backend.model.gguf_import import ensure_native_default_model
 
-        print("edgeinfer serve: preparing the default model (first run imports the GGUF)", flush=True)
-        model_dir = ensure_default_model()
+        print("edgeinfer serve: preparing the default model (first run imports the GGUF, INT4 kept)", flush=True)
+        model_dir = ensure_native_default_model()
     port = args.backend_port or _free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "backend.server", "--model", str(model_dir), "--host", "127.0.0.1",

@@ -20,9 +20,9 @@ _OFFLOAD_CHARS = 8192  # longer prompts are tokenized off the event loop: in `po
 
 def resolve_tokenizer_dir(spec: str) -> Path:
     if spec == "default":
-        from backend.model.gguf_import import ensure_default_model
+        from backend.model.gguf_import import ensure_native_default_model
 
-        return ensure_default_model()
+        return ensure_native_default_model()   # the served default; its tokenizer files are the GGUF's
     return Path(spec)
 
 

@@ -1,6 +1,9 @@
 """Import a GGUF file (llama architecture) into a Hugging Face checkpoint directory.
 
-Writes config.json, model.safetensors (dequantized), tokenizer.json,
+Two forms: dequantized (every tensor fp32/bf16/fp16, a plain HF checkpoint; the tests' parity reference)
+or native (`native=True`, what `edgeinfer serve` runs): Q4_0/Q4_1 linears kept 4-bit in the
+`edgeinfer-w4a16` format at group 32 (no requantizing: backend.model.gguf_blocks), a Q8_0 embedding kept as
+int8 + scales. Writes config.json, model.safetensors, tokenizer.json,
 tokenizer_config.json (with the chat template) and generation_config.json
 into a temporary sibling directory and renames it into place only when every
 file is written, so a failed import never leaves a half-written checkpoint.
@@ -18,6 +21,8 @@ import numpy as np
 from backend.model.atomic_dir import atomic_directory
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+NATIVE_SUBDIR = "gguf-native"    # models_home()/gguf-native/<name>: same directory name, so the same served name
+NATIVE_LINEAR_TYPES = ("Q4_0", "Q4_1")
 _GGUF_MAGIC = b"GGUF"
 
 _TENSOR_NAMES = {
@@ -64,6 +69,23 @@ def ensure_default_model() -> Path:
     if (dst / "config.json").exists():
         return dst
     import_gguf(default_gguf_path(), dst)
+    return dst
+
+
+def native_default_dir() -> Path:
+    return models_home() / NATIVE_SUBDIR / DEFAULT_MODEL_NAME
+
+
+def ensure_native_default_model() -> Path:
+    """The default model as served: the GGUF's own INT4 blocks (import on first use)."""
+    dst = native_default_dir()
+    if (dst / "config.json").exists():
+        return dst
+    try:
+        import_gguf(default_gguf_path(), dst, native=True, progress=False)
+    except (ModelImportError, OSError):
+        if not (dst / "config.json").exists():   # else another process's import won the rename
+            raise
     return dst
 
 
@@ -178,12 +200,84 @@ def _tokenizer_files(reader, path: Path) -> tuple[dict, dict]:
     return json.loads(tok.to_str()), tcfg
 
 
-def import_gguf(src: str | Path, dst: str | Path, *, dtype: str = "float32", progress: bool = True) -> Path:
-    """Convert `src` (GGUF) into an HF checkpoint at `dst`; returns dst."""
+def _hf_name(src: Path, gguf_name: str) -> str | None:
+    """GGUF tensor name -> HF name (None: a tensor the model does not use)."""
+    if gguf_name in _TENSOR_NAMES:
+        return _TENSOR_NAMES[gguf_name]
+    if gguf_name.startswith("blk."):
+        _, idx, rest = gguf_name.split(".", 2)
+        if rest in _BLOCK_NAMES:
+            return f"model.layers.{idx}.{_BLOCK_NAMES[rest]}"
+    elif gguf_name == "rope_freqs.weight":
+        return None
+    raise ModelImportError(f"{src}: unexpected tensor {gguf_name!r}")
+
+
+def _is_linear(hf: str) -> bool:
+    return hf.startswith("model.layers.") and not hf.endswith("layernorm.weight")
+
+
+def _native_linear_types(reader, src: Path) -> set[str]:
+    """The quant types of the decoder linears; every one must be Q4_0 or Q4_1 for a native import."""
+    types: set[str] = set()
+    for t in reader.tensors:
+        hf = _hf_name(src, t.name)
+        if hf is None or not _is_linear(hf):
+            continue
+        kind = t.tensor_type.name
+        if kind not in NATIVE_LINEAR_TYPES:
+            raise ModelImportError(
+                f"{src}: tensor {t.name!r} is {kind}; a native INT4 import takes {' or '.join(NATIVE_LINEAR_TYPES)} "
+                "linears (re-run with --dequantize to import it dequantized)")
+        types.add(kind)
+    return types
+
+
+def _dense(t, hf: str, heads: int, kv_heads: int):
     import gguf
+
+    arr = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+    arr = arr.reshape([int(d) for d in reversed(t.shape)]) if arr.ndim != len(t.shape) else arr
+    return _permuted(arr, hf, heads, kv_heads)
+
+
+def _permuted(arr: np.ndarray, hf: str, heads: int, kv_heads: int) -> np.ndarray:
+    if hf.endswith("q_proj.weight"):
+        return _reverse_permute(arr, heads)
+    if hf.endswith("k_proj.weight"):
+        return _reverse_permute(arr, kv_heads)
+    return arr
+
+
+def _native_tensors(t, hf: str, heads: int, kv_heads: int, offset: str) -> dict[str, np.ndarray]:
+    """A Q4_0/Q4_1 linear -> {prefix.qweight, .scales, .mins (offset 'min')}; Q8_0 embedding -> int8 + scales."""
+    from backend.model import gguf_blocks
+
+    kind, (k, n) = t.tensor_type.name, (int(t.shape[0]), int(t.shape[1]))
+    prefix = hf.removesuffix(".weight")
+    if kind == "Q8_0" and hf == "model.embed_tokens.weight":
+        q8, s = gguf_blocks.q8_0(t.data, n, k)
+        return {prefix + ".qweight": q8.numpy(), prefix + ".scales": s.numpy()}
+    if kind == "Q4_1":
+        q, s, m = gguf_blocks.q4_1(t.data, n, k)
+        parts = {".qweight": q, ".scales": s, ".mins": m}
+    else:
+        q, s = gguf_blocks.q4_0(t.data, n, k)
+        parts = {".qweight": q, ".scales": s}
+        if offset == "min":   # Q4_0 among Q4_1 tensors: d * (q - 8) = q * d + (-8 d), exact (8 d is a power-of-2 shift)
+            parts[".mins"] = -8 * s
+    return {prefix + name: _permuted(v.numpy(), hf, heads, kv_heads) for name, v in parts.items()}
+
+
+def import_gguf(src: str | Path, dst: str | Path, *, dtype: str = "float32", progress: bool = True,
+                native: bool = False) -> Path:
+    """Convert `src` (GGUF) into an HF checkpoint at `dst`; returns dst. native=True keeps Q4_0/Q4_1 linears
+    4-bit and a Q8_0 embedding 8-bit (exact, see backend.model.gguf_blocks); other tensors as `dtype`."""
     import torch
     from safetensors.torch import save_file
     from tqdm import tqdm
+
+    from backend.quant.format import edgeinfer_config
 
     src, dst = Path(src), Path(dst)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
@@ -192,36 +286,34 @@ def import_gguf(src: str | Path, dst: str | Path, *, dtype: str = "float32", pro
     if dst.exists() and any(dst.iterdir()):
         raise ModelImportError(f"{dst}: destination exists and is not empty")
     reader = _open(src)
+    linear_types = _native_linear_types(reader, src) if native else set()
+    offset = "min" if "Q4_1" in linear_types else "zero"
     names = {t.name for t in reader.tensors}
     cfg = _config(reader, src, has_output="output.weight" in names)
     cfg["torch_dtype"] = dtype
+    if native:
+        cfg["quantization_config"] = edgeinfer_config(
+            32, "gguf", zero_point=offset == "min", offset=offset, source=src.name,
+            gguf_types=sorted(linear_types))
     tok_json, tok_cfg = _tokenizer_files(reader, src)
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
 
     with atomic_directory(dst) as tmp:
         tensors: dict[str, torch.Tensor] = {}
         for t in tqdm(reader.tensors, desc=f"import {src.name}", unit="tensor", disable=not progress):
-            if t.name in _TENSOR_NAMES:
-                hf = _TENSOR_NAMES[t.name]
-            elif t.name.startswith("blk."):
-                _, idx, rest = t.name.split(".", 2)
-                if rest not in _BLOCK_NAMES:
-                    raise ModelImportError(f"{src}: unexpected tensor {t.name!r}")
-                hf = f"model.layers.{idx}.{_BLOCK_NAMES[rest]}"
-            elif t.name == "rope_freqs.weight":
+            hf = _hf_name(src, t.name)
+            if hf is None:
                 continue
-            else:
-                raise ModelImportError(f"{src}: unexpected tensor {t.name!r}")
-            arr = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-            arr = arr.reshape([int(d) for d in reversed(t.shape)]) if arr.ndim != len(t.shape) else arr
-            if hf.endswith("q_proj.weight"):
-                arr = _reverse_permute(arr, heads)
-            elif hf.endswith("k_proj.weight"):
-                arr = _reverse_permute(arr, kv_heads)
+            if native and (_is_linear(hf) or (hf == "model.embed_tokens.weight" and t.tensor_type.name == "Q8_0")):
+                for name, arr in _native_tensors(t, hf, heads, kv_heads, offset).items():
+                    tensors[name] = torch.from_numpy(np.array(arr, copy=True, order="C"))
+                continue
+            arr = _dense(t, hf, heads, kv_heads)
             tensors[hf] = torch.from_numpy(np.array(arr, copy=True, order="C")).to(torch_dtype)
         expected = cfg["num_hidden_layers"] * len(_BLOCK_NAMES) + 2
-        if len(tensors) < expected:
-            raise ModelImportError(f"{src}: found {len(tensors)} tensors, expected at least {expected}")
+        found = len({n.rsplit(".", 1)[0] for n in tensors})
+        if found < expected:
+            raise ModelImportError(f"{src}: found {found} tensors, expected at least {expected}")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": src.name})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         (tmp / "tokenizer.json").write_text(json.dumps(tok_json, ensure_ascii=False))

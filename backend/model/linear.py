@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 import kernels
-from backend.quant.packing import unpack_uint4
+from backend.model.gguf_blocks import dequantize_int8
+from backend.quant.packing import group_dequantize_mins, unpack_uint4
 
 PREPACK_ENV = "EDGEINFER_CPU_PREPACK"
 PREPACK_BATCH_HINT = 64   # oneDNN picks its blocking for this many rows (a hint of 1 was 2x slower at 32 rows)
@@ -86,25 +87,32 @@ def int4_cpu_group(group_size: int) -> int | None:
 
 
 class W4A16Linear(nn.Module):
-    """qweight [out, in//2] uint8 (low nibble = even k), scales/zeros [out, in//group] fp16.
+    """qweight [out, in//2] uint8 (low nibble = even k), scales/zeros [out, in//group] fp16; w = (q - zero) * scale.
+    Or, with `mins` instead of zeros (GGUF Q4_1, exact): w = q * scale + min.
 
     On CUDA: kernels.w4a16_gemm (Triton). On CPU the reference dequantizes the whole weight every call;
     `prepack()` instead repacks it once for torch's CPU int4 GEMM (`_weight_int4pack_mm_for_cpu`, as
     gpt-fast/torchao use): still 4 bits a weight in memory, activations through it in bf16 and the fp16
-    scales and zero points rounded to bf16 (the op's format: w = (q - 8) * s + z', z' = (8 - zero) * s).
+    scales and zero points rounded to bf16 (the op's format: w = (q - 8) * s + z', z' = (8 - zero) * s,
+    or z' = min + 8 * s).
     A group the op does not take (96) runs as sub-groups it does (3 x 32, same scale and zero point).
     """
 
     qweight: torch.Tensor         # buffers (register_buffer in __init__); None once prepacked
     scales: torch.Tensor
     zeros: torch.Tensor | None
+    mins: torch.Tensor | None
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                 group_size: int, bias: torch.Tensor | None = None, compute_dtype: torch.dtype | None = None) -> None:
+                 group_size: int, bias: torch.Tensor | None = None, compute_dtype: torch.dtype | None = None,
+                 mins: torch.Tensor | None = None) -> None:
         super().__init__()
+        if zeros is not None and mins is not None:
+            raise ValueError("W4A16Linear takes zeros or mins, not both")
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)
         self.register_buffer("zeros", zeros)
+        self.register_buffer("mins", mins)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self.group_size = group_size
         self.compute_dtype = compute_dtype
@@ -120,8 +128,9 @@ class W4A16Linear(nn.Module):
 
     def _bytes(self) -> int:
         n = self.qweight.numel() + self.scales.numel() * self.scales.element_size()
-        if self.zeros is not None:
-            n += self.zeros.numel() * self.zeros.element_size()
+        for t in (self.zeros, self.mins):
+            if t is not None:
+                n += t.numel() * t.element_size()
         return n
 
     def weight_bytes(self) -> int:
@@ -143,17 +152,21 @@ class W4A16Linear(nn.Module):
         q = unpack_uint4(self.qweight).to(torch.int32)       # [out, in] in 0..15
         # s, z: [out, in // group_size] -> [out, in // group], each repeated over the sub-groups
         s = self.scales.float().repeat_interleave(self.group_size // group, dim=1)
-        z = self.zeros.float().repeat_interleave(self.group_size // group, dim=1) if self.zeros is not None \
-            else torch.full_like(s, 8.0)
+        if self.mins is not None:
+            offset = self.mins.float().repeat_interleave(self.group_size // group, dim=1) + 8.0 * s
+        elif self.zeros is not None:
+            offset = (8.0 - self.zeros.float().repeat_interleave(self.group_size // group, dim=1)) * s
+        else:
+            offset = torch.zeros_like(s)
         try:
             packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
-            sz = torch.stack([s, (8.0 - z) * s], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+            sz = torch.stack([s, offset], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
             torch._weight_int4pack_mm_for_cpu(torch.zeros(1, k, dtype=torch.bfloat16), packed, group, sz)
         except (RuntimeError, NotImplementedError):   # this build/CPU/shape: keep the reference path
             return False
         self.int4pack, self.scales_and_zeros, self._op_group = packed, sz, group
         self.qweight = self.scales = None  # type: ignore[assignment]
-        self.zeros = None
+        self.zeros = self.mins = None
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -164,6 +177,9 @@ class W4A16Linear(nn.Module):
             y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, self._shape[1]).to(torch.bfloat16), self.int4pack,
                                                   self._op_group, self.scales_and_zeros)
             y = y.reshape(*x.shape[:-1], self._shape[0])
+        elif self.mins is not None:   # reference: the exact fp32 weight (gguf's own dequantization)
+            w = group_dequantize_mins(self.qweight, self.scales, self.mins, self.group_size)
+            y = (x.reshape(-1, self._shape[1]).float() @ w.t()).reshape(*x.shape[:-1], self._shape[0])
         elif x.is_cuda:
             y = kernels.w4a16_gemm(x.reshape(-1, x.shape[-1]), self.qweight, self.scales, self.zeros,
                                    self.group_size).reshape(*x.shape[:-1], -1)
@@ -172,3 +188,39 @@ class W4A16Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.to(dtype)
+
+
+class Q8Embedding(nn.Module):
+    """A GGUF Q8_0 embedding held as int8 [vocab, hidden] + fp16 scales per 32 (a quarter of fp32's bytes);
+    `index_select` dequantizes only the looked-up rows, exactly as gguf does (int8 * scale in fp32)."""
+
+    qweight: torch.Tensor   # buffers (register_buffer in __init__)
+    scales: torch.Tensor
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+        self._dtype = dtype
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.qweight.shape
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        q = self.qweight if rows is None else self.qweight.index_select(0, rows)
+        s = self.scales if rows is None else self.scales.index_select(0, rows)
+        return dequantize_int8(q, s).to(self._dtype)
+
+    def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
+        if dim != 0:
+            raise ValueError(f"Q8Embedding.index_select: dim={dim}, only rows (0)")
+        return self.dequantize(index)

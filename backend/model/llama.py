@@ -17,7 +17,7 @@ from torch import nn
 
 import kernels
 from backend.model.config import CheckpointError, ModelConfig, rope_inv_freq
-from backend.model.linear import DenseLinear, W4A16Linear, cpu_prepack_enabled
+from backend.model.linear import DenseLinear, Q8Embedding, W4A16Linear, cpu_prepack_enabled
 
 
 @dataclass
@@ -144,17 +144,21 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: list[DecoderLayer], norm: RMSNorm,
-                 lm_head: torch.Tensor | None, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, embed: torch.Tensor | Q8Embedding, layers: list[DecoderLayer],
+                 norm: RMSNorm, lm_head: torch.Tensor | None, device: torch.device) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Parameter(embed, requires_grad=False)
+        self.embed_tokens: nn.Parameter | Q8Embedding = \
+            embed if isinstance(embed, Q8Embedding) else nn.Parameter(embed, requires_grad=False)
         self.layers = nn.ModuleList(layers)
         self.norm = norm
         self.tied_lm_head = lm_head is None
         # [vocab, hidden]; the only holder of an untied head, so prepacking it frees the plain copy; a tied
-        # head shares the embedding's storage, which the lookup keeps (its packed copy: prepacked_copy_bytes)
-        self.lm_head_linear = DenseLinear(self.embed_tokens.data if lm_head is None else lm_head)
+        # head shares the embedding's storage, which the lookup keeps (its packed copy: prepacked_copy_bytes).
+        # A Q8_0 embedding is tied through its dequantized copy (exact), which the head alone holds.
+        if lm_head is None:
+            lm_head = embed.dequantize() if isinstance(embed, Q8Embedding) else embed
+        self.lm_head_linear = DenseLinear(lm_head)
         self.rotary = Rotary(cfg, device)
 
     @property
@@ -168,7 +172,13 @@ class LlamaModel(nn.Module):
     @property
     def lm_head(self) -> torch.Tensor | None:
         """The plain [vocab, hidden] head (the embedding when tied); None once an untied head is prepacked."""
-        return self.embed_tokens if self.tied_lm_head else self.lm_head_linear.weight
+        if self.tied_lm_head and not isinstance(self.embed_tokens, Q8Embedding):
+            return self.embed_tokens
+        return self.lm_head_linear.weight
+
+    @property
+    def _head_shares_embedding(self) -> bool:
+        return self.tied_lm_head and not isinstance(self.embed_tokens, Q8Embedding)
 
     def weight_bytes(self) -> int:
         """Bytes of the checkpoint's weights as held, plain or prepacked (a tied lm_head counted once: its
@@ -181,13 +191,13 @@ class LlamaModel(nn.Module):
             total += t.numel() * t.element_size()
         for m in self.modules():
             if isinstance(m, DenseLinear | W4A16Linear) and m.prepacked:
-                if not (m is self.lm_head_linear and self.tied_lm_head):
+                if not (m is self.lm_head_linear and self._head_shares_embedding):
                     total += m.weight_bytes()
         return total
 
     def prepacked_copy_bytes(self) -> int:
         """Extra bytes a prepacked lm_head costs when it is tied to the embedding (both layouts held)."""
-        tied = self.tied_lm_head and self.lm_head_linear.prepacked
+        tied = self._head_shares_embedding and self.lm_head_linear.prepacked
         return self.lm_head_linear.weight_bytes() if tied else 0
 
     def prepack(self) -> int:
@@ -290,7 +300,13 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch
             RMSNorm(check(p + "input_layernorm.weight", take(p + "input_layernorm.weight"), (h,)), cfg.rms_norm_eps),
             RMSNorm(check(p + "post_attention_layernorm.weight", take(p + "post_attention_layernorm.weight"), (h,)),
                     cfg.rms_norm_eps)))
-    embed = check("model.embed_tokens.weight", take("model.embed_tokens.weight"), (cfg.vocab_size, h))
+    embed: torch.Tensor | Q8Embedding
+    if "model.embed_tokens.weight" not in tensors and "model.embed_tokens.qweight" in tensors:
+        from backend.quant.loader import q8_embedding
+
+        embed = q8_embedding(tensors, (cfg.vocab_size, h), dtype, device, source)
+    else:
+        embed = check("model.embed_tokens.weight", take("model.embed_tokens.weight"), (cfg.vocab_size, h))
     lm_head = None
     if not cfg.tie_word_embeddings:
         lm_head = check("lm_head.weight", take("lm_head.weight"), (cfg.vocab_size, h))

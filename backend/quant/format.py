@@ -9,12 +9,13 @@ from backend.model.config import CheckpointError
 EDGEINFER_METHOD = "edgeinfer-w4a16"
 PACKING = "uint8-k2-lo-even"           # qweight [N, K//2] uint8, low nibble = even k (kernels' layout)
 LAYOUTS = {
-    EDGEINFER_METHOD: "edgeinfer: <prefix>.qweight [N,K//2] uint8, .scales/.zeros [N,K//G] fp16",
+    EDGEINFER_METHOD: "edgeinfer: <prefix>.qweight [N,K//2] uint8, .scales/.zeros (or .mins) [N,K//G] fp16",
     "awq": "AutoAWQ GEMM (version 'gemm'): .qweight [K,N//8] int32, .qzeros [K//G,N//8] int32, .scales [K//G,N] fp16",
     "gptq": "GPTQ (checkpoint_format 'gptq' or 'gptq_v2', desc_act false): .qweight [K//8,N] int32, "
             ".qzeros [K//G,N//8] int32, .scales [K//G,N] fp16, optional .g_idx",
 }
 SCHEMES = {"w4a16-g128": 128, "w4a16-g64": 64, "w4a16-g32": 32}
+OFFSETS = {"zero": "w = (q - zero) * scale, .zeros", "min": "w = q * scale + min, .mins (GGUF Q4_1)"}
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,8 @@ class QuantConfig:
     group_size: int             # along K; see packing.effective_group_size for K not divisible
     zero_point: bool            # asymmetric (explicit zeros) vs symmetric (q - 8)
     layout: str                 # edgeinfer | awq-gemm | gptq | gptq_v2
-    method: str = ""            # how it was made: rtn | awq (edgeinfer only)
+    method: str = ""            # how it was made: rtn | awq | gguf (edgeinfer only)
+    offset: str = "zero"        # zero: .zeros, w = (q - zero) * scale | min: .mins, w = q * scale + min
 
     @classmethod
     def from_dict(cls, raw: object, source: str) -> QuantConfig:
@@ -49,7 +51,13 @@ class QuantConfig:
             packing = raw.get("packing")
             if packing != PACKING:
                 raise CheckpointError(f"{where}.packing={packing!r} is unsupported; expected {PACKING!r}")
-            return cls(qm, 4, gs, zp, "edgeinfer", str(raw.get("method", "")))
+            offset = raw.get("offset", "zero")
+            if offset not in OFFSETS:
+                raise CheckpointError(f"{where}.offset={offset!r} is unsupported; expected one of: "
+                                      + "; ".join(f"{k!r} ({v})" for k, v in OFFSETS.items()))
+            if offset == "min" and not zp:
+                raise CheckpointError(f"{where}.offset='min' needs zero_point true (a .mins tensor per linear)")
+            return cls(qm, 4, gs, zp, "edgeinfer", str(raw.get("method", "")), offset)
         if qm == "awq":
             version = str(raw.get("version", "gemm")).lower()
             if version != "gemm":

@@ -1,4 +1,5 @@
-"""Build W4A16Linear modules from a quantized checkpoint (edgeinfer, AutoAWQ GEMM or GPTQ layouts).
+"""Build W4A16Linear modules from a quantized checkpoint (edgeinfer, AutoAWQ GEMM or GPTQ layouts), and the
+embedding of one that stores it as GGUF Q8_0 blocks (int8 + per-32 scales).
 
 The model fuses q/k/v and gate/up: each HF prefix is converted to our layout, then the parts are
 concatenated along the output dim (groups run along K, so concatenating rows keeps them intact).
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 
 from backend.model.config import CheckpointError, ModelConfig
-from backend.model.linear import DenseLinear, W4A16Linear
+from backend.model.linear import DenseLinear, Q8Embedding, W4A16Linear
 from backend.quant.format import QuantConfig
 from backend.quant.packing import effective_group_size, from_autoawq_gemm, from_gptq
 
@@ -23,7 +24,8 @@ Packed = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 def _to_our_layout(qc: QuantConfig, name: str, k: int, take: Callable[[str], torch.Tensor],
                    tensors: dict[str, torch.Tensor]) -> Packed:
     if qc.layout == "edgeinfer":
-        return take(name + ".qweight"), take(name + ".scales"), take(name + ".zeros") if qc.zero_point else None
+        offset = (name + (".mins" if qc.offset == "min" else ".zeros")) if qc.zero_point else None
+        return take(name + ".qweight"), take(name + ".scales"), take(offset) if offset else None
     qweight, qzeros, scales = take(name + ".qweight"), take(name + ".qzeros"), take(name + ".scales")
     if qc.layout == "awq-gemm":
         return from_autoawq_gemm(qweight, qzeros, scales)
@@ -38,10 +40,10 @@ def quantized_linear_factory(cfg: ModelConfig, tensors: dict[str, torch.Tensor],
     if device.type == "cuda" and dtype not in (torch.float16, torch.bfloat16):
         raise CheckpointError(f"{source}: INT4 weights on CUDA need dtype bfloat16 or float16, got {dtype}")
 
-    def take(name: str) -> torch.Tensor:
+    def take(name: str) -> torch.Tensor:   # popped: the fused copy is built from it, the load's peak drops
         if name not in tensors:
             raise CheckpointError(f"{source}: missing tensor {name!r} (quant_method {qc.quant_method!r})")
-        return tensors[name]
+        return tensors.pop(name)
 
     def make_linear(names: list[str], shapes: list[tuple[int, int]], bias: bool = False) -> nn.Module:
         has_q = [n + ".qweight" in tensors for n in names]
@@ -65,7 +67,7 @@ def quantized_linear_factory(cfg: ModelConfig, tensors: dict[str, torch.Tensor],
                     f"{source}: {name!r} unpacks to qweight {tuple(qweight.shape)}, scales {tuple(scales.shape)}; "
                     f"expected [{n_out}, {k // 2}] and [{n_out}, {k // want_g}] (group_size {want_g})")
             if zeros is not None and zeros.shape != scales.shape:
-                raise CheckpointError(f"{source}: {name!r} zeros shape {tuple(zeros.shape)} != scales "
+                raise CheckpointError(f"{source}: {name!r} {qc.offset}s shape {tuple(zeros.shape)} != scales "
                                       f"{tuple(scales.shape)}")
             parts.append((qweight, scales, zeros))
             group = want_g
@@ -76,6 +78,22 @@ def quantized_linear_factory(cfg: ModelConfig, tensors: dict[str, torch.Tensor],
             zeros = torch.cat([cast(torch.Tensor, p[2]) for p in parts]).to(device=device,
                                                                              dtype=torch.float16).contiguous()
         assert group is not None   # parts is non-empty here (torch.cat above raises on an empty list)
-        return W4A16Linear(qweight, scales, zeros, group, torch.cat(bs) if bs else None, compute_dtype=dtype)
+        mins = None
+        if qc.offset == "min":
+            zeros, mins = None, zeros
+        return W4A16Linear(qweight, scales, zeros, group, torch.cat(bs) if bs else None, compute_dtype=dtype,
+                           mins=mins)
 
     return make_linear
+
+
+
+def q8_embedding(tensors: dict[str, torch.Tensor], shape: tuple[int, int], dtype: torch.dtype,
+                 device: torch.device, source: str = "") -> Q8Embedding:
+    """`model.embed_tokens.qweight` int8 [V, H] + `.scales` fp16 [V, H/32] (a GGUF Q8_0 embedding, native import)."""
+    q, s = tensors["model.embed_tokens.qweight"], tensors.get("model.embed_tokens.scales")
+    want_s = (shape[0], shape[1] // 32)
+    if q.dtype != torch.int8 or tuple(q.shape) != shape or s is None or tuple(s.shape) != want_s:
+        raise CheckpointError(f"{source}: model.embed_tokens.qweight {q.dtype} {tuple(q.shape)} and .scales "
+                              f"{None if s is None else tuple(s.shape)}: expected int8 {shape} and {want_s}")
+    return Q8Embedding(q.to(device), s.to(device=device, dtype=torch.float16), dtype)

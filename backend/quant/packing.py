@@ -37,6 +37,15 @@ def unpack_uint4(qweight: torch.Tensor) -> torch.Tensor:
     return torch.stack([qweight & 0xF, qweight >> 4], dim=-1).reshape(n, k2 * 2)
 
 
+def group_dequantize_mins(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                          group_size: int) -> torch.Tensor:
+    """The `offset: min` form (GGUF Q4_1): w = q * scale + min in fp32, gguf's own order -> [N, K] float32."""
+    q = unpack_uint4(qweight).float()
+    n, k = q.shape
+    w = q.reshape(n, -1, group_size) * scales.float()[..., None] + mins.float()[..., None]
+    return w.reshape(n, k)
+
+
 def fake_quantize(w: torch.Tensor, group_size: int, clip: torch.Tensor | None = None) -> torch.Tensor:
     """Quantize then dequantize (asymmetric), without packing: the search loops' inner step."""
     n, k = w.shape

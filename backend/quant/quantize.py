@@ -79,7 +79,10 @@ def quantized_tensors(model: LlamaModel, group_size: int, clips: dict[str, torch
         p = f"model.layers.{i}."
         out[p + "input_layernorm.weight"] = layer.input_layernorm.weight.data.clone()
         out[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight.data.clone()
-    out["model.embed_tokens.weight"] = model.embed_tokens.data.clone()
+    embed = model.embed_tokens
+    if not isinstance(embed, torch.Tensor):
+        raise QuantizeError("the model's embedding is already quantized (a GGUF native import): quantize a dense one")
+    out["model.embed_tokens.weight"] = embed.data.clone()
     out["model.norm.weight"] = model.norm.weight.data.clone()
     if not cfg.tie_word_embeddings:
         if model.lm_head is None:
