@@ -82,6 +82,9 @@ def main() -> None:
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
+    from tests.hf_compat import hide_hub_kernels
+
+    hide_hub_kernels()
     from transformers import LlamaForCausalLM
 
     def load():

@@ -6,8 +6,12 @@ import os
 
 import pytest
 
+from tests.hf_compat import hide_hub_kernels
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+hide_hub_kernels()
 
 
 @pytest.fixture(scope="session")
