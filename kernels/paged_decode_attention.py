@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels._memo import LastCall
 from kernels._triton import (
     cdiv,
     check,
@@ -57,6 +58,19 @@ def gather_index(cache, scale, flat, batch: int, num_tokens: int, dtype=torch.fl
     return x.to(dtype)
 
 
+def decode_plan(block_tables, context_lens, page_size: int):
+    """-> (longest context, page_index over it (K and V share it), [B, N] mask of positions in each context)."""
+    num_tokens = int(context_lens.max()) if context_lens.numel() else 0
+    if num_tokens == 0:
+        return 0, None, None
+    flat = page_index(block_tables, context_lens, num_tokens, page_size)
+    valid = torch.arange(num_tokens, device=context_lens.device)[None, :] < context_lens[:, None]
+    return num_tokens, flat, valid
+
+
+_LAST_PLAN = LastCall()   # the layers of one forward share the plan
+
+
 def _compute_dtype(q: torch.Tensor) -> torch.dtype:
     # fp32 everywhere on CPU (bf16/fp16 matmuls there are slow and less exact); half types stay on GPU
     return torch.float32 if q.device.type == "cpu" else q.dtype
@@ -66,15 +80,14 @@ def paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_
                                      k_scale=None, v_scale=None, out=None):
     # q: [B, heads, head_dim] -> out [B, heads, head_dim]; an empty context gives zeros
     batch, heads, head_dim = q.shape
-    num_tokens = int(context_lens.max()) if batch else 0
+    num_tokens, flat, valid = _LAST_PLAN.get((block_tables, context_lens), (batch, k_cache.shape[1]),
+                                             lambda: decode_plan(block_tables, context_lens, k_cache.shape[1]))
     if num_tokens == 0:
         y = torch.zeros_like(q)
         return y if out is None else out.copy_(y)
     cd = _compute_dtype(q)
-    flat = page_index(block_tables, context_lens, num_tokens, k_cache.shape[1])   # shared by K and V
     k = gather_index(k_cache, k_scale, flat, batch, num_tokens, cd)
     v = gather_index(v_cache, v_scale, flat, batch, num_tokens, cd)
-    valid = torch.arange(num_tokens, device=q.device)[None, :] < context_lens[:, None]
     # k, v: [B, N, kv_heads, D] -> [B, kv_heads, N, D]; q: [B, heads, 1, D]; GQA inside SDPA
     y = torch.nn.functional.scaled_dot_product_attention(
         q.to(cd)[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, None, :],

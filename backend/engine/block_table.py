@@ -39,7 +39,6 @@ class BlockTables:
         row = self._row(seq)
         self._fit(len(pages))
         self.array[row, : len(pages)] = pages
-        self.array[row, len(pages):] = 0
 
     def append(self, seq: Sequence, start: int, pages: list[int]) -> None:
         """pages were appended to seq's table at index `start`."""

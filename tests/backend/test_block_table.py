@@ -113,3 +113,18 @@ def test_preemption_clears_and_readmission_refills_the_row():
 def test_bad_sizes_are_rejected():
     with pytest.raises(ValueError, match="rows=0"):
         BlockTables(rows=0)
+
+
+def test_a_reused_row_holds_nothing_of_its_previous_sequence():
+    blocks = BlockManager(16, PAGE, enable_prefix_cache=False, tables=BlockTables(rows=1, width=2))
+    long, short = make_seq(0, 30, False), make_seq(1, 3, False)
+    blocks.allocate(long, 8)
+    row = long.table_row
+    blocks.free(long)
+    blocks.allocate(short, 1)
+    assert short.table_row == row
+    check_mirror(blocks, [long, short])
+    blocks.free(short)
+    blocks.assign(long, [])
+    blocks.allocate(long, 2)
+    check_mirror(blocks, [long, short])
