@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels._memo import LastCall
 from kernels._triton import check, check_fp8_scale, check_tensor, jit, next_pow2, require_triton, tl
 
 FP8 = torch.float8_e4m3fn
@@ -40,11 +41,20 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == FP8 else t
 
 
+def _kept(slot_mapping: torch.Tensor) -> torch.Tensor | None:
+    """None when every slot is kept, else the mask of slots >= 0."""
+    keep = slot_mapping >= 0
+    return None if bool(keep.all()) else keep
+
+
+_LAST_KEEP = LastCall()
+
+
 def kv_store_reference(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     # key, value: [T, kv_heads, head_dim]; slot_mapping: [T] int64, -1 = skip
     # index_copy_ on a flat row view: advanced-index assignment is ~1000x slower on CPU here
-    keep = slot_mapping >= 0
-    if bool(keep.all()):
+    keep = _LAST_KEEP.get((slot_mapping,), None, lambda: _kept(slot_mapping))   # the same for every layer
+    if keep is None:
         slots, k_src, v_src = slot_mapping, key, value
     else:
         slots, k_src, v_src = slot_mapping[keep], key[keep], value[keep]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels._memo import LastCall
 from kernels._triton import (
     cdiv,
     check,
@@ -57,6 +58,21 @@ def gather_index(cache, scale, flat, batch: int, num_tokens: int, dtype=torch.fl
     return x.to(dtype)
 
 
+def decode_plan(block_tables, context_lens, page_size: int, dtype: torch.dtype):
+    """-> (longest context N, page_index over it (K and V share it), [B, 1, 1, N] additive mask in `dtype`:
+    0 inside each context, -inf past it (what SDPA would make of a bool mask on every call))."""
+    num_tokens = int(context_lens.max()) if context_lens.numel() else 0
+    if num_tokens == 0:
+        return 0, None, None
+    flat = page_index(block_tables, context_lens, num_tokens, page_size)
+    valid = torch.arange(num_tokens, device=context_lens.device)[None, :] < context_lens[:, None]
+    mask = torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill_(~valid, float("-inf"))
+    return num_tokens, flat, mask[:, None, None, :]
+
+
+_LAST_PLAN = LastCall()   # the layers of one forward share the plan
+
+
 def _compute_dtype(q: torch.Tensor) -> torch.dtype:
     # fp32 everywhere on CPU (bf16/fp16 matmuls there are slow and less exact); half types stay on GPU
     return torch.float32 if q.device.type == "cpu" else q.dtype
@@ -66,18 +82,17 @@ def paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_
                                      k_scale=None, v_scale=None, out=None):
     # q: [B, heads, head_dim] -> out [B, heads, head_dim]; an empty context gives zeros
     batch, heads, head_dim = q.shape
-    num_tokens = int(context_lens.max()) if batch else 0
+    cd = _compute_dtype(q)
+    num_tokens, flat, mask = _LAST_PLAN.get((block_tables, context_lens), (batch, k_cache.shape[1], cd),
+                                            lambda: decode_plan(block_tables, context_lens, k_cache.shape[1], cd))
     if num_tokens == 0:
         y = torch.zeros_like(q)
         return y if out is None else out.copy_(y)
-    cd = _compute_dtype(q)
-    flat = page_index(block_tables, context_lens, num_tokens, k_cache.shape[1])   # shared by K and V
     k = gather_index(k_cache, k_scale, flat, batch, num_tokens, cd)
     v = gather_index(v_cache, v_scale, flat, batch, num_tokens, cd)
-    valid = torch.arange(num_tokens, device=q.device)[None, :] < context_lens[:, None]
     # k, v: [B, N, kv_heads, D] -> [B, kv_heads, N, D]; q: [B, heads, 1, D]; GQA inside SDPA
     y = torch.nn.functional.scaled_dot_product_attention(
-        q.to(cd)[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, None, :],
+        q.to(cd)[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
         scale=sm_scale, enable_gqa=True)
     y = torch.nan_to_num(y[:, :, 0, :], nan=0.0).to(q.dtype)   # all-masked rows (empty context) -> 0
     return y if out is None else out.copy_(y)

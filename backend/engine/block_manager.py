@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import NamedTuple
 
+from backend.engine.block_table import BlockTables
 from backend.engine.sequence import Sequence
 
 
@@ -28,10 +29,12 @@ class OutOfPages(RuntimeError):
 
 
 class BlockManager:
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_cache: bool = True) -> None:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_cache: bool = True,
+                 tables: BlockTables | None = None) -> None:
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_prefix_cache = enable_prefix_cache
+        self.tables = tables or BlockTables()   # mirrors every seq.block_table as it changes
         self.ref = [0] * num_pages
         self.free_uncached: list[int] = list(range(num_pages - 1, -1, -1))
         self.free_cached: OrderedDict[int, None] = OrderedDict()   # LRU: oldest first
@@ -92,11 +95,21 @@ class BlockManager:
                 self.free_cached.pop(pg, None)
             self.ref[pg] += 1
 
+    def assign(self, seq: Sequence, pages: list[int]) -> None:
+        """seq (holding no pages) starts with the cached `pages`, acquired here."""
+        if seq.block_table:
+            raise RuntimeError(f"assign: {seq.request_id} already holds {len(seq.block_table)} pages")
+        self.acquire_cached(pages)
+        seq.block_table = list(pages)
+        self.tables.set(seq, seq.block_table)
+
     def allocate(self, seq: Sequence, num_pages: int) -> None:
         if num_pages > self.num_free:
             raise OutOfPages(f"Cannot allocate {num_pages} pages: {self.num_free} free")
+        start = len(seq.block_table)
         for _ in range(num_pages):
             seq.block_table.append(self._take_free())
+        self.tables.append(seq, start, seq.block_table[start:])
 
     def ensure_capacity(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow seq's block table to hold num_tokens; False (nothing changed) if pages run out."""
@@ -150,6 +163,7 @@ class BlockManager:
         for page in reversed(seq.block_table):
             self.release(page)
         seq.block_table = []
+        self.tables.release(seq)
 
     def release(self, page: int) -> None:
         self.ref[page] -= 1

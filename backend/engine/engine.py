@@ -65,12 +65,13 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.runner = ModelRunner(model, self.cfg)
-        self.blocks = BlockManager(self.runner.num_pages, self.cfg.page_size, self.cfg.enable_prefix_cache)
+        self.max_model_len = min(self.cfg.max_model_len or model.cfg.max_position_embeddings,
+                                 model.cfg.max_position_embeddings)
+        self.blocks = BlockManager(self.runner.num_pages, self.cfg.page_size, self.cfg.enable_prefix_cache,
+                                   tables=self.runner.tables)
         self.scheduler = Scheduler(self.cfg, self.blocks)
         self.kv_format = kv_format_name(self.runner.kv_dtype)
         self.fingerprint = fingerprint or f"{model.cfg.architecture}-{model.cfg.num_layers}-{model.cfg.hidden_size}"
-        self.max_model_len = min(self.cfg.max_model_len or model.cfg.max_position_embeddings,
-                                 model.cfg.max_position_embeddings)
         eos = set(model.cfg.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer else set())
         self.eos_ids = eos
         self.observers: list[EngineObserver] = []

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from backend.engine.block_table import BlockTables
 from backend.engine.config import EngineConfig
 from backend.engine.scheduler import ScheduledBatch
 from backend.engine.sequence import Sequence
@@ -37,53 +39,61 @@ class ModelRunner:
                 torch.zeros(shape, dtype=self.kv_dtype, device=dev), torch.zeros(shape, dtype=self.kv_dtype, device=dev),
                 torch.ones(shape[:3], dtype=SCALE_DTYPE, device=dev) if fp8 else None,
                 torch.ones(shape[:3], dtype=SCALE_DTYPE, device=dev) if fp8 else None))
+        max_len = min(cfg.max_model_len or c.max_position_embeddings, c.max_position_embeddings)
+        self.tables = BlockTables(cfg.max_num_seqs, -(-max_len // cfg.page_size))   # kept by the BlockManager
+        self._stage = np.zeros((4, cfg.max_num_batched_tokens + cfg.max_num_seqs), dtype=np.int64)   # reused
 
-    def _table(self, seqs: list[Sequence]) -> torch.Tensor:
-        width = max((len(s.block_table) for s in seqs), default=0)
-        t = torch.zeros((len(seqs), max(width, 1)), dtype=torch.int32)
-        for i, s in enumerate(seqs):
-            t[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
-        return t
+    def _inputs(self, batch: ScheduledBatch) -> tuple[np.ndarray, list[int], np.ndarray, np.ndarray]:
+        """-> staging rows [ids, positions, slots, decode context lens] over the step's tokens (views of one
+        reused buffer), prefill cu_seqlens, and the decode/prefill block tables gathered from `tables`."""
+        p = self.cfg.page_size
+        nd = len(batch.decodes)
+        t = nd + sum(n for _, n in batch.prefills)
+        if t > self._stage.shape[1]:
+            self._stage = np.zeros((4, max(t, 2 * self._stage.shape[1])), dtype=np.int64)
+        ids, pos, slots, ctx = self._stage[:, :t]
+        dec = batch.decodes
+        if nd:
+            i = [s.num_computed_tokens for s in dec]
+            ids[:nd] = [s.last_token_id for s in dec]
+            pos[:nd] = i
+            slots[:nd] = [s.block_table[j // p] * p + j % p for s, j in zip(dec, i)]
+            ctx[:nd] = pos[:nd] + 1
+        cu = [0]
+        for s, n in batch.prefills:
+            start, lo = s.num_computed_tokens, nd + cu[-1]
+            ids[lo:lo + n] = s.all_ids[start:start + n]
+            r = np.arange(start, start + n)
+            pos[lo:lo + n] = r
+            slots[lo:lo + n] = np.asarray(s.block_table, dtype=np.int64)[r // p] * p + r % p
+            cu.append(cu[-1] + n)
+        dec_width = -(-int(ctx[:nd].max()) // p) if nd else 0
+        pre_width = max((len(s.block_table) for s, _ in batch.prefills), default=0)
+        return (self._stage[:, :t], cu, self.tables.gather(dec, dec_width),
+                self.tables.gather([s for s, _ in batch.prefills], pre_width))
 
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
-        """Run one step; returns the sequences that need a new token and their logits [n, vocab]."""
-        p = self.cfg.page_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        for s in batch.decodes:
-            i = s.num_computed_tokens
-            ids.append(s.all_ids[i])
-            pos.append(i)
-            slots.append(s.block_table[i // p] * p + i % p)
-        cu = [0]
-        pre_ctx: list[int] = []
-        for s, n in batch.prefills:
-            start = s.num_computed_tokens
-            all_ids = s.all_ids
-            ids.extend(all_ids[start:start + n])
-            r = range(start, start + n)
-            pos.extend(r)
-            bt = s.block_table
-            slots.extend(bt[i // p] * p + i % p for i in r)
-            cu.append(cu[-1] + n)
-            pre_ctx.append(start + n)
-        dev = self.model.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            num_decode=len(batch.decodes),
-            decode_block_tables=self._table(batch.decodes).to(dev),
-            decode_context_lens=torch.tensor([s.num_computed_tokens + 1 for s in batch.decodes], dtype=torch.int32,
-                                             device=dev),
-            prefill_block_tables=self._table([s for s, _ in batch.prefills]).to(dev),
-            prefill_cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-            prefill_context_lens=torch.tensor(pre_ctx, dtype=torch.int32, device=dev),
-        )
-        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, device=dev),
-                            self.kv, meta)
-        rows: list[int] = list(range(len(batch.decodes)))
-        need: list[Sequence] = list(batch.decodes)
+        """Run one step; returns the sequences that need a new token and their logits [n, vocab].
+        Block tables come from self.tables, which the BlockManager keeps in step with every seq.block_table."""
+        stage, cu, dec_tables, pre_tables = self._inputs(batch)
         nd = len(batch.decodes)
+        dev = self.model.device
+        host = torch.from_numpy(stage)
+        inputs = host.to(dev, non_blocking=True) if dev.type != "cpu" else host
+        ids, pos, slots, ctx = inputs
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            num_decode=nd,
+            decode_block_tables=torch.from_numpy(dec_tables).to(dev),
+            decode_context_lens=ctx[:nd].to(torch.int32),
+            prefill_block_tables=torch.from_numpy(pre_tables).to(dev),
+            prefill_cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            prefill_context_lens=torch.tensor([s.num_computed_tokens + n for s, n in batch.prefills],
+                                              dtype=torch.int32, device=dev),
+        )
+        hidden = self.model(ids, pos, self.kv, meta)
+        rows: list[int] = list(range(nd))
+        need: list[Sequence] = list(batch.decodes)
         for j, (s, n) in enumerate(batch.prefills):
             if s.num_computed_tokens + n == s.num_tokens:
                 rows.append(nd + cu[j + 1] - 1)

@@ -117,8 +117,7 @@ class Scheduler:
         need = self.blocks.pages_needed(cached + n) - len(pages)
         if not self.blocks.can_allocate(need, pages):
             return False
-        self.blocks.acquire_cached(pages)
-        seq.block_table = list(pages)
+        self.blocks.assign(seq, pages)
         self.blocks.allocate(seq, need)
         seq.num_computed_tokens = cached
         seq.page_hashes = list(hashes[: len(pages)])

@@ -41,6 +41,7 @@ class Sequence:
         self.emit = emit
         self.status = SeqStatus.WAITING
         self.block_table: list[int] = []
+        self.table_row = -1                 # its row in the BlockManager's BlockTables while it holds pages
         self.num_computed_tokens = 0        # tokens whose KV is in the cache
         self.num_cached_prompt_tokens = 0   # prompt tokens served from the prefix cache (first admission)
         self.page_hashes: list[bytes] = []  # hashes of the full pages so far
@@ -58,6 +59,10 @@ class Sequence:
         return self.prompt_ids + self.output_ids
 
     @property
+    def last_token_id(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
@@ -72,6 +77,8 @@ class Sequence:
     def extend_hashes(self) -> list[bytes]:
         """Hash newly full pages (of computed tokens); returns the new hashes."""
         p = self.key_ctx.page_size
+        if (len(self.page_hashes) + 1) * p > self.num_computed_tokens:
+            return []
         ids = self.all_ids
         new = []
         while (len(self.page_hashes) + 1) * p <= self.num_computed_tokens:

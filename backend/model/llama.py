@@ -50,13 +50,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype) if x.dtype != torch.float32 else xf * self.weight
+        # F.rms_norm: the same fp32 math as x * rsqrt(mean(x^2) + eps) * w (bit-identical), in fewer ops
+        if x.dtype == torch.float32:
+            return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return nn.functional.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)
 
 
 class Rotary(nn.Module):
-    cos: torch.Tensor   # buffers (register_buffer in __init__)
+    cos: torch.Tensor   # buffers (register_buffer in __init__): [max_pos, head_dim]
     sin: torch.Tensor
 
     def __init__(self, cfg: ModelConfig, device: torch.device) -> None:
@@ -65,21 +66,22 @@ class Rotary(nn.Module):
         inv = torch.tensor(inv_freq, dtype=torch.float64)
         t = torch.arange(cfg.max_position_embeddings, dtype=torch.float64)
         freqs = torch.outer(t, inv)
-        self.register_buffer("cos", (freqs.cos() * mscale).float().to(device), persistent=False)
-        self.register_buffer("sin", (freqs.sin() * mscale).float().to(device), persistent=False)
+        cos, sin = (freqs.cos() * mscale).float(), (freqs.sin() * mscale).float()
+        # HF "rotate_half" layout: x * [cos, cos] + [x2, x1] * [-sin, sin]
+        self.register_buffer("cos", torch.cat((cos, cos), -1).to(device), persistent=False)
+        self.register_buffer("sin", torch.cat((-sin, sin), -1).to(device), persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # once per forward: [T, 1, head_dim // 2] each
+        # once per forward: [T, 1, head_dim] each
         return self.cos.index_select(0, positions)[:, None, :], self.sin.index_select(0, positions)[:, None, :]
 
-    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], *xs: torch.Tensor) -> list[torch.Tensor]:
-        # x: [T, heads, head_dim]; HF "rotate_half" layout
+    @staticmethod
+    def rotate(cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        # x: [T, heads, head_dim] (q and k heads side by side: one pass rotates both)
         cos, sin = cos_sin
-        out = []
-        for x in xs:
-            x1, x2 = x.float().chunk(2, dim=-1)
-            out.append(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype))
-        return out
+        xf = x.float()
+        out = xf * cos + xf.roll(x.shape[-1] // 2, -1) * sin
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -93,21 +95,20 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         c = self.cfg
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = q.reshape(t, c.num_heads, c.head_dim)
-        k = k.reshape(t, c.num_kv_heads, c.head_dim)
-        v = v.reshape(t, c.num_kv_heads, c.head_dim).contiguous()
-        q, k = rotary(cos_sin, q, k)
+        qkv = self.qkv_proj(x)
+        qk = rotary.rotate(cos_sin, qkv[:, : c.q_size + c.kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim))
+        q, k = qk[:, : c.num_heads], qk[:, c.num_heads:].contiguous()
+        v = qkv[:, c.q_size + c.kv_size:].reshape(t, c.num_kv_heads, c.head_dim).contiguous()
         kernels.kv_store(k, v, kv.k, kv.v, meta.slot_mapping, kv.k_scale, kv.v_scale)
-        out = torch.empty_like(q)
         nd = meta.num_decode
         if nd:
-            out[:nd] = kernels.paged_decode_attention(q[:nd].contiguous(), kv.k, kv.v, meta.decode_block_tables,
-                                                      meta.decode_context_lens, self.scale, kv.k_scale, kv.v_scale)
+            dec = kernels.paged_decode_attention(q[:nd].contiguous(), kv.k, kv.v, meta.decode_block_tables,
+                                                 meta.decode_context_lens, self.scale, kv.k_scale, kv.v_scale)
         if t > nd:
-            out[nd:] = kernels.paged_prefill_attention(q[nd:].contiguous(), kv.k, kv.v, meta.prefill_block_tables,
-                                                       meta.prefill_cu_seqlens_q, meta.prefill_context_lens,
-                                                       self.scale, kv.k_scale, kv.v_scale)
+            pre = kernels.paged_prefill_attention(q[nd:].contiguous(), kv.k, kv.v, meta.prefill_block_tables,
+                                                  meta.prefill_cu_seqlens_q, meta.prefill_context_lens,
+                                                  self.scale, kv.k_scale, kv.v_scale)
+        out = dec if t == nd else pre if nd == 0 else torch.cat((dec, pre))
         return self.o_proj(out.reshape(t, c.q_size))
 
 
