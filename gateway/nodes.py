@@ -167,7 +167,7 @@ class NodePool:
             self._refused_metric.labels(why).inc()
         if r.node_id not in self._refusals_logged and len(self._refusals_logged) < 1024:
             self._refusals_logged.add(r.node_id)
-            log.warning("registry record of node %r (%s) refused: %s (expires_at %.1f, now %.1f); not probed, "
+            log.warning("registry record of node %r (%r) refused: %s (expires_at %.1f, now %.1f); not probed, "
                         "not routed to", r.node_id, r.url, why, r.expires_at, time.time())
         return False
 
