@@ -550,6 +550,7 @@ def attach_page_store(st, args) -> PageStoreBridge | None:
     """Called by backend.server.build_state: add the page store extension per the CLI flags."""
     from cache_store.index import RedisPageIndex
     from cache_store.keys import KeySpace
+    from cache_store.node_auth import NodeRecordKey
     from cache_store.registry import RedisNodeRegistry
     from cache_store.resilience import RedisGuard, redis_client
     from cache_store.store import HostPageStore, RedisPageStore
@@ -573,7 +574,9 @@ def attach_page_store(st, args) -> PageStoreBridge | None:
         if tier == "redis":
             tiers.append(("redis", RedisPageStore(client, keys=keys, guard=guard, timeout_s=2.0)))
         index = RedisPageIndex(client, keys=keys, guard=guard)
-        registry = RedisNodeRegistry(client, heartbeat_s=getattr(args, "heartbeat", 2.0), keys=keys, guard=guard)
+        secret = getattr(args, "internal_secret", None)   # None: --insecure-no-internal-auth, records unsigned
+        registry = RedisNodeRegistry(client, heartbeat_s=getattr(args, "heartbeat", 2.0), keys=keys, guard=guard,
+                                     signer=NodeRecordKey(secret) if secret else None)
     if not tiers:
         log.info("page store off: no tier (host store of 0 bytes and no redis tier)")
         return None

@@ -18,12 +18,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
 from cache_store.keys import KeySpace
 from cache_store.resilience import RedisGuard
+
+if TYPE_CHECKING:
+    from cache_store.node_auth import NodeRecordKey
 
 log = logging.getLogger(__name__)
 NodeState = Literal["active", "draining"]
@@ -41,6 +44,8 @@ class NodeRecord(msgspec.Struct, frozen=True):
     cache_hit_rate: float = 0.0  # cached prompt tokens / prompt tokens, recent window
     started_at: float = 0.0  # unix seconds
     updated_at: float = 0.0  # unix seconds of the heartbeat that wrote this record
+    expires_at: float = 0.0  # unix seconds after which a signed record is refused (cache_store.node_auth)
+    sig: str = ""  # hex HMAC over the other fields (cache_store.node_auth); empty without an internal secret
 
 
 _encoder = msgspec.json.Encoder()
@@ -78,13 +83,14 @@ class RedisNodeRegistry(NodeRegistry):
     """When Redis is unreachable, list_nodes returns the last listing it got (stale but usable)."""
 
     def __init__(self, client, *, heartbeat_s: float = 2.0, keys: KeySpace | None = None,
-                 guard: RedisGuard | None = None) -> None:
+                 guard: RedisGuard | None = None, signer: NodeRecordKey | None = None) -> None:
         if heartbeat_s <= 0:
             raise ValueError(f"heartbeat_s must be positive, got {heartbeat_s}")
         self.client = client
         self.heartbeat_s = heartbeat_s
         self.keys = keys or KeySpace()
         self.guard = guard or RedisGuard()
+        self.signer = signer  # signs every record this node writes (None: unsigned, no internal secret)
         self.round_trips = 0
         self._last_listing: list[NodeRecord] = []
 
@@ -95,7 +101,10 @@ class RedisNodeRegistry(NodeRegistry):
         return await pipe.execute(raise_on_error=False)
 
     async def heartbeat(self, record: NodeRecord) -> bool:
-        blob = _encoder.encode(_stamped(record))
+        stamped = _stamped(record)
+        if self.signer is not None:
+            stamped = self.signer.sign(stamped, self.ttl_s)
+        blob = _encoder.encode(stamped)
         ttl_ms = max(1, int(self.ttl_s * 1000))
 
         def fill(pipe) -> None:

@@ -94,12 +94,18 @@ class GatewayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return (os.environ.get(self.server.page_seed_env) or self.server.page_seed).encode()
 
     @property
-    def internal_auth(self) -> dict[str, str]:
-        """Headers proving to a backend that this is the gateway (empty without a secret)."""
+    def internal_secret(self) -> str:
+        """The secret shared with the backends ("" without one): sent on /internal/*, checks node records."""
         secret = (os.environ.get(self.server.internal_secret_env) or self.server.internal_secret).strip()
         if any(c.isspace() or not c.isprintable() for c in secret):
             raise ConfigError(f"the internal secret (${self.server.internal_secret_env} or server.internal_secret) "
                               "must be printable characters without whitespace")
+        return secret
+
+    @property
+    def internal_auth(self) -> dict[str, str]:
+        """Headers proving to a backend that this is the gateway (empty without a secret)."""
+        secret = self.internal_secret
         return {"authorization": f"Bearer {secret}"} if secret else {}
 
     @property

@@ -47,6 +47,9 @@ class Metrics:
         self.aborts = Counter(p + "client_aborts_total", "client went away; backend request aborted",
                               ["tenant", "model"], registry=r)
         self.inflight = Gauge(p + "inflight_requests", "requests being served", registry=r)
+        self.node_records_refused = Counter(p + "node_records_refused_total",
+                                            "registry node records not believed (unsigned, bad signature, expired)",
+                                            ["reason"], registry=r)
         self.limiter_fallbacks = Gauge(p + "ratelimit_redis_failures", "Redis limiter calls that fell back",
                                        registry=r)
 

@@ -8,6 +8,12 @@ gateway.upstream) when another node can take it. A node whose last answer is old
 `stale_after_s` is not routable either. A node that fails a request is marked down at once (passive
 check) until a probe succeeds again.
 
+With an internal secret, a registry record is believed only when signed by a holder of that secret and
+not expired (cache_store.node_auth): Redis is untrusted, and the gateway sends its secret and tenants'
+prompts to the nodes in its pool. A refused record is ignored (counted, logged once per node id); a node
+already in the pool under that id is neither updated nor replaced by it. Without a secret every record is
+believed (insecure backends: there is nothing to sign with).
+
 A registry node that the listing misses (Redis restarted empty, a listing failed) stays: it leaves
 only when its own probe fails, when another id lists its URL, or after `forget_after_s` unlisted.
 """
@@ -19,11 +25,17 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import aiohttp
 import msgspec
 
 from backend.protocol import BackendInfo, info_decoder
+from cache_store.node_auth import NodeRecordKey
+from cache_store.registry import NodeRecord
+
+if TYPE_CHECKING:
+    from prometheus_client import Counter
 
 log = logging.getLogger(__name__)
 _NO_ANSWER = (TimeoutError, aiohttp.ClientConnectionError, OSError)
@@ -89,7 +101,8 @@ class Node:
 
 class NodePool:
     def __init__(self, session_getter, static: list[Node], registry=None, interval_s: float = 1.0,
-                 stale_intervals: int = 3, forget_after_s: float = 60.0) -> None:
+                 stale_intervals: int = 3, forget_after_s: float = 60.0, record_key: NodeRecordKey | None = None,
+                 refused: Counter | None = None) -> None:
         self._session = session_getter
         self.registry = registry
         self.interval_s = interval_s
@@ -98,6 +111,9 @@ class NodePool:
         self.probe_timeout_s = max(0.5, (stale_intervals - 1) * interval_s)
         self.stale_after_s = interval_s + self.probe_timeout_s
         self.forget_after_s = forget_after_s
+        self.record_key = record_key
+        self._refused_metric = refused
+        self._refusals_logged: set[str] = set()
         self.nodes: dict[str, Node] = {}
         for n in static:
             self._adopt(n)
@@ -120,6 +136,8 @@ class NodePool:
         now = time.monotonic()
         seen = set()
         for r in records:
+            if not self._believed(r):
+                continue
             seen.add(r.node_id)
             node = self.nodes.get(r.node_id)
             if node is None or node.url != r.url.rstrip("/") or node.version != r.version:
@@ -139,6 +157,19 @@ class NodePool:
                 continue   # e.g. Redis restarted empty: keep it until it re-registers or stops answering
             log.info("node %s (%s) leaves the pool: %s", node.node_id, node.url, why)
             del self.nodes[node.node_id]
+
+    def _believed(self, r: NodeRecord) -> bool:
+        why = None if self.record_key is None else self.record_key.refusal(r)
+        if why is None:
+            self._refusals_logged.discard(r.node_id)
+            return True
+        if self._refused_metric is not None:
+            self._refused_metric.labels(why).inc()
+        if r.node_id not in self._refusals_logged and len(self._refusals_logged) < 1024:
+            self._refusals_logged.add(r.node_id)
+            log.warning("registry record of node %r (%r) refused: %s (expires_at %.1f, now %.1f); not probed, "
+                        "not routed to", r.node_id, r.url, why, r.expires_at, time.time())
+        return False
 
     async def probe(self, node: Node) -> None:
         session: aiohttp.ClientSession = self._session()

@@ -14,6 +14,7 @@ import aiohttp
 from aiohttp import web
 
 from cache_store.index import InMemoryPageIndex
+from cache_store.node_auth import NodeRecordKey
 from gateway import config as config_mod
 from gateway.admission import Admission, RedisAdmission
 from gateway.config import GatewayConfig, TenantConfig
@@ -106,8 +107,11 @@ def build_state(cfg: GatewayConfig, models: dict[str, ServedModel] | None = None
         return holder["state"].get_session()
 
     nodes = [Node(n.id, n.url, n.model) for n in cfg.nodes]
+    secret = cfg.internal_secret
     pool = NodePool(session, nodes, registry=registry, interval_s=s.health_interval_s,
-                    stale_intervals=s.health_stale_intervals)
+                    stale_intervals=s.health_stale_intervals,
+                    record_key=NodeRecordKey(secret) if secret else None,
+                    refused=metrics.node_records_refused)
     if index is None:
         index = InMemoryPageIndex()
     router = Router(index, cfg.seed, s.route_load_cost_tokens, s.route_affinity_tokens)

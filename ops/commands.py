@@ -7,7 +7,9 @@
 
 NODE is a node id from the registry or a backend URL (http://host:port). The registry is
 --redis-url (EDGEINFER_REDIS_URL) with --redis-key-prefix (default ei). Admin calls use
---operator-key or, better (not visible in `ps`), EDGEINFER_OPERATOR_KEY. Exit codes: 0 ok,
+--operator-key or, better (not visible in `ps`), EDGEINFER_OPERATOR_KEY. With EDGEINFER_INTERNAL_SECRET set,
+registry records not signed with it (cache_store.node_auth) are left out (named on stderr): the operator
+key is then sent only to genuine nodes; without it every record is shown and used as before. Exit codes: 0 ok,
 1 failed (a rollout that failed and was rolled back), 2 usage or setup error, 3 rollback failed.
 """
 
@@ -93,7 +95,22 @@ def list_nodes(args: argparse.Namespace, model: str | None = None) -> list:
         finally:
             await client.aclose()
 
-    return sorted(asyncio.run(go()), key=lambda r: r.node_id)
+    return sorted(_believed(asyncio.run(go())), key=lambda r: r.node_id)
+
+
+def _believed(records: list) -> list:
+    secret = os.environ.get("EDGEINFER_INTERNAL_SECRET", "").strip()
+    if not secret:
+        return records
+    from cache_store.node_auth import NodeRecordKey
+
+    key, kept = NodeRecordKey(secret), []
+    for r in records:
+        if (why := key.refusal(r)) is None:
+            kept.append(r)
+        else:
+            print(f"warning: registry record of node {r.node_id!r} ({r.url}) left out: {why}", file=sys.stderr)
+    return kept
 
 
 def resolve(args: argparse.Namespace, node: str) -> tuple[str, str]:

@@ -22,7 +22,7 @@ import requests
 from backend.protocol import GenerateRequest, SamplingParams, chunk_decoder
 from cache_store.codec import ENVELOPE_BYTES, TAG_BYTES, DecodedPage, PageKey, decode
 from cache_store.page_id import PageKeyContext, page_hashes
-from tests.backend_process import INTERNAL_AUTH, BackendProcess
+from tests.backend_process import INTERNAL_AUTH, INTERNAL_SECRET, BackendProcess
 from tests.redis_server import ValkeyServer
 
 pytestmark = pytest.mark.slow
@@ -135,6 +135,26 @@ def test_prompt_prefilled_on_a_is_served_by_b_from_the_store(nodes, valkey):
     _, listed = asyncio.run(_redis_view(valkey.url, info["model"], hashes))
     assert {r.node_id: (r.url, r.state) for r in listed} == {"store-a": (a.url, "active"),
                                                              "store-b": (b.url, "active")}
+
+
+def test_backends_sign_their_registry_records_with_the_internal_secret(nodes, valkey):
+    """A real backend's heartbeat writes a record the gateway verifies (cache_store.node_auth)."""
+    from cache_store.node_auth import NodeRecordKey
+    from cache_store.registry import RedisNodeRegistry
+    from cache_store.resilience import redis_client
+
+    async def listing() -> list:
+        client = redis_client(valkey.url)
+        try:
+            return await RedisNodeRegistry(client).list_nodes()
+        finally:
+            await client.aclose()
+
+    listed = asyncio.run(listing())
+    assert {r.node_id for r in listed} >= {"store-a", "store-b"}
+    for r in listed:
+        assert NodeRecordKey(INTERNAL_SECRET).refusal(r) is None, r
+        assert NodeRecordKey("not-this-deployments-secret").refusal(r) == "bad_signature"
 
 
 def test_redis_killed_mid_load_backends_keep_answering_and_resume_caching(nodes, valkey):

@@ -115,3 +115,35 @@ async def test_heartbeat_puts_the_whole_record_back_soon_after_redis_restarts_em
         await asyncio.gather(beats, return_exceptions=True)
         await client.aclose()
         server.stop()
+
+
+SECRET = "node-registry-test-internal-secret"
+
+
+async def test_signed_heartbeat_is_verified_and_every_field_is_covered(redis, guard):
+    from cache_store.node_auth import NodeRecordKey
+
+    key = NodeRecordKey(SECRET, clock_skew_s=0.0)
+    reg = RedisNodeRegistry(redis, heartbeat_s=5, guard=guard, signer=key)
+    await reg.register(record("n1", running=2))
+    (n1,) = await reg.list_nodes()
+    assert n1.sig and n1.expires_at == pytest.approx(n1.updated_at + 15)
+    assert key.refusal(n1) is None
+    assert NodeRecordKey("another-deployment-secret").refusal(n1) == "bad_signature"
+    assert key.refusal(msgspec.structs.replace(n1, sig="")) == "unsigned"
+    changes = {"node_id": "n2", "url": "http://10.6.6.6:8000", "model": "other", "version": "9", "state": "draining",
+               "running": 0, "waiting": 5, "kv_usage": 0.9, "cache_hit_rate": 0.5, "started_at": 1.0,
+               "updated_at": n1.updated_at + 3600, "expires_at": n1.expires_at + 3600}
+    assert set(changes) | {"sig"} == set(NodeRecord.__struct_fields__)
+    for name, value in changes.items():
+        assert key.refusal(msgspec.structs.replace(n1, **{name: value})) == "bad_signature", name
+    assert key.refusal(n1, now=n1.expires_at) is None
+    assert key.refusal(n1, now=n1.expires_at + 0.01) == "expired"
+    assert NodeRecordKey(SECRET, clock_skew_s=5.0).refusal(n1, now=n1.expires_at + 4.9) is None
+
+
+async def test_unsigned_registry_writes_unsigned_records(redis, guard):
+    reg = RedisNodeRegistry(redis, heartbeat_s=5, guard=guard)
+    await reg.register(record("n1"))
+    (n1,) = await reg.list_nodes()
+    assert (n1.sig, n1.expires_at) == ("", 0.0)

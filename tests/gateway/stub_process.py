@@ -3,7 +3,9 @@ take (SIGSTOP, SIGKILL), optionally registered in a real Redis by the backends' 
 (cache_store.registry.keep_registered over a RedisNodeRegistry, as backend.store_bridge does).
 
   python -m tests.gateway.stub_process --node-id N --tokenizer DIR [--port P] [--redis-url URL]
-      [--heartbeat S] [--first-token-delay S] [--token-delay S]
+      [--heartbeat S] [--first-token-delay S] [--token-delay S] [--internal-secret S]
+
+--internal-secret: /internal/* wants it, and the registry records are signed with it (as a real backend).
 
 Prints one JSON line {"port": P} once listening; SIGTERM stops listening, then deregisters. GET /stub/stats answers what the stub saw:
 request ids received, completed, aborted (/internal/abort), disconnected mid-request.
@@ -33,6 +35,7 @@ async def serve(args: argparse.Namespace) -> None:
     stub = StubBackend(args.node_id, Tokenizer.from_dir(args.tokenizer))
     stub.behaviour.first_token_delay_s = args.first_token_delay
     stub.behaviour.token_delay_s = args.token_delay
+    stub.secret = args.internal_secret
     app = stub.app()
 
     async def stats(request: web.Request) -> web.Response:
@@ -47,11 +50,13 @@ async def serve(args: argparse.Namespace) -> None:
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     beats = registry = None
     if args.redis_url:
+        from cache_store.node_auth import NodeRecordKey
         from cache_store.registry import NodeRecord, RedisNodeRegistry, keep_registered
         from cache_store.resilience import RedisGuard, redis_client
 
         registry = RedisNodeRegistry(redis_client(args.redis_url), heartbeat_s=args.heartbeat,
-                                     guard=RedisGuard(timeout_s=0.5))
+                                     guard=RedisGuard(timeout_s=0.5),
+                                     signer=NodeRecordKey(args.internal_secret) if args.internal_secret else None)
         started = time.time()
 
         def record() -> NodeRecord:
@@ -116,6 +121,7 @@ def main() -> None:
     p.add_argument("--heartbeat", type=float, default=0.5)
     p.add_argument("--first-token-delay", type=float, default=0.0)
     p.add_argument("--token-delay", type=float, default=0.0)
+    p.add_argument("--internal-secret", default="")
     asyncio.run(serve(p.parse_args()))
 
 

@@ -46,3 +46,38 @@ def test_unreachable_node_is_not_healthy():
     assert not h.ok and "127.0.0.1:9" in h.error
     assert "not healthy after 0.3s" in node.wait_healthy(0.3, poll_s=0.1)
     assert not node.canary(timeout_s=0.5).ok
+
+
+def test_status_leaves_out_records_not_signed_with_the_internal_secret(capsys, monkeypatch):
+    import json
+    import time
+
+    import msgspec
+    import redis
+
+    from cache_store.node_auth import NodeRecordKey
+    from cache_store.registry import NodeRecord
+    from tests.redis_server import ValkeyServer
+
+    secret = "ops-test-internal-secret-0123"
+    now = time.time()
+    genuine = NodeRecordKey(secret).sign(NodeRecord("real", "http://10.0.0.5:8100", "smol", "v1", updated_at=now), 60)
+    forged = NodeRecord("evil", "http://10.6.6.6:8100", "smol", "v1", updated_at=now)
+    server = ValkeyServer().start()
+    try:
+        r = redis.Redis.from_url(server.url)
+        for rec in (genuine, forged):
+            r.set(f"ei:node:{rec.node_id}", msgspec.json.encode(rec))
+            r.sadd("ei:nodes", rec.node_id)
+        monkeypatch.delenv("EDGEINFER_INTERNAL_SECRET", raising=False)
+        assert run("ops", ["status", "--json", "--redis-url", server.url]) == 0   # no secret: shown as before
+        assert [n["node_id"] for n in json.loads(capsys.readouterr().out)] == ["evil", "real"]
+        monkeypatch.setenv("EDGEINFER_INTERNAL_SECRET", secret)
+        assert run("ops", ["status", "--json", "--redis-url", server.url]) == 0
+        out, err = capsys.readouterr()
+        assert [n["node_id"] for n in json.loads(out)] == ["real"]
+        assert "'evil'" in err and "unsigned" in err and secret not in err
+        assert run("ops", ["drain", "evil", "--redis-url", server.url, "--operator-key", "k"]) == 2
+        assert "unknown node 'evil'" in capsys.readouterr().err
+    finally:
+        server.stop()
