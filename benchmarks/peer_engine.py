@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 def served_engine():
     from backend.server import build_state, parse_args
 
-    args = parse_args(["--store-tier", "none", "--log-level", "WARNING"])
+    args = parse_args(["--store-tier", "none", "--log-level", "WARNING", "--insecure-no-internal-auth"])  # in-process: no HTTP
     return build_state(args).engine, args
 
 
