@@ -211,7 +211,7 @@ def test_backend_and_gateway_default_to_the_native_import(native_dir):
     from gateway.models import resolve_tokenizer_dir
 
     assert native_dir == native_default_dir() and resolve_tokenizer_dir("default") == native_dir
-    st = build_state(parse_args(["--store-tier", "none", "--num-pages", "32"]))
+    st = build_state(parse_args(["--store-tier", "none", "--num-pages", "32", "--insecure-no-internal-auth"]))
     model = st.engine.model
     assert st.engine.model_name == "SmolLM2-135M-Instruct"
     assert isinstance(model.embed_tokens, Q8Embedding)
