@@ -146,20 +146,21 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=generate_latest(st.metrics.registry), content_type="text/plain")
 
 
-def _operator_ok(request: web.Request) -> bool:
-    key = request.app[STATE].operator_key
-    if not key:
-        return False
+def _bearer_is(request: web.Request, key: str) -> bool:
     got = request.headers.get("authorization", "")
     return hmac.compare_digest(got.encode(errors="surrogateescape"), f"Bearer {key}".encode())  # non-UTF-8: 401
+
+
+def _operator_ok(request: web.Request) -> bool:
+    key = request.app[STATE].operator_key
+    return key is not None and key != "" and _bearer_is(request, key)
 
 
 def _internal_ok(request: web.Request) -> bool:
     secret = request.app[STATE].internal_secret
     if secret is None:
         return True
-    got = request.headers.get("authorization", "")
-    return hmac.compare_digest(got.encode(), f"Bearer {secret}".encode()) or _operator_ok(request)
+    return _bearer_is(request, secret) or _operator_ok(request)
 
 
 @web.middleware

@@ -7,6 +7,7 @@ wrapped by a recorder that delegates to them, so a test can tell that a refused 
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import aiohttp
 import msgspec
@@ -159,6 +160,26 @@ async def test_a_non_ascii_or_huge_authorization_header_is_a_401_not_a_crash(bac
         async with http.post("/internal/generate", json=body("odd"),
                              headers={"authorization": value.encode("utf-8").decode("latin-1")}) as r:
             assert r.status == 401
+    assert rec.calls == []
+
+
+def _raw_status(port: int, request: bytes) -> int:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(request)
+        head = b""
+        while b"\r\n" not in head:
+            head += s.recv(4096)
+    return int(head.split()[1])
+
+
+async def test_a_non_utf8_authorization_header_is_a_401_not_a_crash(backend):
+    _, http, rec = backend
+    port = http._base_url.port
+    for auth in (b"Bearer \xff\xfe", b"Bearer " + SECRET.encode() + b"\xc3"):
+        status = await asyncio.to_thread(
+            _raw_status, port, b"POST /internal/generate HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n"
+            b"Authorization: " + auth + b"\r\nConnection: close\r\n\r\n")
+        assert status == 401
     assert rec.calls == []
 
 
