@@ -23,7 +23,6 @@ from backend.protocol import GenerateRequest, SamplingParams, chunk_decoder
 from cache_store.codec import ENVELOPE_BYTES, TAG_BYTES, DecodedPage, PageKey, decode
 from cache_store.page_id import PageKeyContext, page_hashes
 from tests.backend_process import INTERNAL_AUTH, INTERNAL_SECRET, BackendProcess
-from tests.redis_server import ValkeyServer
 
 pytestmark = pytest.mark.slow
 SEED = "page-store-test-seed"
@@ -69,15 +68,6 @@ def wait_for(cond, timeout_s: float, what: str) -> None:
             return
         time.sleep(0.1)
     raise TimeoutError(f"{what}: not within {timeout_s}s")
-
-
-@pytest.fixture(scope="module")
-def valkey():
-    server = ValkeyServer().start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,6 @@ from backend.protocol import GenerateRequest, SamplingParams
 from cache_store import codec
 from cache_store.codec import ENVELOPE_BYTES, MAC_BYTES, SALT_BYTES, DecodedPage, PageKey, decode, encode
 from cache_store.page_id import page_hashes
-from tests.redis_server import ValkeyServer
 
 pytestmark = pytest.mark.slow
 KEY = PageKey.from_secret(b"deployment-page-key-for-tests")
@@ -40,15 +39,6 @@ def parts(blob: bytes) -> tuple[bytes, bytes, bytes]:
     header_len = int.from_bytes(blob[8:12], "little")
     return (blob[:ENVELOPE_BYTES], blob[ENVELOPE_BYTES:ENVELOPE_BYTES + header_len],
             blob[ENVELOPE_BYTES + header_len:len(blob) - SALT_BYTES - MAC_BYTES])
-
-
-@pytest.fixture(scope="module")
-def valkey():
-    server = ValkeyServer().start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
