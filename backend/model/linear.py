@@ -9,11 +9,14 @@ import torch
 from torch import nn
 
 import kernels
+import kernels.cpu as cpu_kernels
 from backend.model.gguf_blocks import dequantize_int8
 from backend.quant.packing import group_dequantize_mins, unpack_uint4
 
 PREPACK_ENV = "EDGEINFER_CPU_PREPACK"
 PREPACK_BATCH_HINT = 64   # oneDNN picks its blocking for this many rows (a hint of 1 was 2x slower at 32 rows)
+DENSE_MIN_ROWS = 64       # from this many rows kernels.cpu dequantizes to a scratch fp32 weight and runs a GEMM
+                          # (benchmarks/bench_cpu_kernels.py: the int8-dot kernel wins below, the GEMM above)
 
 
 def cpu_prepack_enabled() -> bool:
@@ -91,7 +94,10 @@ class W4A16Linear(nn.Module):
     Or, with `mins` instead of zeros (GGUF Q4_1, exact): w = q * scale + min.
 
     On CUDA: kernels.w4a16_gemm (Triton). On CPU the reference dequantizes the whole weight every call;
-    `prepack()` instead repacks it once for torch's CPU int4 GEMM (`_weight_int4pack_mm_for_cpu`, as
+    `prepack()` instead packs the `mins` form (group a multiple of 32) once into GGUF Q4_1 blocks for
+    kernels.cpu (activations quantized to int8 per 32, integer dots, as llama.cpp; from DENSE_MIN_ROWS rows a
+    dequantize into a reused scratch buffer then a dense GEMM), or, where those are off or unavailable
+    (kernels.cpu.MODE_ENV) and for the `zeros` form, repacks it once for torch's CPU int4 GEMM (`_weight_int4pack_mm_for_cpu`, as
     gpt-fast/torchao use): still 4 bits a weight in memory, activations through it in bf16 and the fp16
     scales and zero points rounded to bf16 (the op's format: w = (q - 8) * s + z', z' = (8 - zero) * s,
     or z' = min + 8 * s).
@@ -121,6 +127,7 @@ class W4A16Linear(nn.Module):
         self.int4pack: torch.Tensor | None = None                    # CPU: torch's packed int4 layout
         self.scales_and_zeros: torch.Tensor | None = None            # [in//op_group, out, 2] bf16
         self._op_group = group_size                                    # group the CPU int4 GEMM runs with
+        self.q4_1_blocks: torch.Tensor | None = None                 # CPU: [out, in//32 * 20] for kernels.cpu
 
     @property
     def out_features(self) -> int:
@@ -138,12 +145,17 @@ class W4A16Linear(nn.Module):
 
     @property
     def prepacked(self) -> bool:
-        return self.int4pack is not None
+        return self.int4pack is not None or self.q4_1_blocks is not None
 
     def prepack(self) -> bool:
-        """CPU only: repack for torch's int4 CPU GEMM and free the original buffers. False, changing
-        nothing, where the op, the device or the group size does not allow it."""
-        if self.int4pack is not None:
+        """CPU only: pack for kernels.cpu (mins form) or torch's int4 CPU GEMM and free the original buffers.
+        False, changing nothing, where the op, the device or the group size does not allow it."""
+        if self.prepacked:
+            return True
+        if (self.mins is not None and self.group_size % cpu_kernels.BLOCK == 0 and self.qweight.device.type == "cpu"
+                and cpu_kernels.enabled()):
+            self.q4_1_blocks = cpu_kernels.pack_q4_1(self.qweight, self.scales, self.mins, self.group_size)
+            self.qweight = self.scales = self.mins = None  # type: ignore[assignment]
             return True
         group = int4_cpu_group(self.group_size)
         if self.qweight.device.type != "cpu" or group is None or not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
@@ -171,7 +183,15 @@ class W4A16Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        if self.int4pack is not None:
+        if self.q4_1_blocks is not None:
+            n, k = self._shape
+            x2 = x.reshape(-1, k).to(torch.float32).contiguous()            # [rows, in] -> [rows, out]
+            if x2.shape[0] < DENSE_MIN_ROWS:
+                y = cpu_kernels.q4_1_gemm(x2, self.q4_1_blocks)
+            else:
+                y = x2 @ cpu_kernels.q4_1_dequant(self.q4_1_blocks, cpu_kernels.scratch(n, k)).t()
+            y = y.reshape(*x.shape[:-1], n)
+        elif self.int4pack is not None:
             assert self.scales_and_zeros is not None   # set together with int4pack
             # x: [..., in] -> [..., out]
             y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, self._shape[1]).to(torch.bfloat16), self.int4pack,
@@ -224,3 +244,34 @@ class Q8Embedding(nn.Module):
         if dim != 0:
             raise ValueError(f"Q8Embedding.index_select: dim={dim}, only rows (0)")
         return self.dequantize(index)
+
+
+class Q8Linear(nn.Module):
+    """y = x @ W.T for a GGUF Q8_0 table (int8 [out, in] + fp16 scales per 32) on kernels.cpu's int8 dots, with
+    the activations quantized to int8 per 32 (llama.cpp's Q8_0 x Q8_1): the tied head of a Q8_0 embedding,
+    sharing its buffers (a quarter of the fp32 copy's bytes read per step, no copy held)."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def prepacked(self) -> bool:
+        return False            # holds no copy beyond its (shared) buffers, counted by the model once
+
+    def weight_bytes(self) -> int:
+        return self.qweight.numel() + self.scales.numel() * self.scales.element_size()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in] -> [..., out] fp32
+        k = self.qweight.shape[1]
+        y = cpu_kernels.q8_0_gemm(x.reshape(-1, k).to(torch.float32).contiguous(), self.qweight, self.scales)
+        return y.reshape(*x.shape[:-1], self.qweight.shape[0])

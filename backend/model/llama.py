@@ -16,8 +16,9 @@ from safetensors import safe_open
 from torch import nn
 
 import kernels
+import kernels.cpu as cpu_kernels
 from backend.model.config import CheckpointError, ModelConfig, rope_inv_freq
-from backend.model.linear import DenseLinear, Q8Embedding, W4A16Linear, cpu_prepack_enabled
+from backend.model.linear import DenseLinear, Q8Embedding, Q8Linear, W4A16Linear, cpu_prepack_enabled
 
 
 @dataclass
@@ -159,7 +160,7 @@ class LlamaModel(nn.Module):
         # A Q8_0 embedding is tied through its dequantized copy (exact), which the head alone holds.
         if lm_head is None:
             lm_head = embed.dequantize() if isinstance(embed, Q8Embedding) else embed
-        self.lm_head_linear = DenseLinear(lm_head)
+        self.lm_head_linear: DenseLinear | Q8Linear = DenseLinear(lm_head)
         self.rotary = Rotary(cfg, device)
 
     @property
@@ -175,7 +176,7 @@ class LlamaModel(nn.Module):
         """The plain [vocab, hidden] head (the embedding when tied); None once an untied head is prepacked."""
         if self.tied_lm_head and not isinstance(self.embed_tokens, Q8Embedding):
             return self.embed_tokens
-        return self.lm_head_linear.weight
+        return getattr(self.lm_head_linear, "weight", None)
 
     @property
     def _head_shares_embedding(self) -> bool:
@@ -202,9 +203,15 @@ class LlamaModel(nn.Module):
         return self.lm_head_linear.weight_bytes() if tied else 0
 
     def prepack(self) -> int:
-        """Prepack every dense linear for oneDNN and every INT4 linear for torch's CPU int4 GEMM (CPU);
-        returns how many were packed."""
-        return sum(m.prepack() for m in self.modules() if isinstance(m, DenseLinear | W4A16Linear))
+        """Prepack every dense linear for oneDNN and every INT4 linear for kernels.cpu or torch's CPU int4
+        GEMM (CPU); a head tied to a Q8_0 embedding becomes a Q8Linear on the embedding's own int8 table
+        (where kernels.cpu is enabled), dropping its fp32 copy. Returns how many were packed."""
+        swapped = 0
+        if (isinstance(self.embed_tokens, Q8Embedding) and self.tied_lm_head and self.device.type == "cpu"
+                and isinstance(self.lm_head_linear, DenseLinear) and cpu_kernels.enabled()):
+            self.lm_head_linear = Q8Linear(self.embed_tokens.qweight, self.embed_tokens.scales)
+            swapped = 1
+        return swapped + sum(m.prepack() for m in self.modules() if isinstance(m, DenseLinear | W4A16Linear))
 
     def linear_weight_bytes(self) -> int:
         """Bytes of the decoder layers' linears (the lm_head is not one of them)."""

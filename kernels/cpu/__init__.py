@@ -1,0 +1,161 @@
+"""CPU kernels for GGUF-quantized weights (C++, AVX2/FMA/F16C), built on first use with
+torch.utils.cpp_extension into torch's extensions dir (one compile per source change, ~1 min).
+
+Ops (every one has a pure-torch reference with the same signature in kernels.cpu.reference):
+
+  q8_quantize(x [M, K] fp32) -> q [M, K] int8, d [M, K/32] fp32, s [M, K/32] fp32     (llama.cpp's Q8_1)
+  q4_1_gemm(x [M, K] fp32, blocks [N, K/32*20] uint8) -> [M, N] fp32                   (int8 dots, M small)
+  q8_0_gemm(x [M, K] fp32, qweight [N, K] int8, scales [N, K/32] fp16) -> [M, N] fp32
+  q4_1_dequant(blocks, out [N, K] fp32) -> out                                         (then a dense GEMM)
+
+`blocks` is GGUF's Q4_1 block (fp16 d, fp16 m, 16 bytes: byte j = q[j] | q[j+16] << 4; w = d * q + m),
+built once from our layout by pack_q4_1. A Q4_0 weight is the same with m = -8 d.
+
+EDGEINFER_CPU_KERNELS=auto (default) | ext | torch picks the CPU path of the native INT4 model:
+auto uses these kernels where `unavailable_reason()` is None and otherwise torch's int4 GEMM with one
+logged warning; ext requires them (an error naming the reason); torch never builds them.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import platform
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+
+from backend.quant.packing import unpack_uint4
+
+log = logging.getLogger(__name__)
+
+MODE_ENV = "EDGEINFER_CPU_KERNELS"
+MODES = ("auto", "ext", "torch")
+SOURCE = Path(__file__).with_name("q4.cpp")
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-g0"]
+BLOCK = 32
+Q4_1_BLOCK_BYTES = 20
+
+
+class KernelUnavailable(RuntimeError):
+    pass
+
+
+def mode() -> str:
+    value = os.environ.get(MODE_ENV, "auto")
+    if value not in MODES:
+        raise ValueError(f"{MODE_ENV}={value!r}; expected one of {', '.join(MODES)}")
+    return value
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+def unavailable_reason() -> str | None:
+    """None where the kernels can be built and run here; else why not (the capability check)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"CPU architecture {platform.machine()} (the kernels are x86-64 AVX2)"
+    missing = {"avx2", "fma", "f16c"} - _cpu_flags()
+    if missing:
+        return f"this CPU lacks {', '.join(sorted(missing))} (per /proc/cpuinfo)"
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        return f"no C++ compiler ({cxx!r} not on PATH; set CXX)"
+    from torch.utils.cpp_extension import is_ninja_available
+    if not is_ninja_available():
+        return "ninja is not installed (pip install ninja)"
+    return None
+
+
+@functools.cache
+def _ops():
+    """Build (first time, cached in torch's extensions dir) and load the extension; its ops namespace."""
+    reason = unavailable_reason()
+    if reason is not None:
+        raise KernelUnavailable(f"edgeinfer CPU kernels unavailable: {reason}")
+    from torch.utils.cpp_extension import load
+    load(name="edgeinfer_cpu_q4", sources=[str(SOURCE)], extra_cflags=CFLAGS, is_python_module=False,
+         verbose=False)
+    return torch.ops.edgeinfer_cpu
+
+
+@functools.cache
+def _auto_available() -> bool:
+    try:
+        _ops()
+    except (KernelUnavailable, RuntimeError, OSError) as e:   # the build's own failure text is in e
+        log.warning("%s; the INT4 model runs on torch's int4 GEMM instead (slower at decode). %s=torch "
+                    "silences this.", e, MODE_ENV)
+        return False
+    return True
+
+
+def enabled() -> bool:
+    """Whether the native INT4 model runs on these kernels on CPU (MODE_ENV, read at each model prepack).
+    auto falls back to torch's int4 GEMM, with one logged warning, where they are unavailable or fail to build;
+    ext raises KernelUnavailable (or the build's error) instead."""
+    m = mode()
+    if m == "torch":
+        return False
+    if m == "ext":
+        _ops()
+        return True
+    return _auto_available()
+
+
+_scratch = threading.local()
+
+
+def scratch(n: int, k: int) -> torch.Tensor:
+    """A reused fp32 [n, k] buffer, one per thread (grown to the largest weight asked for): the dequantized
+    weight of one layer at a time, never a permanent fp32 copy of the model."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < n * k:
+        buf = _scratch.buf = torch.empty(n * k, dtype=torch.float32)
+    return buf[: n * k].view(n, k)
+
+
+def ops():
+    return _ops()
+
+
+def pack_q4_1(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Our layout (qweight [N, K/2], low nibble = even k; scales, mins [N, K/group] fp16; group a multiple of
+    32) -> GGUF Q4_1 blocks [N, K/32 * 20] uint8, values bit for bit (a group of 64 is two blocks with the
+    same d and m)."""
+    if group_size % BLOCK:
+        raise ValueError(f"pack_q4_1: group_size {group_size} is not a multiple of {BLOCK}")
+    q = unpack_uint4(qweight)
+    n, k = q.shape
+    nb = k // BLOCK
+    q = q.reshape(n, nb, BLOCK)
+    qs = q[..., :16] | (q[..., 16:] << 4)                                        # [n, nb, 16]
+    rep = group_size // BLOCK
+    d = scales.to(torch.float16).repeat_interleave(rep, dim=1).contiguous().view(torch.uint8)   # [n, nb * 2]
+    m = mins.to(torch.float16).repeat_interleave(rep, dim=1).contiguous().view(torch.uint8)
+    return torch.cat([d.reshape(n, nb, 2), m.reshape(n, nb, 2), qs], dim=-1).reshape(n, nb * Q4_1_BLOCK_BYTES)
+
+
+def q8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _ops().q8_quantize(x)
+
+
+def q4_1_gemm(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    return _ops().q4_1_gemm(x, blocks)
+
+
+def q8_0_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return _ops().q8_0_gemm(x, qweight, scales)
+
+
+def q4_1_dequant(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    return _ops().q4_1_dequant(blocks, out)

@@ -1,0 +1,255 @@
+// CPU (AVX2/FMA/F16C) kernels for GGUF-quantized weights, llama.cpp-style: the activation rows are quantized
+// to int8 per block of 32 (scale d, and s = d * sum(q) for the min term), then integer dot products per block
+// (_mm256_maddubs_epi16 / _mm256_madd_epi16) accumulate in fp32. Threads: at::parallel_for over output rows.
+//
+// Layouts (the contract with kernels/cpu/__init__.py and kernels/cpu/reference.py):
+//   x       [M, K] fp32 contiguous, K % 32 == 0
+//   q4_1    [N, K/32 * 20] uint8: per block fp16 d, fp16 m, 16 bytes (byte j = q[j] | q[j + 16] << 4);
+//           w = d * q + m (GGUF Q4_1's block; Q4_0 is m = -8 d)
+//   q8_0    qweight [N, K] int8, scales [N, K/32] fp16; w = d * q
+//   out     [M, N] fp32
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+constexpr int64_t QK = 32;
+constexpr int64_t Q4_1_BYTES = 20;
+constexpr int64_t M_TILE = 4;
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float f16(const uint8_t* p) {
+  uint16_t h;
+  __builtin_memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// one block of 32 floats -> 32 int8, d, s
+inline void quantize_block(const float* x, int8_t* q, float* d, float* s) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v0 = _mm256_loadu_ps(x), v1 = _mm256_loadu_ps(x + 8), v2 = _mm256_loadu_ps(x + 16),
+         v3 = _mm256_loadu_ps(x + 24);
+  __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                           _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  const float amax = _mm_cvtss_f32(m);
+  const float db = amax / 127.f;
+  const float id = db != 0.f ? 1.f / db : 0.f;
+  const __m256 mul = _mm256_set1_ps(id);
+  constexpr int R = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  __m256i i0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v0, mul), R));
+  __m256i i1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v1, mul), R));
+  __m256i i2 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v2, mul), R));
+  __m256i i3 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v3, mul), R));
+  __m256i t = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+  __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+  t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+  t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
+  const int isum = _mm_cvtsi128_si32(t4);
+  i0 = _mm256_packs_epi32(i0, i1);
+  i2 = _mm256_packs_epi32(i2, i3);
+  i0 = _mm256_packs_epi16(i0, i2);
+  i0 = _mm256_permutevar8x32_epi32(i0, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), i0);
+  *d = db;
+  *s = db * static_cast<float>(isum);
+}
+
+struct Q8Rows {   // quantized activations: q [M, K], d and s [M, K/32]
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+};
+
+Q8Rows quantize_rows(const float* x, int64_t M, int64_t K) {
+  const int64_t nb = K / QK;
+  Q8Rows r{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb)};
+  at::parallel_for(0, M * nb, 256, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) quantize_block(x + b * QK, r.q.data() + b * QK, &r.d[b], &r.s[b]);
+  });
+  return r;
+}
+
+void check_x(const at::Tensor& x, int64_t K, const char* op) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), op,
+              ": x must be a contiguous CPU float32 [M, K] tensor, got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(x.size(1) == K, op, ": x has ", x.size(1), " columns, the weight ", K);
+}
+
+// out[m, n] for rows m0 .. m0 + T of one Q4_1 weight row
+template <int T>
+inline void q4_1_row(const uint8_t* w, int64_t nb, const Q8Rows& y, int64_t K, int64_t m0, float* out,
+                     int64_t N) {
+  const __m256i lo = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[T];
+  float summ[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps(), summ[t] = 0.f;
+  for (int64_t b = 0; b < nb; ++b, w += Q4_1_BYTES) {
+    const float dw = f16(w), mw = f16(w + 2);
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 4));
+    const __m256i qw = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), lo);
+    for (int t = 0; t < T; ++t) {
+      const int64_t r = (m0 + t) * nb + b;
+      const __m256i qy = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y.q.data() + r * QK));
+      const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(qw, qy), ones);
+      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dw * y.d[r]), _mm256_cvtepi32_ps(p), acc[t]);
+      summ[t] += mw * y.s[r];
+    }
+  }
+  for (int t = 0; t < T; ++t) out[(m0 + t) * N] = hsum(acc[t]) + summ[t];
+}
+
+template <int T>
+inline void q8_0_row(const int8_t* w, const uint8_t* ws, int64_t nb, const Q8Rows& y, int64_t m0, float* out,
+                     int64_t N) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const float dw = f16(ws + 2 * b);
+    const __m256i qw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * QK));
+    const __m256i aw = _mm256_sign_epi8(qw, qw);
+    for (int t = 0; t < T; ++t) {
+      const int64_t r = (m0 + t) * nb + b;
+      const __m256i qy = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y.q.data() + r * QK));
+      const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(qy, qw)), ones);
+      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dw * y.d[r]), _mm256_cvtepi32_ps(p), acc[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) out[(m0 + t) * N] = hsum(acc[t]);
+}
+
+template <typename Row>
+void over_rows(int64_t M, Row row) {   // full tiles of M_TILE rows, then the rest
+  int64_t m0 = 0;
+  for (; m0 + M_TILE <= M; m0 += M_TILE) row(std::integral_constant<int, M_TILE>{}, m0);
+  switch (M - m0) {
+    case 3: row(std::integral_constant<int, 3>{}, m0); break;
+    case 2: row(std::integral_constant<int, 2>{}, m0); break;
+    case 1: row(std::integral_constant<int, 1>{}, m0); break;
+    default: break;
+  }
+}
+
+int64_t grain(int64_t N) { return std::max<int64_t>(8, N / (4 * at::get_num_threads())); }
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> q8_quantize(const at::Tensor& x) {   // -> q, d, s
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % QK == 0, "q8_quantize: x must be [M, K] with K % 32 == 0, got ",
+              x.sizes());
+  check_x(x, x.size(1), "q8_quantize");
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
+  Q8Rows r = quantize_rows(x.data_ptr<float>(), M, K);
+  at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor d = at::empty({M, nb}, x.options()), s = at::empty({M, nb}, x.options());
+  std::copy(r.q.begin(), r.q.end(), q.data_ptr<int8_t>());
+  std::copy(r.d.begin(), r.d.end(), d.data_ptr<float>());
+  std::copy(r.s.begin(), r.s.end(), s.data_ptr<float>());
+  return {q, d, s};
+}
+
+at::Tensor q4_1_gemm(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() &&
+                  w.size(1) % Q4_1_BYTES == 0,
+              "q4_1_gemm: weight must be contiguous uint8 [N, K/32 * 20], got ", w.scalar_type(), " ", w.sizes());
+  const int64_t N = w.size(0), nb = w.size(1) / Q4_1_BYTES, K = nb * QK;
+  check_x(x, K, "q4_1_gemm");
+  const int64_t M = x.size(0);
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const Q8Rows y = quantize_rows(x.data_ptr<float>(), M, K);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, grain(N), [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      over_rows(M, [&](auto t, int64_t m0) {
+        q4_1_row<decltype(t)::value>(wp + n * nb * Q4_1_BYTES, nb, y, K, m0, op + n, N);
+      });
+    }
+  });
+  return out;
+}
+
+at::Tensor q8_0_gemm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scales) {
+  TORCH_CHECK(qw.device().is_cpu() && qw.scalar_type() == at::kChar && qw.dim() == 2 && qw.is_contiguous() &&
+                  qw.size(1) % QK == 0,
+              "q8_0_gemm: qweight must be contiguous int8 [N, K], K % 32 == 0, got ", qw.scalar_type(), " ",
+              qw.sizes());
+  const int64_t N = qw.size(0), K = qw.size(1), nb = K / QK;
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
+                  scales.size(0) == N && scales.size(1) == nb,
+              "q8_0_gemm: scales must be contiguous fp16 [", N, ", ", nb, "], got ", scales.scalar_type(), " ",
+              scales.sizes());
+  check_x(x, K, "q8_0_gemm");
+  const int64_t M = x.size(0);
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const Q8Rows y = quantize_rows(x.data_ptr<float>(), M, K);
+  const int8_t* wp = qw.data_ptr<int8_t>();
+  const uint8_t* sp = reinterpret_cast<const uint8_t*>(scales.data_ptr<at::Half>());
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, grain(N), [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      over_rows(M, [&](auto t, int64_t m0) {
+        q8_0_row<decltype(t)::value>(wp + n * K, sp + n * nb * 2, nb, y, m0, op + n, N);
+      });
+    }
+  });
+  return out;
+}
+
+// Q4_1 blocks -> fp32 [N, K] written into out (a reused scratch buffer)
+at::Tensor q4_1_dequant(const at::Tensor& w, const at::Tensor& out) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() &&
+                  w.size(1) % Q4_1_BYTES == 0,
+              "q4_1_dequant: weight must be contiguous uint8 [N, K/32 * 20], got ", w.scalar_type(), " ",
+              w.sizes());
+  const int64_t N = w.size(0), nb = w.size(1) / Q4_1_BYTES, K = nb * QK;
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == N &&
+                  out.size(1) == K,
+              "q4_1_dequant: out must be contiguous float32 [", N, ", ", K, "], got ", out.scalar_type(), " ",
+              out.sizes());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const __m128i lo = _mm_set1_epi8(0x0F);
+  at::parallel_for(0, N * nb, 64, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* blk = wp + b * Q4_1_BYTES;
+      const __m256 d = _mm256_set1_ps(f16(blk)), m = _mm256_set1_ps(f16(blk + 2));
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
+      const __m128i q[2] = {_mm_and_si128(raw, lo), _mm_and_si128(_mm_srli_epi16(raw, 4), lo)};
+      float* o = op + b * QK;
+      for (int h = 0; h < 2; ++h) {
+        const __m256 f0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q[h]));
+        const __m256 f1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q[h], 8)));
+        _mm256_storeu_ps(o + 16 * h, _mm256_add_ps(_mm256_mul_ps(f0, d), m));   // gguf's order, unfused
+        _mm256_storeu_ps(o + 16 * h + 8, _mm256_add_ps(_mm256_mul_ps(f1, d), m));
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(edgeinfer_cpu, m) {
+  m.def("q8_quantize", &q8_quantize);
+  m.def("q4_1_gemm", &q4_1_gemm);
+  m.def("q8_0_gemm", &q8_0_gemm);
+  m.def("q4_1_dequant", &q4_1_dequant);
+}

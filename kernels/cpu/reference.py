@@ -1,0 +1,52 @@
+"""Pure-torch references of kernels.cpu's ops, same signatures. q8_quantize reproduces the C++ activation
+quantization bit for bit (fp32 amax / 127, 1 / d, round half to even); the GEMMs sum the same integer block
+dots in float64, so the C++ results differ from these only by fp32 accumulation order."""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 32
+
+
+def q8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    m, k = x.shape
+    xb = x.float().reshape(m, k // BLOCK, BLOCK)
+    d = xb.abs().amax(-1) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(xb * inv[..., None]).to(torch.int8)
+    s = d * q.sum(-1, dtype=torch.int32).float()
+    return q.reshape(m, k), d, s
+
+
+def unpack_q4_1(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """blocks [N, nb * 20] -> q [N, nb, 32] uint8 in k order, d and m [N, nb] fp32."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, 20)
+    d = b[..., 0:2].contiguous().view(torch.float16)[..., 0].float()
+    m = b[..., 2:4].contiguous().view(torch.float16)[..., 0].float()
+    qs = b[..., 4:]
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1), d, m
+
+
+def q4_1_gemm(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    q, d, mn = unpack_q4_1(blocks)
+    qy, dy, sy = q8_quantize(x)
+    mrows = x.shape[0]
+    dots = torch.einsum("mbk,nbk->mnb", qy.reshape(mrows, -1, BLOCK).double(), q.double())   # exact integers
+    scale = (dy[:, None, :] * d[None]).double()               # fp32 product, as the kernel takes it
+    return ((dots * scale).sum(-1) + (mn[None] * sy[:, None, :]).double().sum(-1)).float()
+
+
+def q8_0_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    qy, dy, _ = q8_quantize(x)
+    mrows, n = x.shape[0], qweight.shape[0]
+    dots = torch.einsum("mbk,nbk->mnb", qy.reshape(mrows, -1, BLOCK).double(),
+                        qweight.reshape(n, -1, BLOCK).double())
+    return (dots * (dy[:, None, :] * scales.float()[None]).double()).sum(-1).float()
+
+
+def q4_1_dequant(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    q, d, m = unpack_q4_1(blocks)
+    out.copy_((q.float() * d[..., None] + m[..., None]).reshape(out.shape))
+    return out

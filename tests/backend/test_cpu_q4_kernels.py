@@ -1,0 +1,225 @@
+"""kernels.cpu (C++ AVX2): each op against its pure-torch reference (kernels.cpu.reference: the same int8
+activation quantization bit for bit, the same integer block dots summed in float64), and loosely against the
+fp32 dequantized weight; tolerances that a swapped nibble order or a dropped min term fail; the capability
+fallback; the served native model on the kernels: greedy equal to the reference ops, logits near the oracle."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kernels.cpu as kc
+from backend.model.linear import DENSE_MIN_ROWS, Q8Linear, W4A16Linear
+from backend.quant.packing import group_dequantize_mins
+from kernels.cpu import reference as ref
+
+ROWS = [1, 3, 8, 32, 200]
+SHAPES = [(1, 32), (67, 96), (130, 576)]            # [N, K]: odd row counts, K of 1, 3 and 18 blocks
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    kc.ops()   # builds (or loads the cached build); a missing compiler fails here, loudly, rather than skips
+
+
+def q4_weight(n: int, k: int, group: int = 32, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    qweight = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    scales = (torch.rand(n, k // group, generator=g) * 0.05 + 0.001).half()
+    mins = (-torch.rand(n, k // group, generator=g) * 0.4).half()
+    mins[0, 0] = 0.3                                                 # a positive min
+    return qweight, scales, mins
+
+
+def activations(m: int, k: int, seed: int = 1) -> torch.Tensor:
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
+    if m * k > 32:
+        x[0, :32] = 0.0                                              # an all-zero block: d = 0
+    if m > 2:
+        x[2, 5] = 40.0                                               # an outlier block
+    return x
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """fp32 accumulation order vs float64: within 1e-5 of the output's scale."""
+    return bool(((got - want).abs().max() <= 1e-5 * want.abs().max().clamp_min(1.0)).item())
+
+
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("k", [32, 96, 576])
+def test_q8_quantize_equals_reference_bit_for_bit(m, k):
+    x = activations(m, k)
+    q, d, s = kc.q8_quantize(x)
+    rq, rd, rs = ref.q8_quantize(x)
+    assert q.dtype == torch.int8 and torch.equal(q, rq) and torch.equal(d, rd) and torch.equal(s, rs)
+    assert int(q.abs().max()) == 127 and (float(d[0, 0]) == 0.0) == (m * k > 32)
+
+
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_q4_1_gemm_matches_reference_and_dequantized_weight(m, n, k):
+    qweight, scales, mins = q4_weight(n, k)
+    blocks = kc.pack_q4_1(qweight, scales, mins, 32)
+    x = activations(m, k)
+    got = kc.q4_1_gemm(x, blocks)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    assert close(got, ref.q4_1_gemm(x, blocks))
+    dense = x @ group_dequantize_mins(qweight, scales, mins, 32).t()
+    assert float((got - dense).norm() / dense.norm()) < 0.05   # int8 activations (step amax/127; the outlier block: 2.5%)
+
+
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_q8_0_gemm_matches_reference_and_dequantized_weight(m, n, k):
+    g = torch.Generator().manual_seed(3)
+    qweight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    qweight[-1, :32] = -128                                            # the one value |q| can't hold in int8
+    scales = (torch.rand(n, k // 32, generator=g) * 0.01).half()
+    x = activations(m, k)
+    got = kc.q8_0_gemm(x, qweight, scales)
+    assert close(got, ref.q8_0_gemm(x, qweight, scales))
+    dense = x @ (qweight.float().reshape(n, -1, 32) * scales.float()[..., None]).reshape(n, k).t()
+    assert float((got - dense).norm() / dense.norm()) < 0.05
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_pack_and_dequant_are_gguf_values_bit_for_bit(group):
+    qweight, scales, mins = q4_weight(37, 192, group)
+    blocks = kc.pack_q4_1(qweight, scales, mins, group)
+    assert blocks.shape == (37, 192 // 32 * 20) and blocks.dtype == torch.uint8
+    want = group_dequantize_mins(qweight, scales, mins, group)
+    assert torch.equal(kc.q4_1_dequant(blocks, torch.empty(37, 192)), want)
+    assert torch.equal(ref.q4_1_dequant(blocks, torch.empty(37, 192)), want)
+
+
+def test_tolerance_fails_a_swapped_nibble_order_or_a_dropped_min():
+    """The `close` bound is tight enough to catch the likely kernel bugs (here built into the reference)."""
+    qweight, scales, mins = q4_weight(64, 576)
+    x = activations(8, 576)
+    good = kc.pack_q4_1(qweight, scales, mins, 32)
+    want = ref.q4_1_gemm(x, good)
+    b = good.reshape(64, -1, 20).clone()
+    b[..., 4:] = (b[..., 4:] >> 4) | (b[..., 4:] << 4)                       # low/high nibble swapped
+    assert not close(ref.q4_1_gemm(x, b.reshape(64, -1)), want)
+    b = good.reshape(64, -1, 20).clone()
+    b[..., 2:4] = 0                                                          # min term dropped (m = 0)
+    assert not close(ref.q4_1_gemm(x, b.reshape(64, -1)), want)
+    b = good.reshape(64, -1, 20).clone()
+    b[..., 4:] = b[..., 4:].roll(1, dims=-1)                                 # bytes off by one
+    assert not close(ref.q4_1_gemm(x, b.reshape(64, -1)), want)
+    assert close(kc.q4_1_gemm(x, good), want)
+
+
+def test_bad_inputs_name_the_shapes():
+    blocks = kc.pack_q4_1(*q4_weight(8, 64), 32)
+    with pytest.raises(RuntimeError, match="x has 96 columns, the weight 64"):
+        kc.q4_1_gemm(torch.zeros(2, 96), blocks)
+    with pytest.raises(RuntimeError, match="contiguous CPU float32"):
+        kc.q4_1_gemm(torch.zeros(2, 64, dtype=torch.float64), blocks)
+    with pytest.raises(RuntimeError, match=r"scales must be contiguous fp16 \[8, 2\]"):
+        kc.q8_0_gemm(torch.zeros(1, 64), torch.zeros(8, 64, dtype=torch.int8), torch.zeros(8, 3).half())
+    with pytest.raises(ValueError, match="group_size 48 is not a multiple of 32"):
+        kc.pack_q4_1(*q4_weight(8, 96, 48), 48)
+
+
+def test_mode_env_rejects_unknown_values(monkeypatch):
+    monkeypatch.setenv(kc.MODE_ENV, "fast")
+    with pytest.raises(ValueError, match="EDGEINFER_CPU_KERNELS='fast'; expected one of auto, ext, torch"):
+        kc.enabled()
+
+
+@pytest.mark.parametrize("m", [1, 8, DENSE_MIN_ROWS + 3])
+def test_w4a16_linear_prepacks_for_the_kernels_on_both_sides_of_the_dense_threshold(monkeypatch, m):
+    monkeypatch.setenv(kc.MODE_ENV, "ext")
+    qweight, scales, mins = q4_weight(96, 192, 64)
+    bias = torch.randn(96)
+    lin = W4A16Linear(qweight, scales, None, 64, bias=bias, mins=mins)
+    x = activations(m, 192)
+    want = lin(x)                                                      # the reference: exact fp32 weight
+    assert lin.prepack() and lin.q4_1_blocks is not None and lin.qweight is None and lin.int4pack is None
+    got = lin(x)
+    assert float((got - want).norm() / want.norm()) < 0.02
+    if m >= DENSE_MIN_ROWS:                                           # dequantize + GEMM: fp32 rounding only
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        assert close(got - bias, ref.q4_1_gemm(x, lin.q4_1_blocks))
+
+
+def test_without_a_compiler_auto_falls_back_to_torch_int4_with_one_warning(tmp_path):
+    code = (
+        "import logging, json, torch\n"
+        "logging.basicConfig(level=logging.WARNING)\n"
+        "from backend.model.linear import W4A16Linear\n"
+        "from tests.backend.test_cpu_q4_kernels import q4_weight\n"
+        "lins = [W4A16Linear(*q4_weight(16, 64)[:2], None, 32, mins=q4_weight(16, 64)[2]) for _ in range(3)]\n"
+        "print(json.dumps([[l.prepack(), l.q4_1_blocks is None, l.int4pack is not None] for l in lins]))\n")
+    env = {**__import__("os").environ, "CXX": str(tmp_path / "no-such-compiler"), kc.MODE_ENV: "auto"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == [[True, True, True]] * 3
+    warnings = [ln for ln in r.stderr.splitlines() if "CPU kernels unavailable" in ln]
+    assert len(warnings) == 1 and "no C++ compiler" in warnings[0] and "torch's int4 GEMM" in warnings[0]
+    env[kc.MODE_ENV] = "ext"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode != 0 and "KernelUnavailable" in r.stderr and "no C++ compiler" in r.stderr
+
+
+# ---------------------------------------------------------------- the served native model
+
+
+@pytest.fixture(scope="module")
+def native_served():
+    from backend.model.gguf_import import ensure_native_default_model
+    from backend.model.llama import load_model
+
+    native_dir = ensure_native_default_model()
+    return native_dir, load_model(native_dir)
+
+
+@pytest.mark.slow
+def test_served_native_model_runs_on_the_kernels(native_served):
+    _, model = native_served
+    linears = [m for m in model.modules() if isinstance(m, W4A16Linear)]
+    assert len(linears) == 120 and all(m.q4_1_blocks is not None for m in linears)
+    head = model.lm_head_linear
+    assert isinstance(head, Q8Linear) and head.qweight.data_ptr() == model.embed_tokens.qweight.data_ptr()
+    assert model.prepacked_copy_bytes() == 0 and model.weight_bytes() < 100e6   # no fp32 head copy
+
+
+@pytest.mark.slow
+def test_greedy_with_the_kernels_equals_the_reference_ops(native_served, smol_tokenizer, monkeypatch):
+    from backend.engine.config import EngineConfig
+    from backend.engine.engine import LLMEngine
+    from backend.protocol import GenerateRequest, SamplingParams
+
+    _, model = native_served
+    chats = ["Name three colors of the rainbow.", "What is 12 times 7?", "Write a haiku about the sea."]
+    prompts = [smol_tokenizer.encode_chat([{"role": "user", "content": c}]) for c in chats]
+
+    def greedy() -> list[list[int]]:
+        eng = LLMEngine(model, smol_tokenizer, EngineConfig(enable_prefix_cache=False))
+        eng.start()
+
+        async def one(i: int, p: list[int]) -> list[int]:
+            toks = []
+            async for c in eng.generate(GenerateRequest(f"g{i}", p, SamplingParams(temperature=0, max_tokens=12,
+                                                                                     ignore_eos=True), "t")):
+                toks += c.token_ids
+            return toks
+        async def every() -> list[list[int]]:
+            return list(await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)]))
+        try:
+            return asyncio.run(every())
+        finally:
+            eng.stop()
+
+    fast = greedy()
+    for name in ("q4_1_gemm", "q8_0_gemm", "q4_1_dequant"):
+        monkeypatch.setattr(kc, name, getattr(ref, name))
+    slow = greedy()
+    assert fast == slow and all(len(t) == 12 for t in fast)
