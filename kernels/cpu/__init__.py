@@ -35,7 +35,9 @@ log = logging.getLogger(__name__)
 MODE_ENV = "EDGEINFER_CPU_KERNELS"
 MODES = ("auto", "ext", "torch")
 SOURCE = Path(__file__).with_name("q4.cpp")
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-g0"]
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-g0"]
+LDFLAGS = ["-fopenmp"]   # at::parallel_for is inline OpenMP: without it the kernels run on one thread; the
+                         # soname libgomp.so.1 resolves to the copy torch already loaded, so one pool
 BLOCK = 32
 Q4_1_BLOCK_BYTES = 20
 
@@ -83,7 +85,8 @@ def _ops():
     if reason is not None:
         raise KernelUnavailable(f"edgeinfer CPU kernels unavailable: {reason}")
     from torch.utils.cpp_extension import load
-    load(name="edgeinfer_cpu_q4", sources=[str(SOURCE)], extra_cflags=CFLAGS, is_python_module=False,
+    load(name="edgeinfer_cpu_q4", sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+         is_python_module=False,
          verbose=False)
     return torch.ops.edgeinfer_cpu
 

@@ -164,9 +164,10 @@ def test_native_reference_path_equals_dequantized_oracle(native_dir, oracle_and_
 
 
 @pytest.mark.slow
-def test_served_native_path_matches_oracle_within_bf16_rounding(native_dir, oracle_and_prompt):
+def test_served_native_path_matches_oracle_within_bf16_rounding(native_dir, oracle_and_prompt, monkeypatch):
     oracle, ids, want = oracle_and_prompt
-    served = load_model(native_dir)   # as the backend loads it: prepacked for the CPU int4 GEMM
+    monkeypatch.setenv("EDGEINFER_CPU_KERNELS", "torch")   # the fallback path (kernels.cpu: test_cpu_q4_kernels)
+    served = load_model(native_dir)   # prepacked for torch's CPU int4 GEMM
     linears = [m for m in served.modules() if isinstance(m, W4A16Linear)]
     assert len(linears) == 4 * 30 and all(m.prepacked and m.qweight is None for m in linears)
     assert served.weight_bytes() < 0.4 * oracle.weight_bytes() and served.prepacked_copy_bytes() == 0

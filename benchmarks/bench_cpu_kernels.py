@@ -1,0 +1,125 @@
+"""kernels.cpu (C++ int8-dot kernels) vs torch's CPU int4 GEMM vs fp32 dense (oneDNN-prepacked), per layer
+shape of SmolLM2-135M, interleaved round-robin in one process (the box is shared: ratios matter more than
+absolutes; the load average is recorded before and after).
+
+  python benchmarks/bench_cpu_kernels.py [--rows 1,8,32,64,128,512] [--reps 7] [--threads N]
+
+Methods, each through the module the engine uses:
+  ext        W4A16Linear (Q4_1 mins form) on kernels.cpu: int8 dots below DENSE_MIN_ROWS, dequantize into a
+             scratch buffer + GEMM from it; the head: Q8Linear (Q8_0 x Q8 int8 dots)
+  ext_int    the int8-dot kernel forced at every row count (to place the threshold)
+  ext_dense  dequantize + GEMM forced at every row count
+  torch_int4 W4A16Linear prepacked for torch._weight_int4pack_mm_for_cpu (the old default)
+  fp32       DenseLinear(fp32 weight).prepack() (oneDNN), the dequantized import's path
+GB/s at one row = the bytes the method's weight holds / time. Writes benchmarks/results/bench_cpu_kernels.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import kernels.cpu as kc  # noqa: E402
+from backend.model.linear import DenseLinear, Q8Linear, W4A16Linear  # noqa: E402
+from backend.quant.packing import group_dequantize_mins  # noqa: E402
+
+OUT = Path(__file__).parent / "results" / "bench_cpu_kernels.json"
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "head": (49152, 576)}
+
+
+def q4_layer(n: int, k: int, mode: str) -> W4A16Linear:
+    q, s, m = _raw(n, k)
+    lin = W4A16Linear(q, s, None, 32, mins=m)
+    os.environ[kc.MODE_ENV] = mode
+    assert lin.prepack() and (lin.q4_1_blocks is not None) == (mode == "ext"), mode
+    return lin
+
+
+def methods(name: str, n: int, k: int) -> dict:
+    g = torch.Generator().manual_seed(7)
+    if name == "head":
+        qw = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+        sc = (torch.rand(n, k // 32, generator=g) * 0.01).half()
+        dense = DenseLinear((qw.float().reshape(n, -1, 32) * sc.float()[..., None]).reshape(n, k))
+        dense.prepack()
+        head = Q8Linear(qw, sc)
+        return {"ext": (head, head.weight_bytes()), "fp32": (dense, n * k * 4)}
+    ext, old = q4_layer(n, k, "ext"), q4_layer(n, k, "torch")
+    blocks = ext.q4_1_blocks
+    assert blocks is not None
+    dense = DenseLinear(group_dequantize_mins(*_raw(n, k), 32))
+    dense.prepack()
+    nbytes = blocks.numel()
+    return {"ext": (ext, nbytes),
+            "ext_int": (lambda x: kc.q4_1_gemm(x, blocks), nbytes),
+            "ext_dense": (lambda x: x @ kc.q4_1_dequant(blocks, kc.scratch(n, k)).t(), nbytes),
+            "torch_int4": (old, old.int4pack.numel() + old.scales_and_zeros.numel() * 2),  # type: ignore[union-attr]
+            "fp32": (dense, n * k * 4)}
+
+
+def _raw(n: int, k: int):
+    g = torch.Generator().manual_seed(n + k)
+    return (torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g),
+            (torch.rand(n, k // 32, generator=g) * 0.02).half(), (-torch.rand(n, k // 32, generator=g) * 0.1).half())
+
+
+def timed(fn, x: torch.Tensor) -> float:
+    t = time.perf_counter()
+    fn(x)
+    return time.perf_counter() - t
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=lambda s: [int(v) for v in s.split(",")], default=[1, 8, 32, 64, 128, 512])
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", type=Path, default=OUT)
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    kc.ops()
+    load_before = os.getloadavg()
+    rows = []
+    with torch.inference_mode():
+        for name, (n, k) in SHAPES.items():
+            ms = methods(name, n, k)
+            for m in a.rows:
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+                times: dict[str, list[float]] = {key: [] for key in ms}
+                reps = a.reps if m * n <= 64 * 3072 else max(3, a.reps // 2)
+                for key, (fn, _) in ms.items():
+                    fn(x)                                                       # warm
+                for _ in range(reps):                                           # interleaved round-robin
+                    for key, (fn, _) in ms.items():
+                        times[key].append(timed(fn, x))
+                row = {"layer": name, "n": n, "k": k, "rows": m}
+                for key, (_, nbytes) in ms.items():
+                    t = statistics.median(times[key])
+                    row[f"{key}_ms"] = round(t * 1e3, 4)
+                    if m == 1:
+                        row[f"{key}_gb_s"] = round(nbytes / t / 1e9, 2)
+                base = row.get("torch_int4_ms", row["fp32_ms"])
+                row["ext_speedup_vs_torch_int4" if "torch_int4_ms" in row else "ext_speedup_vs_fp32"] = \
+                    round(base / row["ext_ms"], 2)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    result = {"threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+              "load_avg_before": load_before, "load_avg_after": os.getloadavg(), "reps": a.reps,
+              "command": "python benchmarks/bench_cpu_kernels.py " + " ".join(sys.argv[1:]), "rows": rows}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
