@@ -6,7 +6,8 @@ absolutes; the load average is recorded before and after).
 
 Methods, each through the module the engine uses:
   ext        W4A16Linear (Q4_1 mins form) on kernels.cpu: int8 dots below DENSE_MIN_ROWS, dequantize into a
-             scratch buffer + GEMM from it; the head: Q8Linear (Q8_0 x Q8 int8 dots)
+             scratch buffer + GEMM from it; the head: Q8Linear (Q8_0 x Q8 int8 dots below HEAD_DENSE_MIN_ROWS,
+             chunked dequantize + GEMM from it)
   ext_int    the int8-dot kernel forced at every row count (to place the threshold)
   ext_dense  dequantize + GEMM forced at every row count
   torch_int4 W4A16Linear prepacked for torch._weight_int4pack_mm_for_cpu (the old default)
@@ -29,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kernels.cpu as kc  # noqa: E402
-from backend.model.linear import DenseLinear, Q8Linear, W4A16Linear  # noqa: E402
+from backend.model.linear import HEAD_CHUNK, DenseLinear, Q8Linear, W4A16Linear  # noqa: E402
 from backend.quant.packing import group_dequantize_mins  # noqa: E402
 
 OUT = Path(__file__).parent / "results" / "bench_cpu_kernels.json"
@@ -52,7 +53,12 @@ def methods(name: str, n: int, k: int) -> dict:
         dense = DenseLinear((qw.float().reshape(n, -1, 32) * sc.float()[..., None]).reshape(n, k))
         dense.prepack()
         head = Q8Linear(qw, sc)
-        return {"ext": (head, head.weight_bytes()), "fp32": (dense, n * k * 4)}
+        nbytes = head.weight_bytes()
+        return {"ext": (head, nbytes), "ext_int": (lambda x: kc.q8_0_gemm(x, qw, sc), nbytes),
+                "ext_dense": (lambda x: torch.cat([x @ kc.q8_0_dequant(qw[r:r + HEAD_CHUNK], sc[r:r + HEAD_CHUNK],
+                                                                      kc.scratch(min(HEAD_CHUNK, n - r), k)).t()
+                                                   for r in range(0, n, HEAD_CHUNK)], dim=1), nbytes),
+                "fp32": (dense, n * k * 4)}
     ext, old = q4_layer(n, k, "ext"), q4_layer(n, k, "torch")
     blocks = ext.q4_1_blocks
     assert blocks is not None
@@ -94,10 +100,12 @@ def main() -> int:
         for name, (n, k) in SHAPES.items():
             ms = methods(name, n, k)
             for m in a.rows:
+                if name == "head" and m > 64:
+                    continue                     # the runner computes the head for each sequence's last token only
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
                 times: dict[str, list[float]] = {key: [] for key in ms}
                 reps = a.reps if m * n <= 64 * 3072 else max(3, a.reps // 2)
-                for key, (fn, _) in ms.items():
+                for fn, _ in ms.values():
                     fn(x)                                                       # warm
                 for _ in range(reps):                                           # interleaved round-robin
                     for key, (fn, _) in ms.items():

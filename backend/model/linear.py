@@ -15,8 +15,10 @@ from backend.quant.packing import group_dequantize_mins, unpack_uint4
 
 PREPACK_ENV = "EDGEINFER_CPU_PREPACK"
 PREPACK_BATCH_HINT = 64   # oneDNN picks its blocking for this many rows (a hint of 1 was 2x slower at 32 rows)
-DENSE_MIN_ROWS = 64       # from this many rows kernels.cpu dequantizes to a scratch fp32 weight and runs a GEMM
+DENSE_MIN_ROWS = 48       # from this many rows kernels.cpu dequantizes to a scratch fp32 weight and runs a GEMM
                           # (benchmarks/bench_cpu_kernels.py: the int8-dot kernel wins below, the GEMM above)
+HEAD_DENSE_MIN_ROWS = 16  # the same for the Q8_0 head, dequantized HEAD_CHUNK rows at a time
+HEAD_CHUNK = 4096
 
 
 def cpu_prepack_enabled() -> bool:
@@ -249,7 +251,9 @@ class Q8Embedding(nn.Module):
 class Q8Linear(nn.Module):
     """y = x @ W.T for a GGUF Q8_0 table (int8 [out, in] + fp16 scales per 32) on kernels.cpu's int8 dots, with
     the activations quantized to int8 per 32 (llama.cpp's Q8_0 x Q8_1): the tied head of a Q8_0 embedding,
-    sharing its buffers (a quarter of the fp32 copy's bytes read per step, no copy held)."""
+    sharing its buffers (a quarter of the fp32 copy's bytes read per step, no copy held). From
+    HEAD_DENSE_MIN_ROWS rows (compute-bound) it dequantizes HEAD_CHUNK rows at a time into a scratch buffer
+    and runs fp32 GEMMs instead."""
 
     qweight: torch.Tensor
     scales: torch.Tensor
@@ -272,6 +276,14 @@ class Q8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out] fp32
-        k = self.qweight.shape[1]
-        y = cpu_kernels.q8_0_gemm(x.reshape(-1, k).to(torch.float32).contiguous(), self.qweight, self.scales)
-        return y.reshape(*x.shape[:-1], self.qweight.shape[0])
+        n, k = self.qweight.shape
+        x2 = x.reshape(-1, k).to(torch.float32).contiguous()
+        if x2.shape[0] < HEAD_DENSE_MIN_ROWS:
+            y = cpu_kernels.q8_0_gemm(x2, self.qweight, self.scales)
+        else:   # compute-bound: dequantize a chunk of rows into the scratch buffer, fp32 GEMM, next chunk
+            y = torch.empty(x2.shape[0], n)
+            for r in range(0, n, HEAD_CHUNK):
+                q, s = self.qweight[r: r + HEAD_CHUNK], self.scales[r: r + HEAD_CHUNK]
+                w = cpu_kernels.q8_0_dequant(q, s, cpu_kernels.scratch(q.shape[0], k))
+                y[:, r: r + q.shape[0]] = x2 @ w.t()
+        return y.reshape(*x.shape[:-1], n)

@@ -7,6 +7,7 @@ Ops (every one has a pure-torch reference with the same signature in kernels.cpu
   q4_1_gemm(x [M, K] fp32, blocks [N, K/32*20] uint8) -> [M, N] fp32                   (int8 dots, M small)
   q8_0_gemm(x [M, K] fp32, qweight [N, K] int8, scales [N, K/32] fp16) -> [M, N] fp32
   q4_1_dequant(blocks, out [N, K] fp32) -> out                                         (then a dense GEMM)
+  q8_0_dequant(qweight, scales, out [N, K] fp32) -> out
 
 `blocks` is GGUF's Q4_1 block (fp16 d, fp16 m, 16 bytes: byte j = q[j] | q[j+16] << 4; w = d * q + m),
 built once from our layout by pack_q4_1. A Q4_0 weight is the same with m = -8 d.
@@ -162,3 +163,7 @@ def q8_0_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> t
 
 def q4_1_dequant(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return _ops().q4_1_dequant(blocks, out)
+
+
+def q8_0_dequant(qweight: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    return _ops().q8_0_dequant(qweight, scales, out)

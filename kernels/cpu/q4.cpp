@@ -245,6 +245,30 @@ at::Tensor q4_1_dequant(const at::Tensor& w, const at::Tensor& out) {
   return out;
 }
 
+// Q8_0 rows [N, K] int8 + fp16 scales -> fp32 [N, K] written into out (a chunk of a head at a time)
+at::Tensor q8_0_dequant(const at::Tensor& qw, const at::Tensor& scales, const at::Tensor& out) {
+  TORCH_CHECK(qw.scalar_type() == at::kChar && qw.is_contiguous() && qw.dim() == 2 && qw.size(1) % QK == 0 &&
+                  scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+                  scales.numel() == qw.numel() / QK,
+              "q8_0_dequant: qweight must be contiguous int8 [N, K] and scales fp16 [N, K/32], got ",
+              qw.sizes(), " and ", scales.sizes());
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == qw.sizes(),
+              "q8_0_dequant: out must be contiguous float32 ", qw.sizes(), ", got ", out.sizes());
+  const int8_t* wp = qw.data_ptr<int8_t>();
+  const uint8_t* sp = reinterpret_cast<const uint8_t*>(scales.data_ptr<at::Half>());
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, qw.numel() / QK, 256, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const __m256 d = _mm256_set1_ps(f16(sp + 2 * b));
+      for (int h = 0; h < 4; ++h) {
+        const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wp + b * QK + 8 * h));
+        _mm256_storeu_ps(op + b * QK + 8 * h, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d));
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(edgeinfer_cpu, m) {
@@ -252,4 +276,5 @@ TORCH_LIBRARY(edgeinfer_cpu, m) {
   m.def("q4_1_gemm", &q4_1_gemm);
   m.def("q8_0_gemm", &q8_0_gemm);
   m.def("q4_1_dequant", &q4_1_dequant);
+  m.def("q8_0_dequant", &q8_0_dequant);
 }

@@ -50,3 +50,9 @@ def q4_1_dequant(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     q, d, m = unpack_q4_1(blocks)
     out.copy_((q.float() * d[..., None] + m[..., None]).reshape(out.shape))
     return out
+
+
+def q8_0_dequant(qweight: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    n, k = qweight.shape
+    out.copy_((qweight.float().reshape(n, -1, BLOCK) * scales.float()[..., None]).reshape(n, k))
+    return out

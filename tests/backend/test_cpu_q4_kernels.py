@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kernels.cpu as kc
-from backend.model.linear import DENSE_MIN_ROWS, Q8Linear, W4A16Linear
+from backend.model.linear import DENSE_MIN_ROWS, HEAD_DENSE_MIN_ROWS, Q8Linear, W4A16Linear
 from backend.quant.packing import group_dequantize_mins
 from kernels.cpu import reference as ref
 
@@ -95,6 +95,23 @@ def test_pack_and_dequant_are_gguf_values_bit_for_bit(group):
     want = group_dequantize_mins(qweight, scales, mins, group)
     assert torch.equal(kc.q4_1_dequant(blocks, torch.empty(37, 192)), want)
     assert torch.equal(ref.q4_1_dequant(blocks, torch.empty(37, 192)), want)
+
+
+@pytest.mark.parametrize("m", [1, 3, HEAD_DENSE_MIN_ROWS, 40])
+def test_q8_linear_head_on_both_sides_of_its_dense_threshold(monkeypatch, m):
+    monkeypatch.setattr("backend.model.linear.HEAD_CHUNK", 48)              # several chunks, a short last one
+    g = torch.Generator().manual_seed(5)
+    qweight = torch.randint(-127, 128, (130, 96), dtype=torch.int8, generator=g)
+    scales = (torch.rand(130, 3, generator=g) * 0.01).half()
+    w = (qweight.float().reshape(130, 3, 32) * scales.float()[..., None]).reshape(130, 96)
+    assert torch.equal(kc.q8_0_dequant(qweight, scales, torch.empty(130, 96)), w)
+    assert torch.equal(ref.q8_0_dequant(qweight, scales, torch.empty(130, 96)), w)
+    x = activations(m, 96)
+    got = Q8Linear(qweight, scales)(x)
+    if m >= HEAD_DENSE_MIN_ROWS:
+        torch.testing.assert_close(got, x @ w.t(), rtol=1e-5, atol=1e-5)
+    else:
+        assert close(got, ref.q8_0_gemm(x, qweight, scales))
 
 
 def test_tolerance_fails_a_swapped_nibble_order_or_a_dropped_min():
