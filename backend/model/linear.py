@@ -17,7 +17,7 @@ PREPACK_ENV = "EDGEINFER_CPU_PREPACK"
 PREPACK_BATCH_HINT = 64   # oneDNN picks its blocking for this many rows (a hint of 1 was 2x slower at 32 rows)
 DENSE_MIN_ROWS = 48       # from this many rows kernels.cpu dequantizes to a scratch fp32 weight and runs a GEMM
                           # (benchmarks/bench_cpu_kernels.py: the int8-dot kernel wins below, the GEMM above)
-HEAD_DENSE_MIN_ROWS = 16  # the same for the Q8_0 head, dequantized HEAD_CHUNK rows at a time
+HEAD_DENSE_MIN_ROWS = 64  # the same for the Q8_0 head (dequantized HEAD_CHUNK rows at a time): measured a wash at 64
 HEAD_CHUNK = 4096
 
 
