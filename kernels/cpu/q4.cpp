@@ -91,48 +91,63 @@ void check_x(const at::Tensor& x, int64_t K, const char* op) {
   TORCH_CHECK(x.size(1) == K, op, ": x has ", x.size(1), " columns, the weight ", K);
 }
 
-// out[m, n] for rows m0 .. m0 + T of one Q4_1 weight row
+// out[m, n] for rows m0 .. m0 + T of one Q4_1 weight row. Two accumulator sets (even / odd blocks) so that
+// one row (decode) is not bound by the FMA chain's latency.
+template <int T>
+inline void q4_1_block(const uint8_t* w, int64_t b, int64_t nb, const Q8Rows& y, int64_t m0, __m256* acc,
+                       float* summ) {
+  const float dw = f16(w), mw = f16(w + 2);
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 4));
+  const __m256i qw = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+  for (int t = 0; t < T; ++t) {
+    const int64_t r = (m0 + t) * nb + b;
+    const __m256i qy = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y.q.data() + r * QK));
+    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(qw, qy), _mm256_set1_epi16(1));
+    acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dw * y.d[r]), _mm256_cvtepi32_ps(p), acc[t]);
+    summ[t] += mw * y.s[r];
+  }
+}
+
 template <int T>
 inline void q4_1_row(const uint8_t* w, int64_t nb, const Q8Rows& y, int64_t K, int64_t m0, float* out,
                      int64_t N) {
-  const __m256i lo = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[T];
-  float summ[T];
-  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps(), summ[t] = 0.f;
-  for (int64_t b = 0; b < nb; ++b, w += Q4_1_BYTES) {
-    const float dw = f16(w), mw = f16(w + 2);
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 4));
-    const __m256i qw = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), lo);
-    for (int t = 0; t < T; ++t) {
-      const int64_t r = (m0 + t) * nb + b;
-      const __m256i qy = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y.q.data() + r * QK));
-      const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(qw, qy), ones);
-      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dw * y.d[r]), _mm256_cvtepi32_ps(p), acc[t]);
-      summ[t] += mw * y.s[r];
-    }
+  __m256 acc0[T], acc1[T];
+  float summ0[T], summ1[T];
+  for (int t = 0; t < T; ++t) acc0[t] = acc1[t] = _mm256_setzero_ps(), summ0[t] = summ1[t] = 0.f;
+  int64_t b = 0;
+  for (; b + 1 < nb; b += 2) {
+    q4_1_block<T>(w + b * Q4_1_BYTES, b, nb, y, m0, acc0, summ0);
+    q4_1_block<T>(w + (b + 1) * Q4_1_BYTES, b + 1, nb, y, m0, acc1, summ1);
   }
-  for (int t = 0; t < T; ++t) out[(m0 + t) * N] = hsum(acc[t]) + summ[t];
+  if (b < nb) q4_1_block<T>(w + b * Q4_1_BYTES, b, nb, y, m0, acc0, summ0);
+  for (int t = 0; t < T; ++t) out[(m0 + t) * N] = hsum(_mm256_add_ps(acc0[t], acc1[t])) + (summ0[t] + summ1[t]);
+}
+
+template <int T>
+inline void q8_0_block(const int8_t* w, float dw, int64_t b, int64_t nb, const Q8Rows& y, int64_t m0,
+                       __m256* acc) {
+  const __m256i qw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  const __m256i aw = _mm256_sign_epi8(qw, qw);
+  for (int t = 0; t < T; ++t) {
+    const int64_t r = (m0 + t) * nb + b;
+    const __m256i qy = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y.q.data() + r * QK));
+    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(qy, qw)), _mm256_set1_epi16(1));
+    acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dw * y.d[r]), _mm256_cvtepi32_ps(p), acc[t]);
+  }
 }
 
 template <int T>
 inline void q8_0_row(const int8_t* w, const uint8_t* ws, int64_t nb, const Q8Rows& y, int64_t m0, float* out,
                      int64_t N) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[T];
-  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const float dw = f16(ws + 2 * b);
-    const __m256i qw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * QK));
-    const __m256i aw = _mm256_sign_epi8(qw, qw);
-    for (int t = 0; t < T; ++t) {
-      const int64_t r = (m0 + t) * nb + b;
-      const __m256i qy = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y.q.data() + r * QK));
-      const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(qy, qw)), ones);
-      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dw * y.d[r]), _mm256_cvtepi32_ps(p), acc[t]);
-    }
+  __m256 acc0[T], acc1[T];
+  for (int t = 0; t < T; ++t) acc0[t] = acc1[t] = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 1 < nb; b += 2) {
+    q8_0_block<T>(w + b * QK, f16(ws + 2 * b), b, nb, y, m0, acc0);
+    q8_0_block<T>(w + (b + 1) * QK, f16(ws + 2 * b + 2), b + 1, nb, y, m0, acc1);
   }
-  for (int t = 0; t < T; ++t) out[(m0 + t) * N] = hsum(acc[t]);
+  if (b < nb) q8_0_block<T>(w + b * QK, f16(ws + 2 * b), b, nb, y, m0, acc0);
+  for (int t = 0; t < T; ++t) out[(m0 + t) * N] = hsum(_mm256_add_ps(acc0[t], acc1[t]));
 }
 
 template <typename Row>
