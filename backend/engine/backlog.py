@@ -4,7 +4,9 @@ at which this engine prefills them (measured).
 The engine thread publishes, after every step, the tokens still to prefill (waiting requests and the unfinished
 prompts of running ones) and how many running sequences decode; the event loop adds the prompts submitted since
 (`submitted` - `handled`: each counter is written by one thread). The rate is a moving average of tokens per
-second over steps at least half full (a step's time is mostly its tokens; tiny steps would understate the rate).
+second over steps at least half full (a step's time is mostly its tokens; tiny steps would understate the rate),
+after the first `warmup_steps` of them (the first forward passes pay one-off costs: page faults on the weights,
+kernel set-up; measured 347 s estimated for 4096 tokens after one such step, ~10x the real wait).
 Each step spends one token of its budget per decoding sequence, so prefill gets `budget - decoding` of it.
 
 Not counted: a wait for a free sequence slot (max_num_seqs), prefix-cache hits (they make the estimate high).
@@ -16,9 +18,10 @@ import math
 
 
 class Backlog:
-    def __init__(self, budget_tokens: int, alpha: float = 0.2) -> None:
+    def __init__(self, budget_tokens: int, alpha: float = 0.3, warmup_steps: int = 2) -> None:
         self.budget = budget_tokens
         self.alpha = alpha
+        self.warmup_steps = warmup_steps    # full steps not measured
         self.tok_s: float | None = None     # measured tokens per second of full steps; None until one ran
         self.queued_tokens = 0              # to prefill, at the end of the last step (engine thread)
         self.decoding = 0                   # running sequences past their prompt (engine thread)
@@ -26,7 +29,9 @@ class Backlog:
         self.handled = 0                    # prompt tokens the engine thread has put in its scheduler
 
     def on_step(self, scheduler, batch_tokens: int, dt: float) -> None:
-        if dt > 0 and batch_tokens * 2 >= self.budget:
+        if dt > 0 and batch_tokens * 2 >= self.budget and self.warmup_steps > 0:
+            self.warmup_steps -= 1
+        elif dt > 0 and batch_tokens * 2 >= self.budget:
             rate = batch_tokens / dt
             self.tok_s = rate if self.tok_s is None else self.tok_s + self.alpha * (rate - self.tok_s)
         queued = sum(s.num_uncomputed for s in scheduler.waiting)
