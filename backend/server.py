@@ -148,12 +148,16 @@ async def info(request: web.Request) -> web.Response:
     return web.Response(body=encode(backend_info(request.app[STATE])), content_type="application/json")
 
 
+def _rounded(x: float | None) -> float | None:
+    return None if x is None else round(x, 2)
+
+
 def load_report(st: BackendState) -> dict:
     e = st.engine
     b = e.blocks
     return {"node_id": st.node_id, "state": st.state, "version": st.version, "model": e.model_name,
             "running": e.num_running, "waiting": e.num_waiting, "in_flight": len(st.in_flight),
-            "kv_pages_used": b.num_used, "kv_pages_total": b.num_pages,
+            "kv_pages_used": b.num_used, "kv_pages_total": b.num_pages, "queue_wait_s": _rounded(e.backlog.wait_s(0)),
             "prefix_cache_hit_rate": b.hits / max(b.queries, 1)}
 
 

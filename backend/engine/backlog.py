@@ -34,6 +34,10 @@ class Backlog:
         elif dt > 0 and batch_tokens * 2 >= self.budget:
             rate = batch_tokens / dt
             self.tok_s = rate if self.tok_s is None else self.tok_s + self.alpha * (rate - self.tok_s)
+        self.observe(scheduler)
+
+    def observe(self, scheduler) -> None:
+        """Publish what the scheduler still has to prefill (engine thread: after a step, or when it went idle)."""
         queued = sum(s.num_uncomputed for s in scheduler.waiting)
         decoding = 0
         for s in scheduler.running:

@@ -266,6 +266,8 @@ class LLMEngine:
                     block = False
                 if self.scheduler.has_work:
                     self.step()
+                elif self.backlog.queued_tokens:
+                    self.backlog.observe(self.scheduler)      # everything ended or was aborted: nothing queued
                 self._flush()
             except Exception as e:  # a failed step must not hang clients, nor fail the sequences it did not cause
                 log.exception("engine step failed")

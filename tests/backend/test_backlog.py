@@ -39,3 +39,11 @@ def test_wait_counts_queued_prompts_submitted_ones_and_the_decode_share():
     assert b.wait_s(200) == pytest.approx(ahead / (1024 * 510 / 512))
     assert b.retry_after_s(200, bound_s=1.0) == int(-(-(b.wait_s(200) - 1.0) // 1))
     assert b.retry_after_s(1, bound_s=1e6) == 1   # at least 1 s
+
+
+def test_an_emptied_scheduler_leaves_no_stale_backlog():
+    b = Backlog(512, warmup_steps=0)
+    b.on_step(sched(waiting=[4000]), 512, 1.0)
+    assert b.wait_s(0) == pytest.approx(4000 / 512)
+    b.observe(sched())                          # the engine went idle (all aborted)
+    assert b.wait_s(0) == 0.0

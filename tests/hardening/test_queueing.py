@@ -115,64 +115,80 @@ def _gateway(harness, model_dir, backend: BackendProcess, **server):
     return harness.gateway([], cfg=cfg), name
 
 
+def _generate(node: BackendProcess, rid: str, prompt: list[int], max_tokens: int) -> requests.Response:
+    """A generate stream straight to the backend (held open; closing it aborts the request there)."""
+    return requests.post(node.url + "/internal/generate", headers=INTERNAL_AUTH, stream=True, timeout=60,
+                         json={"request_id": rid, "prompt_token_ids": prompt, "cache_namespace": "t",
+                               "sampling": {"max_tokens": max_tokens, "ignore_eos": True}})
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
 def test_request_queued_behind_long_work_outlives_a_short_first_byte_timeout(harness, model_dir, stream):
-    """One sequence slot: the second request waits for the whole first one (300 tokens) while the gateway's
-    first-byte timer is 3 s. Before keepalives it was a 503 after 3 s on a healthy, working node."""
-    node = _backend(model_dir, "queue-a")
+    """One sequence slot, taken by a long generation for HOLD_S; a request through the gateway waits behind it
+    while the gateway's first-byte timer is FIRST_BYTE_S < HOLD_S. Before keepalives it was a 503 after
+    FIRST_BYTE_S on a healthy, working node. (The long one is ended by the test, so the wait does not depend
+    on this machine's speed.)"""
+    first_byte_s, hold_s = 6.0, 10.0
+    node = _backend(model_dir, "queue-a", "--keepalive-s", "0.25")
+    long = None
     try:
-        gw, name = _gateway(harness, model_dir, node, first_byte_timeout_s=3.0)
-        c = client(gw, timeout=300)
-        long_done: list[float] = []
+        gw, name = _gateway(harness, model_dir, node, first_byte_timeout_s=first_byte_s)
+        c = client(gw).with_options(timeout=300)
+        long = _generate(node, "long", [1, 504, 3458, 314], 100_000)
+        assert long.status_code == 200
+        assert wait_until(lambda: node.metric("edgeinfer_backend_requests_running") == 1, 60)
+        out: list = []
 
-        def long_request() -> None:
-            out = c.completions.create(model=name, prompt="Count: 1, 2, 3,", max_tokens=300, temperature=0,
-                                       extra_body={"ignore_eos": True})
-            assert out.usage.completion_tokens == 300
-            long_done.append(time.monotonic())
+        def queued() -> None:
+            t0 = time.monotonic()
+            try:
+                if stream:
+                    chunks = list(c.completions.create(model=name, prompt="The capital of France is", max_tokens=4,
+                                                       temperature=0, stream=True))
+                    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+                else:
+                    text = c.completions.create(model=name, prompt="The capital of France is", max_tokens=4,
+                                                temperature=0).choices[0].text
+                out.append((time.monotonic() - t0, text))
+            except Exception as e:  # noqa: BLE001
+                out.append((time.monotonic() - t0, f"ERROR {e!r}"))
 
-        t = threading.Thread(target=long_request)
+        t = threading.Thread(target=queued)
         t.start()
-        assert wait_until(lambda: node.metric("edgeinfer_backend_requests_running") == 1, 30)
-        t0 = time.monotonic()
-        if stream:
-            chunks = list(c.completions.create(model=name, prompt="The capital of France is", max_tokens=4,
-                                               temperature=0, stream=True))
-            text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
-        else:
-            text = c.completions.create(model=name, prompt="The capital of France is", max_tokens=4,
-                                        temperature=0).choices[0].text
-        waited = time.monotonic() - t0
-        t.join(timeout=300)
-        assert long_done, "the long request failed"
-        assert text
-        assert waited > 3.0 * 1.5, f"queued only {waited:.1f}s: the test did not outlast first_byte_timeout_s"
+        time.sleep(hold_s)
+        assert not out, f"the queued request ended while the slot was still taken: {out}"
+        long.close()                     # frees the slot (the backend aborts it)
+        t.join(timeout=240)
+        waited, text = out[0]
+        assert text and not text.startswith("ERROR"), out
+        assert waited > hold_s > first_byte_s
         print(f"\nqueued request ({'stream' if stream else 'non-stream'}) answered after {waited:.1f}s "
-              f"(first_byte_timeout_s=3)")
+              f"(first_byte_timeout_s={first_byte_s:g})")
     finally:
+        if long is not None:
+            long.close()
         node.stop()
 
 
 @pytest.mark.slow
 def test_backend_refuses_a_request_its_queue_would_hold_too_long(harness, model_dir):
-    node = _backend(model_dir, "queue-b", "--max-queue-wait-s", "2")
+    node = _backend(model_dir, "queue-b", "--max-queue-wait-s", "1")
     held: list[requests.Response] = []
     try:
         gw, name = _gateway(harness, model_dir, node)
-        c = client(gw)
-        c.completions.create(model=name, prompt=list(range(1000, 1200)), max_tokens=1)  # measures the prefill rate
-
-        def generate(rid: str, n: int) -> requests.Response:
-            return requests.post(node.url + "/internal/generate", headers=INTERNAL_AUTH, stream=True, timeout=30,
-                                 json={"request_id": rid, "prompt_token_ids": list(range(2000 + n, 3500 + n)),
-                                       "sampling": {"max_tokens": 1}, "cache_namespace": "t"})
-
-        for i in range(4):               # ~6000 prompt tokens queued: far more than 2 s of prefill here
-            held.append(generate(f"backlog-{i}", i))
+        c = client(gw).with_options(timeout=300)
+        for i in range(6):   # ~6000 prompt tokens, admitted: no rate measured yet, so no estimate to refuse on
+            held.append(_generate(node, f"backlog-{i}", list(range(2000 + i, 3000 + i)), 1))
             assert held[-1].status_code == 200, held[-1].text
+
+        def estimate() -> float | None:
+            return requests.get(node.url + "/ready", timeout=5).json()["queue_wait_s"]
+
+        assert wait_until(lambda: estimate() is not None, 120)     # a few 64-token steps ran: the rate is known
+        assert estimate() > 1.0, estimate()
         t0 = time.monotonic()
-        direct = generate("one-more", 9)
+        direct = _generate(node, "one-more", list(range(5000, 5100)), 1)
         assert direct.status_code == 503, direct.text
         assert direct.json()["error"]["type"] == "overloaded" and int(direct.headers["retry-after"]) >= 1
         with pytest.raises(openai.APIStatusError) as e:
