@@ -6,7 +6,7 @@ prompts of running ones) and how many running sequences decode; the event loop a
 (`submitted` - `handled`: each counter is written by one thread). The rate is a moving average of tokens per
 second over steps at least half full (a step's time is mostly its tokens; tiny steps would understate the rate),
 after the first `warmup_steps` of them (the first forward passes pay one-off costs: page faults on the weights,
-kernel set-up; measured 347 s estimated for 4096 tokens after one such step, ~10x the real wait).
+kernel set-up; one such step alone would set the rate too low).
 Each step spends one token of its budget per decoding sequence, so prefill gets `budget - decoding` of it.
 
 Not counted: a wait for a free sequence slot (max_num_seqs), prefix-cache hits (they make the estimate high).
