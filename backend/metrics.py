@@ -30,6 +30,8 @@ class BackendMetrics(EngineObserver):
                              buckets=_LAT, registry=r)
         self.preemptions = Counter("edgeinfer_backend_preemptions", "Sequences preempted (recompute)", L, registry=r)
         self.finished = Counter("edgeinfer_backend_requests_finished", "Finished requests", L + ["reason"], registry=r)
+        self.overloaded = Counter("edgeinfer_backend_requests_overloaded",
+                                  "Requests refused: estimated queue wait over --max-queue-wait-s", L, registry=r)
         self.prompt_tokens = Counter("edgeinfer_backend_prompt_tokens", "Prompt tokens", L, registry=r)
         self.gen_tokens = Counter("edgeinfer_backend_generation_tokens", "Generated tokens", L, registry=r)
         self.integrity_failures = Counter("edgeinfer_backend_integrity_failures",

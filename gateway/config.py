@@ -29,8 +29,8 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     default_max_tokens: int = 512
     body_read_timeout_s: float = 30.0
     connect_timeout_s: float = 2.0
-    first_byte_timeout_s: float = 120.0     # queueing + prefill on the backend
-    chunk_timeout_s: float = 60.0           # max gap between two chunks of a stream
+    first_byte_timeout_s: float = 120.0     # silence before the first chunk (backend keepalives restart it)
+    chunk_timeout_s: float = 60.0           # max silence between two chunks of a stream (keepalives count)
     keepalive_timeout_s: float = 75.0
     shutdown_grace_s: float = 30.0
     health_interval_s: float = 1.0

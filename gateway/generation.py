@@ -18,7 +18,7 @@ from backend.protocol import GenerateRequest, SamplingParams, StreamChunk
 from gateway.errors import APIError
 from gateway.nodes import Node
 from gateway.routing import Choice
-from gateway.upstream import BackendRejected, Retryable, UpstreamBroken, UpstreamStream
+from gateway.upstream import BackendRejected, Overloaded, Retryable, UpstreamBroken, UpstreamStream
 
 
 @dataclass
@@ -44,6 +44,7 @@ class Target:
 async def start(st, target: Target, run: Run) -> None:
     cfg = st.cfg.server
     last: Exception | None = None
+    refusals: list[Overloaded] = []
     greq = GenerateRequest(run.request_id, run.prompt_ids, run.sampling, target.namespace, target.model)
     for _ in range(cfg.max_attempts):
         nodes = [n for n in st.pool.for_model(target.model) if n.node_id not in run.tried]
@@ -55,6 +56,11 @@ async def start(st, target: Target, run: Run) -> None:
         node.inflight += 1
         try:
             run.stream, run.first = await st.upstream.open(node, greq)
+        except Overloaded as e:        # a busy node, not a failed one: not marked down
+            node.inflight -= 1
+            refusals.append(e)
+            last = e
+            continue
         except Retryable as e:
             node.inflight -= 1
             node.mark_failed()
@@ -70,6 +76,11 @@ async def start(st, target: Target, run: Run) -> None:
         run.choice, run.node = choice, node
         st.metrics.routing.labels(target.model, choice.decision).inc()
         return
+    if refusals and len(refusals) == len(run.tried):
+        retry = min(e.retry_after_s for e in refusals)
+        raise APIError(503, f"every backend for model {target.model!r} is overloaded (its queue would hold this "
+                            f"request too long; tried {len(run.tried)} node(s)): {refusals[-1]}",
+                       code="overloaded", headers={"retry-after": str(max(1, retry))})
     detail = f": last error: {last}" if last else ""
     raise APIError(503, f"no healthy backend for model {target.model!r} (tried {len(run.tried)} "
                         f"node(s){detail})", code="backend_unavailable", headers={"retry-after": "1"})

@@ -60,7 +60,7 @@ class TokenizerPool:
     def __init__(self, sources: dict[str, str], workers: int) -> None:
         self.sources = sources
         self.workers = workers
-        self._pool = self._new()
+        self._pool: ProcessPoolExecutor | None = None   # made on first use: even idle, it starts a resource tracker
 
     def _new(self) -> ProcessPoolExecutor:
         return ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
@@ -72,6 +72,8 @@ class TokenizerPool:
     async def encode(self, name: str, kind: str, payload) -> array:
         """Token ids (int32). Raises WorkerFailed, or BrokenProcessPool if a worker died (the pool is
         replaced for the next request)."""
+        if self._pool is None:
+            self._pool = self._new()
         pool = self._pool
         try:
             out = await asyncio.wrap_future(pool.submit(_encode, name, kind, payload))
@@ -89,4 +91,5 @@ class TokenizerPool:
 
     def close(self) -> None:
         """Queued work is dropped; a worker busy with a prompt exits when it is done."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

@@ -2,6 +2,11 @@
 
 Failures before the first chunk raise Retryable (the caller tries another node), and so does the
 node ceasing to answer its health probes during that wait; after it they raise UpstreamBroken.
+A backend keepalive (an empty line, sent while its engine steps but this request has nothing yet: queued
+or prefilling) restarts the first-byte or chunk timer: the timers measure silence, not queueing, so a busy
+node that works through its queue is waited for, and a stuck one (no steps, no keepalives) still times out.
+A 503 carrying Retry-After is the backend refusing a request its queue would hold too long: Overloaded
+(another node may take it; the node is not marked down).
 Closing a stream that did not finish drops the connection (which aborts on the backend) and also
 POSTs /internal/abort, in case the backend still holds the request.
 """
@@ -24,6 +29,14 @@ _FAILURES = (TimeoutError, OSError, HTTPProtocolError)   # ConnectionDropped is 
 
 class Retryable(Exception):
     """The node failed before sending anything for this request: safe to try another node."""
+
+
+class Overloaded(Retryable):
+    """The node refused the request: its estimated queue wait is over its bound. Not a failure of the node."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class UpstreamBroken(Exception):
@@ -53,10 +66,9 @@ class UpstreamStream:
 
     async def next(self) -> StreamChunk | None:
         try:
-            deadline = self._loop.time() + self._chunk_timeout
-            line = await self._resp.readline(deadline)
-            while line == b"\n":
-                line = await self._resp.readline(deadline)
+            line = await self._resp.readline(self._loop.time() + self._chunk_timeout)
+            while line == b"\n":   # keepalive: the node's engine is stepping
+                line = await self._resp.readline(self._loop.time() + self._chunk_timeout)
         except _FAILURES as e:
             raise UpstreamBroken(f"node {self.node.node_id}: stream failed: {type(e).__name__}: {e}") from e
         if not line:
@@ -76,6 +88,13 @@ class UpstreamStream:
             return
         self._resp.close()
         self._aborter(self.node, self.request_id)
+
+
+def _retry_after(headers: dict[str, str]) -> int | None:
+    try:
+        return max(0, int(headers["retry-after"]))
+    except (KeyError, ValueError):
+        return None
 
 
 class Upstream:
@@ -102,20 +121,24 @@ class Upstream:
 
     async def _open(self, node: Node, req: GenerateRequest) -> tuple[UpstreamStream, StreamChunk]:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.first_byte_timeout_s
+        wait = self.first_byte_timeout_s
+        deadline = loop.time() + wait
         resp: Response | None = None
         try:
             resp = await self.pool.post(node.generate_url, _encode(req), deadline)
             if resp.status != 200:
                 body = (await resp.read(deadline, limit=300)).decode(errors="replace")
-                resp.release()
-                if resp.status in (400, 413, 422):
+                refused, resp = resp, None      # nothing runs on the node: no abort to send
+                refused.release()
+                if refused.status in (400, 413, 422):
                     raise BackendRejected(400, f"backend rejected the request: {body}")
-                raise Retryable(f"node {node.node_id}: HTTP {resp.status}: {body}")
+                if refused.status == 503 and (retry := _retry_after(refused.headers)) is not None:
+                    raise Overloaded(f"node {node.node_id}: HTTP 503: {body}", retry)
+                raise Retryable(f"node {node.node_id}: HTTP {refused.status}: {body}")
             stream = UpstreamStream(node, req.request_id, resp, self.chunk_timeout_s, self.abort, loop)
             line = await resp.readline(deadline)
-            while line == b"\n":
-                line = await resp.readline(deadline)
+            while line == b"\n":   # keepalive: queued or prefilling on a node whose engine steps
+                line = await resp.readline(loop.time() + wait)
             first = chunk_decoder.decode(line) if line else None
         except (*_FAILURES, msgspec.DecodeError) as e:
             if resp is not None:

@@ -12,7 +12,7 @@ KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float1
 @dataclass(frozen=True)
 class EngineConfig:
     page_size: int = 16
-    kv_cache_bytes: int = 1 << 30           # KV budget; ignored when num_pages is set
+    kv_cache_bytes: int = 512 << 20         # KV budget (resident as pages are first used); ignored when num_pages is set
     num_pages: int | None = None
     kv_dtype: str = "auto"                  # auto | fp32 | bf16 | fp16 | fp8_e4m3
     max_num_seqs: int = 64

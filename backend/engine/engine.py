@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import xxhash
 
+from backend.engine.backlog import Backlog
 from backend.engine.block_manager import BlockManager
 from backend.engine.config import EngineConfig, kv_format_name
 from backend.engine.model_runner import ModelRunner
@@ -82,6 +83,7 @@ class LLMEngine:
         self._stopping = False
         self.steps = 0
         self.error: BaseException | None = None
+        self.backlog = Backlog(self.cfg.max_num_batched_tokens)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -126,6 +128,15 @@ class LLMEngine:
 
     async def generate(self, req: GenerateRequest) -> AsyncGenerator[StreamChunk, None]:
         """Yields StreamChunks; the last one carries finish_reason and usage. Cancelling the iterator aborts."""
+        async for chunk in self.stream(req):
+            assert chunk is not None     # no keepalive_s: no keepalives
+            yield chunk
+
+    async def stream(self, req: GenerateRequest, keepalive_s: float | None = None
+                     ) -> AsyncGenerator[StreamChunk | None, None]:
+        """generate(), plus a None each time `keepalive_s` passed without a chunk for this request while the
+        engine completed a step since the last chunk or None: the request waits on a node that is working
+        (queued or prefilling), not on a stuck one. Cancelling the iterator aborts."""
         self.validate(req)
         if self.error is not None:
             raise RequestError(f"engine failed: {self.error}", 503)
@@ -137,11 +148,24 @@ class LLMEngine:
 
         seq = self._make_seq(req, emit)
         self._seqs[req.request_id] = seq
+        self.backlog.submitted += len(seq.prompt_ids)
         self._cmds.put(("add", seq))
         finished = False
+        seen_steps = self.steps
         try:
             while True:
-                chunk = await q.get()
+                if keepalive_s is None or not q.empty():
+                    chunk = await q.get()
+                else:
+                    try:
+                        async with asyncio.timeout(keepalive_s):
+                            chunk = await q.get()
+                    except TimeoutError:
+                        if self.steps != seen_steps:
+                            seen_steps = self.steps
+                            yield None
+                        continue
+                seen_steps = self.steps
                 yield chunk
                 if chunk.finish_reason is not None:
                     finished = True
@@ -222,6 +246,7 @@ class LLMEngine:
         # seq: the Sequence for "add" and "abort", a no-argument callable for "call", None for "wake"
         if cmd == "add":
             self.scheduler.add(seq)
+            self.backlog.handled += len(seq.prompt_ids)
         elif cmd == "call":
             seq()
         elif cmd == "abort" and seq.status != SeqStatus.FINISHED:
@@ -241,6 +266,8 @@ class LLMEngine:
                     block = False
                 if self.scheduler.has_work:
                     self.step()
+                elif self.backlog.queued_tokens:
+                    self.backlog.observe(self.scheduler)      # everything ended or was aborted: nothing queued
                 self._flush()
             except Exception as e:  # a failed step must not hang clients, nor fail the sequences it did not cause
                 log.exception("engine step failed")
@@ -355,6 +382,7 @@ class LLMEngine:
                 self._take(seq, got, now)
         self.steps += 1
         dt = time.monotonic() - t0
+        self.backlog.on_step(self.scheduler, len(batch.decodes) + sum(n for _, n in batch.prefills), dt)
         for o in self.observers:
             o.on_step(self, batch, dt)
 

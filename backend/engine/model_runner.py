@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import torch
 
@@ -21,6 +23,20 @@ def kv_bytes_per_token(model: LlamaModel, kv_dtype: torch.dtype) -> int:
     return 2 * c.num_layers * c.num_kv_heads * (c.head_dim * elt + scale)
 
 
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """torch.zeros, except that on CPU the memory is an anonymous mapping: the kernel hands out zeroed pages on
+    first write, so a KV pool costs resident memory only for the pages requests have used (torch.zeros writes
+    every byte at once: the whole budget resident from start-up)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    elt = torch.empty((), dtype=dtype).element_size()
+    nbytes = elt * int(np.prod(shape))
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)   # the tensor keeps buf alive
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, cfg: EngineConfig) -> None:
         self.model = model
@@ -36,7 +52,7 @@ class ModelRunner:
         self.kv: list[LayerKV] = []
         for _ in range(c.num_layers):
             self.kv.append(LayerKV(
-                torch.zeros(shape, dtype=self.kv_dtype, device=dev), torch.zeros(shape, dtype=self.kv_dtype, device=dev),
+                lazy_zeros(shape, self.kv_dtype, dev), lazy_zeros(shape, self.kv_dtype, dev),
                 torch.ones(shape[:3], dtype=SCALE_DTYPE, device=dev) if fp8 else None,
                 torch.ones(shape[:3], dtype=SCALE_DTYPE, device=dev) if fp8 else None))
         max_len = min(cfg.max_model_len or c.max_position_embeddings, c.max_position_embeddings)

@@ -39,21 +39,21 @@ WRONG = [
 
 
 class Recorder:
-    """Delegates to the engine's generate/abort and remembers every call."""
+    """Delegates to the engine's stream (what the server's generate calls)/abort and remembers every call."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.calls: list[str] = []
-        gen, abort = engine.generate, engine.abort
+        gen, abort = engine.stream, engine.abort
 
-        def generate(req):
+        def stream(req, keepalive_s=None):
             self.calls.append(f"generate:{req.request_id}")
-            return gen(req)
+            return gen(req, keepalive_s)
 
         def record_abort(request_id):
             self.calls.append(f"abort:{request_id}")
             return abort(request_id)
 
-        engine.generate = generate          # type: ignore[method-assign]
+        engine.stream = stream              # type: ignore[method-assign]
         engine.abort = record_abort         # type: ignore[method-assign]
 
 

@@ -31,6 +31,8 @@ PHRASE = "The quick brown fox jumps over the lazy dog. "
 class StubBehaviour:
     token_delay_s: float = 0.0
     first_token_delay_s: float = 0.0    # after the response head, before the first chunk (queueing + prefill)
+    keepalive_every_s: float = 0.0      # during first_token_delay_s: an empty line this often (a working queue)
+    overloaded_retry_after: int = 0     # answer 503 + Retry-After like backend.server's queue bound
     fail_status: int = 0                 # answer /internal/generate with this HTTP status
     drop_before_first: bool = False      # close the connection before any chunk
     fail_after_tokens: int = -1          # close the connection after this many tokens
@@ -74,6 +76,9 @@ class StubBackend:
             self.requests.append(req)
         if b.fail_status:
             return web.Response(status=b.fail_status, text="stub failure")
+        if b.overloaded_retry_after:
+            return web.json_response({"error": {"message": "stub overloaded", "code": 503, "type": "overloaded"}},
+                                     status=503, headers={"retry-after": str(b.overloaded_retry_after)})
         resp = web.StreamResponse(headers={"content-type": "application/x-ndjson"})
         await resp.prepare(request)
         if b.drop_before_first:
@@ -91,7 +96,11 @@ class StubBackend:
         finish = "length"
         try:
             if b.first_token_delay_s:
-                await asyncio.sleep(b.first_token_delay_s)
+                end = time.monotonic() + b.first_token_delay_s
+                while (left := end - time.monotonic()) > 0:
+                    await asyncio.sleep(min(left, b.keepalive_every_s or left))
+                    if b.keepalive_every_s and time.monotonic() < end:
+                        await resp.write(b"\n")
             for i in range(sp.max_tokens):
                 ch = b.phrase[i % len(b.phrase)]
                 if i and i % len(b.phrase) == 0 and not sp.ignore_eos:
