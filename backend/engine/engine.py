@@ -123,6 +123,15 @@ class LLMEngine:
             raise RequestError(f"request_id {req.request_id!r} is already running", 409)
         if not req.cache_namespace:
             raise RequestError("cache_namespace is empty: expected the tenant's namespace")
+        if req.tenant is not None:
+            try:
+                req.tenant.validate()
+            except ValueError as e:
+                raise RequestError(str(e)) from e
+            cap = req.tenant.max_running_pages
+            if cap and self.blocks.pages_needed(n + 1) > cap:
+                raise RequestError(f"prompt of {n} tokens needs {self.blocks.pages_needed(n + 1)} KV pages; tenant "
+                                   f"{req.tenant.id!r} may hold at most {cap} (max_running_pages)", 400)
 
     async def generate(self, req: GenerateRequest) -> AsyncGenerator[StreamChunk, None]:
         """Yields StreamChunks; the last one carries finish_reason and usage. Cancelling the iterator aborts."""
@@ -200,7 +209,8 @@ class LLMEngine:
             emit(StreamChunk(seq.request_id, token_ids=ids, text=text, logprobs=lps, finish_reason=reason,
                              usage=usage, error=error, error_code=error_code if error else None))
 
-        seq = Sequence(req.request_id, req.prompt_token_ids, sp, self.key_context(req.cache_namespace), emit_seq)
+        seq = Sequence(req.request_id, req.prompt_token_ids, sp, self.key_context(req.cache_namespace), emit_seq,
+                       req.tenant)
         seq.max_new_tokens = max_new
         seq.generator = make_generator(sp.seed) if sp.temperature > 0 else None
         seq.stop_checker = StopChecker(self.tokenizer, sp.stop, set(sp.stop_token_ids), self.eos_ids,
