@@ -16,6 +16,7 @@ import xxhash
 
 from backend.engine.block_manager import BlockManager
 from backend.engine.config import EngineConfig, kv_format_name
+from backend.engine.fair import make_scheduler
 from backend.engine.model_runner import ModelRunner
 from backend.engine.sampler import SamplingError, make_generator, sample
 from backend.engine.scheduler import Scheduler
@@ -68,8 +69,8 @@ class LLMEngine:
         self.max_model_len = min(self.cfg.max_model_len or model.cfg.max_position_embeddings,
                                  model.cfg.max_position_embeddings)
         self.blocks = BlockManager(self.runner.num_pages, self.cfg.page_size, self.cfg.enable_prefix_cache,
-                                   tables=self.runner.tables)
-        self.scheduler = Scheduler(self.cfg, self.blocks)
+                                   tables=self.runner.tables, eviction=self.cfg.cache_eviction)
+        self.scheduler = make_scheduler(self.cfg, self.blocks)
         self.kv_format = kv_format_name(self.runner.kv_dtype)
         self.fingerprint = fingerprint or f"{model.cfg.architecture}-{model.cfg.num_layers}-{model.cfg.hidden_size}"
         eos = set(model.cfg.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer else set())
