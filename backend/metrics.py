@@ -84,9 +84,9 @@ class BackendMetrics(EngineObserver):
     def _tenants(self, engine, batch) -> None:
         m = self.model
         served: Tally[tuple[str, str]] = Tally()
-        for s in batch.decodes:
+        for s in batch.decodes if batch is not None else ():     # None: a refresh from GET /metrics
             served[s.tenant.id, "decode"] += 1
-        for s, n in batch.prefills:
+        for s, n in batch.prefills if batch is not None else ():
             served[s.tenant.id, "prefill"] += n
         for (t, kind), n in served.items():
             self.tenant_served.labels(m, t, kind).inc(n)

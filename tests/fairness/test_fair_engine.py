@@ -96,9 +96,9 @@ def saturated_run(model, tok, scheduler: str, steps: int) -> Counter[str]:
 
 
 def test_weight_two_tenant_gets_twice_the_served_tokens(smol_model, smol_tokenizer):
-    served = saturated_run(smol_model, smol_tokenizer, "fair", 80)
+    served = saturated_run(smol_model, smol_tokenizer, "fair", 48)
     assert served["w2"] / served["w1"] == pytest.approx(2.0, rel=0.15), served
-    fifo = saturated_run(smol_model, smol_tokenizer, "fifo", 60)
+    fifo = saturated_run(smol_model, smol_tokenizer, "fifo", 30)
     assert fifo["w2"] / fifo["w1"] == pytest.approx(1.0, rel=0.15), fifo
 
 
@@ -110,3 +110,28 @@ async def test_tenant_spec_is_validated(smol_model, smol_tokenizer):
     for spec, match in bad:
         with pytest.raises(RequestError, match=match):
             eng.validate(request(list(range(1, 60)), spec, 4))
+
+
+def test_per_tenant_metrics(smol_model, smol_tokenizer):
+    from backend.metrics import BackendMetrics
+
+    eng = LLMEngine(smol_model, smol_tokenizer, EngineConfig(max_num_seqs=2, max_num_batched_tokens=64))
+    metrics, served = BackendMetrics("m"), ServedTokens()
+    eng.observers += [metrics, served]
+    specs = [TenantSpec("x"), TenantSpec("y", retain=False)]
+    for i, p in enumerate(prompts(4, seed=5, base=40, step=0)):
+        seq = eng._make_seq(request(p, specs[i % 2], 3), lambda chunk: None)
+        eng._seqs[seq.request_id] = seq
+        eng.scheduler.add(seq)
+    while eng.scheduler.has_work:
+        eng.step()
+    metrics.on_step(eng, None, 0.0)            # what GET /metrics does: no batch
+    val = metrics.registry.get_sample_value
+    for t in ("x", "y"):
+        got = sum(val("edgeinfer_backend_tenant_served_tokens_total", {"model": "m", "tenant": t, "kind": k}) or 0
+                  for k in ("prefill", "decode"))
+        assert got == served.served[t] > 0
+        assert val("edgeinfer_backend_tenant_queue_seconds_count", {"model": "m", "tenant": t}) == 2
+        assert val("edgeinfer_backend_tenant_virtual_tokens", {"model": "m", "tenant": t}) > 0
+    assert val("edgeinfer_backend_tenant_cached_pages", {"model": "m", "tenant": "x"}) == eng.blocks.held["x"] == 4
+    assert val("edgeinfer_backend_tenant_cached_pages", {"model": "m", "tenant": "y"}) is None   # retains nothing

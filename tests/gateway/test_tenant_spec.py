@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import requests
 
 from backend.protocol import TenantSpec
 from gateway import config as config_mod
@@ -31,3 +32,16 @@ def test_bad_fairness_settings_are_config_errors(tokenizer_dir, field, value, ma
     data = gateway_config(tokenizer_dir, [], tenants=[tenant(**{field: value})])
     with pytest.raises(config_mod.ConfigError, match=f"tenant 'demo': {match}"):
         config_mod.parse(data)
+
+
+@pytest.mark.parametrize("retain", [True, False])
+def test_no_retain_tenant_prompts_are_not_indexed_by_the_gateway(harness, retain):
+    """Single-node mode fills the prefix index at the gateway: never with a no-retain tenant's prompts."""
+    a, b = harness.stub("node-a"), harness.stub("node-b")
+    gw = harness.gateway([a, b], tenants=[tenant(retain=retain)])
+    c = client(gw)
+    for _ in range(3):
+        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "same prompt " * 40}],
+                                  max_tokens=2)
+    m = requests.get(gw.url + "/metrics", timeout=5).text
+    assert ('decision="prefix"' in m) == retain
