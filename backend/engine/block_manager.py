@@ -109,11 +109,11 @@ class BlockManager:
     def _unpark(self, page: int) -> None:
         self.free_cached.pop(page, None)
         owner = self.owner.get(page)
-        mine = self.free_cached_of.get(owner) if owner is not None else None
-        if mine is not None:
+        mine = None if owner is None else self.free_cached_of.get(owner)
+        if owner is not None and mine is not None:
             mine.pop(page, None)
             if not mine:
-                del self.free_cached_of[owner]  # type: ignore[arg-type]
+                del self.free_cached_of[owner]
 
     def over_share(self, tenant: str) -> float:
         """Cached pages per unit of weight: eviction under "fair" starts with the largest."""
