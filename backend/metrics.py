@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter as Tally
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from backend.engine.engine import EngineObserver
@@ -45,9 +47,22 @@ class BackendMetrics(EngineObserver):
                                         registry=r)
         self.max_kv_tokens = Gauge("edgeinfer_backend_kv_max_tokens", "Tokens that fit in the KV budget", L,
                                    registry=r)
+        T = ["model", "tenant"]
+        self.tenant_served = Counter("edgeinfer_backend_tenant_served_tokens",
+                                     "Tokens computed for a tenant (kind: prefill, decode; recompute included)",
+                                     T + ["kind"], registry=r)
+        self.tenant_queue = Histogram("edgeinfer_backend_tenant_queue_seconds",
+                                      "Arrival to first admission into the running batch", T, buckets=_LAT,
+                                      registry=r)
+        self.tenant_cached_pages = Gauge("edgeinfer_backend_tenant_cached_pages",
+                                         "Prefix-cache pages a tenant holds (in use or free)", T, registry=r)
+        self.tenant_counter = Gauge("edgeinfer_backend_tenant_virtual_tokens",
+                                    "Fair scheduler's virtual token counter (weighted service / weight)", T,
+                                    registry=r)
         self._hits = 0
         self._queries = 0
         self._preempt = 0
+        self._holders: set[str] = set()
 
     def on_step(self, engine, batch, dt: float) -> None:
         m = self.model
@@ -66,9 +81,30 @@ class BackendMetrics(EngineObserver):
         if p != self._preempt:
             self.preemptions.labels(m).inc(p - self._preempt)
             self._preempt = p
+        self._tenants(engine, batch)
+
+    def _tenants(self, engine, batch) -> None:
+        m = self.model
+        served: Tally[tuple[str, str]] = Tally()
+        for s in batch.decodes if batch is not None else ():     # None: a refresh from GET /metrics
+            served[s.tenant.id, "decode"] += 1
+        for s, n in batch.prefills if batch is not None else ():
+            served[s.tenant.id, "prefill"] += n
+        for (t, kind), n in served.items():
+            self.tenant_served.labels(m, t, kind).inc(n)
+        held = {t or "(fetched, unused)": n for t, n in engine.blocks.held.items()}
+        for t in self._holders - held.keys():
+            self.tenant_cached_pages.labels(m, t).set(0)
+        for t, n in held.items():
+            self.tenant_cached_pages.labels(m, t).set(n)
+        self._holders = set(held)
+        for t, c in getattr(engine.scheduler, "counters", {}).items():
+            self.tenant_counter.labels(m, t).set(c)
 
     def on_first_token(self, seq, ttft: float) -> None:
         self.ttft.labels(self.model).observe(ttft)
+        if seq.admitted_at is not None:
+            self.tenant_queue.labels(self.model, seq.tenant.id).observe(seq.admitted_at - seq.arrival)
 
     def on_token(self, seq, itl: float) -> None:
         self.itl.labels(self.model).observe(itl)

@@ -67,12 +67,35 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
             bad("stop", f"{len(self.stop)} strings", "at most 16 stop strings")
 
 
+class TenantSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Who a request is for, from the gateway's tenant config (backend.engine.fair uses it)."""
+    id: str
+    weight: float = 1.0               # share of served tokens and of the prefix cache, relative to other tenants
+    priority: int = 0                 # class: 0 is served first, larger numbers wait (with aging)
+    retain: bool = True               # False: its KV pages are never cached, published or indexed
+    max_running_pages: int = 0        # hard cap on KV pages its running requests hold (0: none)
+
+    def validate(self) -> None:
+        import math
+
+        if not self.id:
+            raise ValueError("tenant.id is empty: expected the tenant's id")
+        if not math.isfinite(self.weight) or self.weight <= 0:
+            raise ValueError(f"tenant.weight={self.weight!r} is invalid: expected a finite number > 0")
+        if not 0 <= self.priority <= 9:
+            raise ValueError(f"tenant.priority={self.priority!r} is invalid: expected an integer in [0, 9]")
+        if self.max_running_pages < 0:
+            raise ValueError(f"tenant.max_running_pages={self.max_running_pages!r} is invalid: expected >= 0 "
+                             "(0: no cap)")
+
+
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     cache_namespace: str
     model: str = ""
+    tenant: TenantSpec | None = None   # None: the namespace is the tenant, weight 1, priority 0, retained
 
 
 class Usage(msgspec.Struct):

@@ -277,6 +277,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="empty line on a stream silent this long while the engine steps (0: none); keep it well "
                         "under the gateway's first_byte_timeout_s")
     p.add_argument("--no-prefix-cache", action="store_true")
+    p.add_argument("--scheduler", default="fair", choices=["fair", "fifo"],
+                   help="fair: per-tenant virtual token counter (weights, priority classes); fifo: arrival order")
+    p.add_argument("--cache-eviction", default="fair", choices=["fair", "lru"],
+                   help="fair: evict cached pages of the tenant most over its share first; lru: oldest first")
+    p.add_argument("--prefill-token-weight", type=float, default=1.0, help="fair scheduler: cost of a prefill token")
+    p.add_argument("--decode-token-weight", type=float, default=2.0, help="fair scheduler: cost of a decode token")
+    p.add_argument("--priority-aging-steps", type=int, default=256,
+                   help="fair scheduler: a waiting request's priority class improves by one per this many steps")
     p.add_argument("--redis-url", default=os.environ.get("EDGEINFER_REDIS_URL"))
     p.add_argument("--redis-cluster", action="store_true")
     p.add_argument("--store-tier", default="redis", choices=["redis", "host", "none"])
@@ -353,7 +361,10 @@ def build_state(args: argparse.Namespace) -> BackendState:
     cfg = EngineConfig(page_size=args.page_size, kv_cache_bytes=args.kv_cache_bytes, num_pages=args.num_pages,
                        kv_dtype=args.kv_dtype, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                       cache_seed=args.cache_seed.encode(), enable_prefix_cache=not args.no_prefix_cache)
+                       cache_seed=args.cache_seed.encode(), enable_prefix_cache=not args.no_prefix_cache,
+                       scheduler=args.scheduler, cache_eviction=args.cache_eviction,
+                       prefill_token_weight=args.prefill_token_weight, decode_token_weight=args.decode_token_weight,
+                       priority_aging_steps=args.priority_aging_steps)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     engine = load_engine(model_dir, cfg, dtype=dtype, device=args.device, model_name=args.model_name)
     release_free_heap()

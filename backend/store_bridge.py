@@ -393,8 +393,8 @@ class PageStoreBridge(EngineObserver):
 
     async def prefetch(self, req) -> int:
         """Fetch, verify and upload the prompt's pages beyond the local cache. Returns pages uploaded."""
-        if self.store is None or not self.engine.cfg.enable_prefix_cache:
-            return 0
+        if self.store is None or not self.engine.cfg.enable_prefix_cache or (req.tenant and not req.tenant.retain):
+            return 0    # a no-retain tenant's prompts neither fetch nor (through the fetch) index anything
         t0 = time.monotonic()
         try:
             return await self._prefetch(req, t0 + self.fetch_timeout_s)

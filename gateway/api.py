@@ -234,7 +234,7 @@ async def execute(job: Job, runs: list[Run], n: int, stream: bool, include_usage
                   session: str) -> web.StreamResponse:
     st, request = job.st, job.request
     tenant, model = job.tenant, job.model
-    target = Target(model.name, tenant.namespace, session)
+    target = Target(model.name, tenant.namespace, session, tenant.spec())
     tally = Tally(n)
     finished = False
     t0: float = request["t0"]
@@ -247,7 +247,7 @@ async def execute(job: Job, runs: list[Run], n: int, stream: bool, include_usage
             else:
                 resp = await _collect(job, runs, tally, t0)
             finished = True
-            if st.fill_index:
+            if st.fill_index and tenant.retain:     # a no-retain tenant's prompts never reach the index
                 for r in runs:
                     if r.choice is not None and r.choice.hashes:
                         await st.index.publish(model.name, r.choice.node.node_id, r.choice.hashes)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import msgspec
 
+from backend.protocol import TenantSpec
+
 DEFAULT_CONFIG = Path(__file__).with_name("default_config.toml")
 DEMO_API_KEY = "sk-edgeinfer-demo"
 
@@ -72,10 +74,18 @@ class TenantConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_concurrent_streams: int = 0
     max_prompt_tokens: int = 0
     max_prompt_chars: int = 1_000_000       # checked before tokenizing; 0: only max_body_bytes bounds it
+    weight: float = 1.0                     # backend fair scheduling: share of served tokens and cached pages
+    priority: int = 0                       # 0 is served first; 1..9 wait behind it (aged, never starved)
+    retain: bool = True                     # false: KV pages never cached, published or indexed (privacy)
+    max_running_pages: int = 0              # hard cap on KV pages its running requests hold per backend (0: none)
 
     @property
     def namespace(self) -> str:
         return self.cache_group or f"tenant:{self.id}"
+
+    def spec(self) -> TenantSpec:
+        """What the backends learn about this tenant (GenerateRequest.tenant)."""
+        return TenantSpec(self.id, self.weight, self.priority, self.retain, self.max_running_pages)
 
     def allows(self, model: str) -> bool:
         return "*" in self.models or model in self.models
@@ -158,6 +168,10 @@ def _check(cfg: GatewayConfig) -> GatewayConfig:
             if h.lower() in seen:
                 raise ConfigError(f"tenants {seen[h.lower()]!r} and {t.id!r} share an API key")
             seen[h.lower()] = t.id
+        try:
+            t.spec().validate()
+        except ValueError as e:
+            raise ConfigError(f"tenant {t.id!r}: {str(e).removeprefix('tenant.')}") from e
         for name in ("requests_per_min", "tokens_per_min", "max_concurrent_streams", "max_prompt_tokens",
                      "max_prompt_chars"):
             if getattr(t, name) < 0:

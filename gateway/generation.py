@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-from backend.protocol import GenerateRequest, SamplingParams, StreamChunk
+from backend.protocol import GenerateRequest, SamplingParams, StreamChunk, TenantSpec
 from gateway.errors import APIError
 from gateway.nodes import Node
 from gateway.routing import Choice
@@ -39,13 +39,15 @@ class Target:
     model: str
     namespace: str
     session: str = ""
+    tenant: TenantSpec | None = None
 
 
 async def start(st, target: Target, run: Run) -> None:
     cfg = st.cfg.server
     last: Exception | None = None
     refusals: list[Overloaded] = []
-    greq = GenerateRequest(run.request_id, run.prompt_ids, run.sampling, target.namespace, target.model)
+    greq = GenerateRequest(run.request_id, run.prompt_ids, run.sampling, target.namespace, target.model,
+                           target.tenant)
     for _ in range(cfg.max_attempts):
         nodes = [n for n in st.pool.for_model(target.model) if n.node_id not in run.tried]
         if not nodes:

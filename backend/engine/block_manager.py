@@ -1,8 +1,15 @@
-"""Paged KV allocator with reference counts and an in-engine prefix cache (LRU over free cached pages)."""
+"""Paged KV allocator with reference counts and an in-engine prefix cache over free cached pages.
+
+Eviction of free cached pages: "lru" takes the least recently freed page; "fair" (per-tenant quota) takes the
+least recently freed page of the tenant most over its share, i.e. with the most cached pages per unit of
+weight (TenantSpec.weight), counting the pages it has cached whether in use or free. A page belongs to the
+tenant whose sequence filled it; a page fetched from an outer tier (insert_external) to the first tenant that
+uses it. A tenant with retain=False never gets a page into the cache: its pages are freed uncached.
+"""
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import NamedTuple
 
 from backend.engine.block_table import BlockTables
@@ -30,7 +37,10 @@ class OutOfPages(RuntimeError):
 
 class BlockManager:
     def __init__(self, num_pages: int, page_size: int, enable_prefix_cache: bool = True,
-                 tables: BlockTables | None = None) -> None:
+                 tables: BlockTables | None = None, eviction: str = "fair") -> None:
+        if eviction not in ("fair", "lru"):
+            raise ValueError(f"eviction={eviction!r} is invalid: expected fair or lru")
+        self.eviction = eviction
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_prefix_cache = enable_prefix_cache
@@ -38,6 +48,10 @@ class BlockManager:
         self.ref = [0] * num_pages
         self.free_uncached: list[int] = list(range(num_pages - 1, -1, -1))
         self.free_cached: OrderedDict[int, None] = OrderedDict()   # LRU: oldest first
+        self.free_cached_of: dict[str, OrderedDict[int, None]] = {}   # the same pages by owner, LRU each
+        self.owner: dict[int, str] = {}        # cached page -> tenant id ("" until a tenant uses an external page)
+        self.held: Counter[str] = Counter()    # cached pages (in use or free) per tenant
+        self.weights: dict[str, float] = {}    # tenant id -> weight, as last seen
         self.hash_of_page: dict[int, bytes] = {}
         self.cache: dict[bytes, CachedPage] = {}
         self.hits = 0
@@ -71,13 +85,58 @@ class BlockManager:
                 parent = h
         return PrefixMatch(pages, hashes[: len(pages)])
 
+    # ---- cached page bookkeeping
+    def _cache_page(self, page: int, h: bytes, entry: CachedPage, owner: str) -> None:
+        self.cache[h] = entry
+        self.hash_of_page[page] = h
+        self.owner[page] = owner
+        self.held[owner] += 1
+
+    def _uncache_page(self, page: int) -> bytes:
+        h = self.hash_of_page.pop(page)
+        self.cache.pop(h, None)
+        owner = self.owner.pop(page)
+        self.held[owner] -= 1
+        if not self.held[owner]:
+            del self.held[owner]
+        return h
+
+    def _park(self, page: int) -> None:
+        """A cached page nobody references: evictable."""
+        self.free_cached[page] = None
+        self.free_cached_of.setdefault(self.owner[page], OrderedDict())[page] = None
+
+    def _unpark(self, page: int) -> None:
+        self.free_cached.pop(page, None)
+        owner = self.owner.get(page)
+        mine = None if owner is None else self.free_cached_of.get(owner)
+        if owner is not None and mine is not None:
+            mine.pop(page, None)
+            if not mine:
+                del self.free_cached_of[owner]
+
+    def over_share(self, tenant: str) -> float:
+        """Cached pages per unit of weight: eviction under "fair" starts with the largest."""
+        return self.held[tenant] / self.weights.get(tenant, 1.0)
+
+    def eviction_candidate(self) -> int | None:
+        if not self.free_cached:
+            return None
+        if self.eviction == "lru":
+            return next(iter(self.free_cached))
+        tenant = max(self.free_cached_of, key=self.over_share)
+        return next(iter(self.free_cached_of[tenant]))
+
+    def _note_tenant(self, seq: Sequence) -> None:
+        self.weights[seq.tenant.id] = seq.tenant.weight
+
     def _take_free(self) -> int:
         if self.free_uncached:
             page = self.free_uncached.pop()
-        elif self.free_cached:
-            page, _ = self.free_cached.popitem(last=False)
-            h = self.hash_of_page.pop(page)
-            self.cache.pop(h, None)
+        elif (victim := self.eviction_candidate()) is not None:
+            page = victim
+            self._unpark(page)
+            h = self._uncache_page(page)
             if self.on_evict is not None:
                 self.on_evict(h)
         else:
@@ -92,14 +151,22 @@ class BlockManager:
     def acquire_cached(self, pages: list[int]) -> None:
         for pg in pages:
             if self.ref[pg] == 0:
-                self.free_cached.pop(pg, None)
+                self._unpark(pg)
             self.ref[pg] += 1
 
     def assign(self, seq: Sequence, pages: list[int]) -> None:
         """seq (holding no pages) starts with the cached `pages`, acquired here."""
         if seq.block_table:
             raise RuntimeError(f"assign: {seq.request_id} already holds {len(seq.block_table)} pages")
+        self._note_tenant(seq)
         self.acquire_cached(pages)
+        for pg in pages:                     # pages fetched from an outer tier belong to their first user
+            if self.owner.get(pg) == "" and seq.tenant.retain:
+                self.held[""] -= 1
+                if not self.held[""]:
+                    del self.held[""]
+                self.owner[pg] = seq.tenant.id
+                self.held[seq.tenant.id] += 1
         seq.block_table = list(pages)
         self.tables.set(seq, seq.block_table)
 
@@ -124,8 +191,9 @@ class BlockManager:
     def register_full_pages(self, seq: Sequence, new_hashes: list[bytes]) -> list[tuple[bytes, int]]:
         """Index seq's newly filled pages in the prefix cache; returns (hash, page) pairs newly cached."""
         out: list[tuple[bytes, int]] = []
-        if not self.enable_prefix_cache:
+        if not self.enable_prefix_cache or not seq.tenant.retain:    # no-retain: never cached nor published
             return out
+        self._note_tenant(seq)
         p = self.page_size
         ids = seq.all_ids
         start = len(seq.page_hashes) - len(new_hashes)
@@ -135,8 +203,7 @@ class BlockManager:
             if h in self.cache or page in self.hash_of_page:
                 continue
             parent = seq.page_hashes[i - 1] if i else seq.key_ctx.root
-            self.cache[h] = CachedPage(page, parent, tuple(ids[i * p:(i + 1) * p]))
-            self.hash_of_page[page] = h
+            self._cache_page(page, h, CachedPage(page, parent, tuple(ids[i * p:(i + 1) * p])), seq.tenant.id)
             out.append((h, page))
         return out
 
@@ -145,17 +212,16 @@ class BlockManager:
         if h in self.cache or self.num_free == 0:
             return None
         page = self._take_free()
-        self.cache[h] = CachedPage(page, parent, tokens)
-        self.hash_of_page[page] = h
+        self._cache_page(page, h, CachedPage(page, parent, tokens), "")
         return page
 
     def drop_cached(self, h: bytes) -> None:
-        hit = self.cache.pop(h, None)
+        hit = self.cache.get(h)
         if hit is not None:
-            self.hash_of_page.pop(hit.page, None)
             if self.ref[hit.page] == 0:
-                self.free_cached.pop(hit.page, None)
+                self._unpark(hit.page)
                 self.free_uncached.append(hit.page)
+            self._uncache_page(hit.page)
             if self.on_evict is not None:
                 self.on_evict(h)
 
@@ -171,6 +237,6 @@ class BlockManager:
             raise RuntimeError(f"page {page} released more often than acquired")
         if self.ref[page] == 0:
             if page in self.hash_of_page:
-                self.free_cached[page] = None
+                self._park(page)
             else:
                 self.free_uncached.append(page)

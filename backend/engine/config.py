@@ -20,6 +20,11 @@ class EngineConfig:
     max_model_len: int | None = None
     cache_seed: bytes = b"edgeinfer-dev-seed"
     enable_prefix_cache: bool = True
+    scheduler: str = "fair"                 # fair (per-tenant VTC, backend.engine.fair) | fifo
+    prefill_token_weight: float = 1.0       # VTC cost of a prefill token
+    decode_token_weight: float = 2.0        # VTC cost of a decode token (the paper's w_q = 2 w_p)
+    priority_aging_steps: int = 256         # a waiting request's priority class improves by 1 per this many steps
+    cache_eviction: str = "fair"            # fair: evict cached pages of the tenant most over its share first | lru
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -28,6 +33,16 @@ class EngineConfig:
             raise ValueError(f"kv_dtype={self.kv_dtype!r} is invalid: expected auto or one of {', '.join(KV_DTYPES)}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.scheduler not in ("fair", "fifo"):
+            raise ValueError(f"scheduler={self.scheduler!r} is invalid: expected fair or fifo")
+        if self.cache_eviction not in ("fair", "lru"):
+            raise ValueError(f"cache_eviction={self.cache_eviction!r} is invalid: expected fair or lru")
+        for name in ("prefill_token_weight", "decode_token_weight"):
+            v = getattr(self, name)
+            if not v > 0 or v == float("inf"):
+                raise ValueError(f"{name}={v!r} is invalid: expected a finite number > 0")
+        if self.priority_aging_steps < 1:
+            raise ValueError(f"priority_aging_steps={self.priority_aging_steps!r} is invalid: expected >= 1")
 
     def resolve_kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         return model_dtype if self.kv_dtype == "auto" else KV_DTYPES[self.kv_dtype]

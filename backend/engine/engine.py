@@ -17,6 +17,7 @@ import xxhash
 from backend.engine.backlog import Backlog
 from backend.engine.block_manager import BlockManager
 from backend.engine.config import EngineConfig, kv_format_name
+from backend.engine.fair import make_scheduler
 from backend.engine.model_runner import ModelRunner
 from backend.engine.sampler import SamplingError, make_generator, sample
 from backend.engine.scheduler import Scheduler
@@ -69,8 +70,8 @@ class LLMEngine:
         self.max_model_len = min(self.cfg.max_model_len or model.cfg.max_position_embeddings,
                                  model.cfg.max_position_embeddings)
         self.blocks = BlockManager(self.runner.num_pages, self.cfg.page_size, self.cfg.enable_prefix_cache,
-                                   tables=self.runner.tables)
-        self.scheduler = Scheduler(self.cfg, self.blocks)
+                                   tables=self.runner.tables, eviction=self.cfg.cache_eviction)
+        self.scheduler = make_scheduler(self.cfg, self.blocks)
         self.kv_format = kv_format_name(self.runner.kv_dtype)
         self.fingerprint = fingerprint or f"{model.cfg.architecture}-{model.cfg.num_layers}-{model.cfg.hidden_size}"
         eos = set(model.cfg.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer else set())
@@ -125,6 +126,15 @@ class LLMEngine:
             raise RequestError(f"request_id {req.request_id!r} is already running", 409)
         if not req.cache_namespace:
             raise RequestError("cache_namespace is empty: expected the tenant's namespace")
+        if req.tenant is not None:
+            try:
+                req.tenant.validate()
+            except ValueError as e:
+                raise RequestError(str(e)) from e
+            cap = req.tenant.max_running_pages
+            if cap and self.blocks.pages_needed(n + 1) > cap:
+                raise RequestError(f"prompt of {n} tokens needs {self.blocks.pages_needed(n + 1)} KV pages; tenant "
+                                   f"{req.tenant.id!r} may hold at most {cap} (max_running_pages)", 400)
 
     async def generate(self, req: GenerateRequest) -> AsyncGenerator[StreamChunk, None]:
         """Yields StreamChunks; the last one carries finish_reason and usage. Cancelling the iterator aborts."""
@@ -224,7 +234,8 @@ class LLMEngine:
             emit(StreamChunk(seq.request_id, token_ids=ids, text=text, logprobs=lps, finish_reason=reason,
                              usage=usage, error=error, error_code=error_code if error else None))
 
-        seq = Sequence(req.request_id, req.prompt_token_ids, sp, self.key_context(req.cache_namespace), emit_seq)
+        seq = Sequence(req.request_id, req.prompt_token_ids, sp, self.key_context(req.cache_namespace), emit_seq,
+                       req.tenant)
         seq.max_new_tokens = max_new
         seq.generator = make_generator(sp.seed) if sp.temperature > 0 else None
         seq.stop_checker = StopChecker(self.tokenizer, sp.stop, set(sp.stop_token_ids), self.eos_ids,

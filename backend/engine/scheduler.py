@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -56,13 +57,17 @@ class Scheduler:
         self.waiting.appendleft(victim)
         batch.preempted.append(victim)
 
+    def _victim(self, seq: Sequence, protected: set[int]) -> Sequence | None:
+        """Whom to preempt so that seq can grow: the newest other running sequence not scheduled yet."""
+        return next((s for s in reversed(self.running) if s is not seq and id(s) not in protected), None)
+
     def _grow(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch, protected: set[int]) -> bool:
-        """Make room for seq to hold num_tokens, preempting the newest other running sequence if needed."""
+        """Make room for seq to hold num_tokens, preempting (self._victim) if needed."""
         while not self.blocks.ensure_capacity(seq, num_tokens):
-            victims = [s for s in reversed(self.running) if s is not seq and id(s) not in protected]
-            if not victims:
+            victim = self._victim(seq, protected)
+            if victim is None:
                 return False
-            self._preempt(victims[0], batch)
+            self._preempt(victim, batch)
         return True
 
     def schedule(self) -> ScheduledBatch:
@@ -122,6 +127,7 @@ class Scheduler:
         seq.num_computed_tokens = cached
         seq.page_hashes = list(hashes[: len(pages)])
         if not seq.admitted_once:
+            seq.admitted_at = time.monotonic()
             seq.num_cached_prompt_tokens = cached
             seq.admitted_once = True
             self.blocks.queries += len(seq.prompt_ids)

@@ -6,7 +6,7 @@ import enum
 import time
 from typing import TYPE_CHECKING, Protocol
 
-from backend.protocol import SamplingParams
+from backend.protocol import SamplingParams, TenantSpec
 from cache_store.page_id import PageKeyContext, hash_page
 
 if TYPE_CHECKING:
@@ -32,8 +32,9 @@ class Sequence:
     max_new_tokens: int                     # set by the engine
 
     def __init__(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, key_ctx: PageKeyContext,
-                 emit: EmitFn) -> None:
+                 emit: EmitFn, tenant: TenantSpec | None = None) -> None:
         self.request_id = request_id
+        self.tenant = tenant or TenantSpec(key_ctx.namespace)   # who it is for (fair scheduling, quotas)
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
         self.sampling = sampling
@@ -47,6 +48,8 @@ class Sequence:
         self.page_hashes: list[bytes] = []  # hashes of the full pages so far
         self.finish_reason: str | None = None
         self.arrival = time.monotonic()
+        self.admitted_at: float | None = None                # first admission (queue time = admitted_at - arrival)
+        self.enqueued_step = 0                              # scheduler step when it last joined the waiting queue
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.num_preemptions = 0

@@ -1,0 +1,184 @@
+"""Tenant-fair scheduling: the Virtual Token Counter (VTC) of "Fairness in Serving Large Language Models"
+(Sheng et al., OSDI 2024), with weights, priority classes and per-tenant page caps.
+
+Counter. Each tenant t has c_t, the service it received divided by its weight:
+    c_t += (prefill_token_weight * prefill tokens + decode_token_weight * decode tokens) / weight_t
+charged as a step is scheduled (with chunked prefill each chunk is charged when it runs, not the whole prompt
+at admission as in the paper; a preempted sequence's recompute is charged again: it costs the same).
+Defaults w_p = 1, w_q = 2 (the paper's choice: a decode token costs about twice a prefill token).
+
+Lift. A tenant that becomes backlogged (no request waiting or running before) has its counter raised to the
+smallest counter of the backlogged tenants, or, when none is, to the counter of the last tenant that left
+(the paper's Algorithm 2): time spent idle is not banked as credit.
+
+Order. Admission, and the prefill share of each step's token budget, go to the tenant with the smallest
+(priority class, counter), its oldest waiting request first; the counter includes what this step already
+gave it, so one step's budget is split between tenants. Every running decode gets its token each step
+(as in VTC, fairness acts on admission and prefill, never by stalling a decode).
+
+Priority classes. Strict (0 first), with aging: a request's class improves by one for every
+priority_aging_steps steps it has waited, so a low class is delayed, never starved. Within a class no
+tenant starves either: a backlogged tenant's counter stays put while the others' grow.
+
+Preemption (out of KV pages). The victim is the newest running sequence of the tenant most over its share:
+the lowest class (largest number), then the largest counter. A tenant's cap (TenantSpec.max_running_pages)
+bounds the pages its running sequences hold: it waits (admission) or preempts its own newest sequence
+(growth); a sole sequence at its cap ends with "length".
+"""
+
+from __future__ import annotations
+
+from backend.engine.block_manager import BlockManager
+from backend.engine.config import EngineConfig
+from backend.engine.scheduler import ScheduledBatch, Scheduler
+from backend.engine.sequence import Sequence
+
+
+class FairScheduler(Scheduler):
+    def __init__(self, cfg: EngineConfig, blocks: BlockManager, prefix_lookup=None) -> None:
+        super().__init__(cfg, blocks, prefix_lookup)
+        self.counters: dict[str, float] = {}
+        self.steps = 0
+        self._last_left = 0.0
+
+    # ------------------------------------------------------------ counters
+    def _tenants(self) -> set[str]:
+        return {s.tenant.id for s in self.waiting} | {s.tenant.id for s in self.running}
+
+    def _charge(self, seq: Sequence, tokens: int, token_weight: float) -> None:
+        t = seq.tenant
+        self.counters[t.id] = self.counters.get(t.id, 0.0) + token_weight * tokens / t.weight
+
+    def add(self, seq: Sequence) -> None:
+        t = seq.tenant.id
+        backlogged = self._tenants()
+        if t not in backlogged:
+            floor = min((self.counters.get(u, 0.0) for u in backlogged), default=self._last_left)
+            self.counters[t] = max(self.counters.get(t, 0.0), floor)
+        seq.enqueued_step = self.steps
+        super().add(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        super().remove(seq)
+        t = seq.tenant.id
+        if t not in self._tenants():
+            self._last_left = self.counters.get(t, 0.0)
+
+    def _class(self, seq: Sequence) -> int:
+        return max(0, seq.tenant.priority - (self.steps - seq.enqueued_step) // self.cfg.priority_aging_steps)
+
+    def _key(self, seq: Sequence) -> tuple[int, float]:
+        return self._class(seq), self.counters.get(seq.tenant.id, 0.0)
+
+    # ------------------------------------------------------------ caps and victims
+    def _tenant_pages(self, tenant: str) -> int:
+        return sum(len(s.block_table) for s in self.running if s.tenant.id == tenant)
+
+    def _victim(self, seq: Sequence, protected: set[int]) -> Sequence | None:
+        best: tuple | None = None
+        victim: Sequence | None = None
+        for i, s in enumerate(self.running):
+            if s is not seq and id(s) in protected:
+                continue
+            key = (s.tenant.priority, self.counters.get(s.tenant.id, 0.0), s is not seq, i)
+            if best is None or key > best:
+                best, victim = key, s
+        return None if victim is seq else victim
+
+    def _over_cap(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch, protected: set[int]) -> bool:
+        """Keep seq's tenant within its page cap for seq to hold num_tokens, preempting the tenant's own newest
+        other sequences; True if it cannot be done."""
+        cap = seq.tenant.max_running_pages
+        if not cap:
+            return False
+        need = self.blocks.pages_needed(num_tokens) - len(seq.block_table)
+        while need > 0 and self._tenant_pages(seq.tenant.id) + need > cap:
+            own = [s for s in reversed(self.running)
+                   if s is not seq and s.tenant.id == seq.tenant.id and id(s) not in protected]
+            if not own:
+                return True
+            self._preempt(own[0], batch)
+        return False
+
+    def _grow(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch, protected: set[int]) -> bool:
+        if self._over_cap(seq, num_tokens, batch, protected):
+            return False
+        return super()._grow(seq, num_tokens, batch, protected)
+
+    def _sole_at_cap(self, seq: Sequence) -> bool:
+        return bool(seq.tenant.max_running_pages) and all(
+            s is seq for s in self.running if s.tenant.id == seq.tenant.id)
+
+    # ------------------------------------------------------------ the step
+    def schedule(self) -> ScheduledBatch:
+        self.steps += 1
+        batch = ScheduledBatch()
+        budget = self.cfg.max_num_batched_tokens
+        scheduled: set[int] = set()
+        wp, wd = self.cfg.prefill_token_weight, self.cfg.decode_token_weight
+        for seq in sorted((s for s in self.running if not s.is_prefilling), key=self._key):
+            if seq not in self.running:      # preempted while making room for another
+                continue
+            if not self._grow(seq, seq.num_computed_tokens + 1, batch, scheduled):
+                if len(self.running) == 1 or self._sole_at_cap(seq):
+                    batch.out_of_room.append(seq)
+                else:
+                    self._preempt(seq, batch)
+                continue
+            batch.decodes.append(seq)
+            scheduled.add(id(seq))
+            self._charge(seq, 1, wd)
+            budget -= 1
+        # prefill chunks and admissions draw on the rest of the budget in (class, counter) order
+        pending = [s for s in self.running if s.is_prefilling]
+        capped: set[str] = set()
+        admitting = True
+        while budget > 0:
+            run = min(pending, key=self._key, default=None)
+            wait = self._next_waiting(capped) if admitting and len(self.running) < self.cfg.max_num_seqs else None
+            if run is None and wait is None:
+                break
+            if run is not None and (wait is None or self._key(run) <= self._key(wait)):
+                pending.remove(run)
+                if run not in self.running:
+                    continue
+                n = min(run.num_uncomputed, budget)
+                if not self._grow(run, run.num_computed_tokens + n, batch, scheduled):
+                    continue
+                batch.prefills.append((run, n))
+                scheduled.add(id(run))
+                self._charge(run, n, wp)
+                budget -= n
+                continue
+            assert wait is not None
+            cap = wait.tenant.max_running_pages
+            held = self._tenant_pages(wait.tenant.id)
+            if cap and held and held + self.blocks.pages_needed(wait.num_tokens + 1) > cap:
+                capped.add(wait.tenant.id)
+                continue
+            if not self._admit(wait, budget, batch):
+                admitting = False            # out of pages: nobody jumps the queue past it
+                continue
+            self.waiting.remove(wait)
+            n = min(wait.num_uncomputed, budget)
+            batch.prefills.append((wait, n))
+            scheduled.add(id(wait))
+            self._charge(wait, n, wp)
+            budget -= n
+        return batch
+
+    def _next_waiting(self, skip: set[str]) -> Sequence | None:
+        """The oldest waiting request of the tenant with the smallest (class, counter), tenants in skip aside."""
+        best: tuple | None = None
+        pick: Sequence | None = None
+        for i, s in enumerate(self.waiting):
+            if s.tenant.id in skip:
+                continue
+            key = (*self._key(s), i)
+            if best is None or key < best:
+                best, pick = key, s
+        return pick
+
+
+def make_scheduler(cfg: EngineConfig, blocks: BlockManager) -> Scheduler:
+    return FairScheduler(cfg, blocks) if cfg.scheduler == "fair" else Scheduler(cfg, blocks)
