@@ -67,12 +67,20 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
             bad("stop", f"{len(self.stop)} strings", "at most 16 stop strings")
 
 
+class Constraint(msgspec.Struct, forbid_unknown_fields=True):
+    """Grammar the output must match (backend/engine/grammar.py): kind "json_schema" (spec: the schema as
+    JSON text) or "lark" (spec: a Lark grammar, llguidance's dialect)."""
+    kind: str
+    spec: str
+
+
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     cache_namespace: str
     model: str = ""
+    constraint: Constraint | None = None
 
 
 class Usage(msgspec.Struct):
