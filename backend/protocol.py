@@ -87,6 +87,11 @@ class TenantSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.max_running_pages < 0:
             raise ValueError(f"tenant.max_running_pages={self.max_running_pages!r} is invalid: expected >= 0 "
                              "(0: no cap)")
+class Constraint(msgspec.Struct, forbid_unknown_fields=True):
+    """Grammar the output must match (backend/engine/grammar.py): kind "json_schema" (spec: the schema as
+    JSON text) or "lark" (spec: a Lark grammar, llguidance's dialect)."""
+    kind: str
+    spec: str
 
 
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -96,6 +101,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     cache_namespace: str
     model: str = ""
     tenant: TenantSpec | None = None   # None: the namespace is the tenant, weight 1, priority 0, retained
+    constraint: Constraint | None = None
 
 
 class Usage(msgspec.Struct):

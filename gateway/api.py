@@ -12,7 +12,7 @@ import msgspec
 from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError
 
-from backend.protocol import SamplingParams, StreamChunk
+from backend.protocol import Constraint, SamplingParams, StreamChunk
 from gateway.config import TenantConfig
 from gateway.errors import APIError, bad_value, from_validation_error
 from gateway.generation import Run, Target, merged, runs_open
@@ -39,6 +39,8 @@ from gateway.schemas import (
 )
 from gateway.state import STATE, GatewayState
 from gateway.streams import Lease
+from gateway.structured import constraint_for
+from gateway.tools import ToolPlan, ToolStream, plan_tools, render_messages, split_output
 from gateway.upstream import UpstreamBroken
 
 _SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache", "x-accel-buffering": "no"}
@@ -122,6 +124,7 @@ class Job:
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + self.backend_id
         self.headers: dict[str, str] = {}
         self.completion_tokens = 0                          # charged when the lease is given back
+        self.tools: ToolPlan | None = None                  # chat with tools: output parsed into tool_calls
 
     def check_chars(self, chars: int, param: str) -> None:
         """The tenant's prompt size cap, checked before anything is tokenized."""
@@ -201,9 +204,10 @@ class Job:
                                 f"after {decision.retry_after_s:.2f}s", code="rate_limit_exceeded",
                            headers=self.headers)
 
-    def runs(self, prompts: list[Sequence[int]], n: int, make_sampling) -> list[Run]:
+    def runs(self, prompts: list[Sequence[int]], n: int, make_sampling,
+             constraint: Constraint | None = None) -> list[Run]:
         lists = [ids if isinstance(ids, list) else ids.tolist() for ids in prompts]  # type: ignore[attr-defined]
-        return [Run(p * n + i, ids, make_sampling(i), f"{self.backend_id}-{p * n + i}")
+        return [Run(p * n + i, ids, make_sampling(i), f"{self.backend_id}-{p * n + i}", constraint=constraint)
                 for p, ids in enumerate(lists) for i in range(n)]
 
 
@@ -277,6 +281,7 @@ async def _stream(job: Job, runs: list[Run], tally: Tally, include_usage: bool, 
     latency = _Latency(st.metrics.series(job.tenant.id, model.name), t0)
     started: set[int] = set()
     offsets = {r.index: 0 for r in runs}
+    tool_streams = {r.index: ToolStream() for r in runs} if job.tools is not None else {}
     try:
         async for run, chunk, t in merged(runs):
             if chunk.token_ids:
@@ -291,11 +296,16 @@ async def _stream(job: Job, runs: list[Run], tally: Tally, include_usage: bool, 
                 continue
             out: ChatCompletionChunk | Completion
             if chat:
-                delta = Delta(role=None if run.index in started else "assistant", content=chunk.text)
+                role = None if run.index in started else "assistant"
+                if tool_streams:
+                    content, calls, reason = tool_streams[run.index].step(chunk.text, chunk.finish_reason)
+                    delta = Delta(role=role, content=content, tool_calls=calls)
+                else:
+                    delta, reason = Delta(role=role, content=chunk.text), chunk.finish_reason
                 started.add(run.index)
                 chat_lp = model.chat_logprobs(chunk.logprobs) if chunk.logprobs else None
                 out = ChatCompletionChunk(job.id, "chat.completion.chunk", job.created, model.name,
-                                          [ChatChunkChoice(run.index, delta, chat_lp, chunk.finish_reason)])
+                                          [ChatChunkChoice(run.index, delta, chat_lp, reason)])
             else:
                 lp = model.completion_logprobs(chunk.logprobs, offsets[run.index]) if chunk.logprobs else None
                 offsets[run.index] += len(chunk.text)
@@ -356,9 +366,10 @@ async def _collect(job: Job, runs: list[Run], tally: Tally, t0: float) -> web.Re
         raise APIError(502, f"backend stream failed after it started: {e}", code="upstream_failed") from e
     want_lp = runs[0].sampling.logprobs
     if job.kind == "chat":
-        chat_choices = [ChatChoice(i, AssistantMessage("assistant", "".join(texts[i])),
-                                   model.chat_logprobs(lps[i]) if want_lp else None, reasons.get(i))
-                        for i in texts]
+        chat_choices = []
+        for i in texts:
+            message, reason = _message("".join(texts[i]), reasons.get(i), job.tools)
+            chat_choices.append(ChatChoice(i, message, model.chat_logprobs(lps[i]) if want_lp else None, reason))
         body = encode(ChatCompletion(job.id, job.created, model.name, chat_choices, tally.usage()))
     else:
         choices = [CompletionChoice(i, "".join(texts[i]), model.completion_logprobs(lps[i], 0) if want_lp else None,
@@ -366,6 +377,16 @@ async def _collect(job: Job, runs: list[Run], tally: Tally, t0: float) -> web.Re
         body = encode(Completion(job.id, "text_completion", job.created, model.name, choices, tally.usage()))
     return web.Response(body=body, content_type="application/json",
                         headers={**job.headers, "x-request-id": job.rid})
+
+
+def _message(text: str, reason: str | None, tools: ToolPlan | None) -> tuple[AssistantMessage, str | None]:
+    """The assistant message and finish_reason of one choice ("tool_calls" when it called tools)."""
+    if tools is None:
+        return AssistantMessage("assistant", text), reason
+    content, calls = split_output(text)
+    if not calls:
+        return AssistantMessage("assistant", content or ""), reason
+    return AssistantMessage("assistant", content, calls), "tool_calls" if reason == "stop" else reason
 
 
 def _session(request: web.Request) -> str:
@@ -385,8 +406,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     request["model"] = req.model
     check_chat(req, st.cfg.server.max_n)
     model = served_model(st, tenant, req.model)
-    messages = message_dicts(req.messages)
+    tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+    constraint = constraint_for(req.response_format)
+    if tools is not None and tools.mode != "auto":
+        if constraint is not None:
+            raise bad_value("response_format", "response_format cannot be combined with a tool_choice that "
+                                               "forces a tool call")
+        constraint = tools.constraint()
+    messages = render_messages(message_dicts(req.messages), tools)
     job = Job(request, st, tenant, model, "chat")
+    job.tools = tools
     job.check_chars(sum(len(m["content"]) for m in messages), "messages")
     session = _session(request)
     top = req.top_logprobs or 0
@@ -401,7 +430,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         def make(i: int) -> SamplingParams:
             return sampling_params(req, max_tokens, None if req.seed is None else req.seed + i, req.logprobs, top)
 
-        runs = job.runs([prompt], req.n, make)
+        runs = job.runs([prompt], req.n, make, constraint)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await execute(job, runs, req.n, req.stream, include_usage, session)
 
@@ -413,6 +442,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     request["model"] = req.model
     check_completion(req, st.cfg.server.max_n)
     model = served_model(st, tenant, req.model)
+    constraint = constraint_for(req.response_format)
     p = req.prompt
     texts = [p] if isinstance(p, str) else list(p) if p and isinstance(p[0], str) else []
     count = len(texts) if texts else (1 if p and isinstance(p[0], int) else len(p))
@@ -444,7 +474,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             return sampling_params(req, max_tokens, None if req.seed is None else req.seed + i,
                                    req.logprobs is not None, top)
 
-        runs = job.runs(prompts, req.n, make)
+        runs = job.runs(prompts, req.n, make, constraint)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await execute(job, runs, req.n, req.stream, include_usage, session)
 

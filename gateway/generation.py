@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-from backend.protocol import GenerateRequest, SamplingParams, StreamChunk, TenantSpec
+from backend.protocol import Constraint, GenerateRequest, SamplingParams, StreamChunk, TenantSpec
 from gateway.errors import APIError
 from gateway.nodes import Node
 from gateway.routing import Choice
@@ -32,6 +32,7 @@ class Run:
     choice: Choice | None = None
     node: Node | None = None
     tried: list[str] = field(default_factory=list)
+    constraint: Constraint | None = None      # response_format / tool_choice grammar (gateway/structured.py)
 
 
 @dataclass
@@ -47,7 +48,7 @@ async def start(st, target: Target, run: Run) -> None:
     last: Exception | None = None
     refusals: list[Overloaded] = []
     greq = GenerateRequest(run.request_id, run.prompt_ids, run.sampling, target.namespace, target.model,
-                           target.tenant)
+                           target.tenant, constraint=run.constraint)
     for _ in range(cfg.max_attempts):
         nodes = [n for n in st.pool.for_model(target.model) if n.node_id not in run.tried]
         if not nodes:

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from gateway.errors import bad_value
+from gateway.tools import ToolCall, ToolCallDelta
 
 Role = Literal["system", "user", "assistant", "tool", "developer"]
 
@@ -24,6 +25,8 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     role: Role
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None     # an assistant turn that called tools (gateway/tools.py)
+    tool_call_id: str | None = None                    # a tool turn: the result of that call
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -74,6 +77,7 @@ class CompletionRequest(_Sampling, kw_only=True):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    response_format: dict[str, Any] | None = None
 
 
 def check_common(req: _Sampling, max_n: int) -> None:
@@ -89,11 +93,6 @@ def check_common(req: _Sampling, max_n: int) -> None:
 
 def check_chat(req: ChatCompletionRequest, max_n: int) -> None:
     check_common(req, max_n)
-    if req.tools:
-        raise bad_value("tools", "tools / function calling are not supported", code="unsupported_parameter")
-    if req.response_format not in (None, {"type": "text"}):
-        raise bad_value("response_format", "only response_format {\"type\": \"text\"} is supported",
-                        code="unsupported_parameter")
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise bad_value("top_logprobs", "top_logprobs requires logprobs=true")
@@ -140,6 +139,8 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         d: dict[str, Any] = {"role": m.role, "content": content or ""}
         if m.name is not None:
             d["name"] = m.name
+        if m.tool_calls:
+            d["tool_calls"] = m.tool_calls
         out.append(d)
     return out
 
@@ -181,9 +182,10 @@ class CompletionLogprobs(msgspec.Struct):
     text_offset: list[int]
 
 
-class AssistantMessage(msgspec.Struct):
+class AssistantMessage(msgspec.Struct, omit_defaults=True):
     role: str
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -205,6 +207,7 @@ class ChatCompletion(msgspec.Struct):
 class Delta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

@@ -18,6 +18,7 @@ from backend.engine.backlog import Backlog
 from backend.engine.block_manager import BlockManager
 from backend.engine.config import EngineConfig, kv_format_name
 from backend.engine.fair import make_scheduler
+from backend.engine.grammar import GrammarCompiler, GrammarError
 from backend.engine.model_runner import ModelRunner
 from backend.engine.sampler import SamplingError, make_generator, sample
 from backend.engine.scheduler import Scheduler
@@ -76,6 +77,7 @@ class LLMEngine:
         self.fingerprint = fingerprint or f"{model.cfg.architecture}-{model.cfg.num_layers}-{model.cfg.hidden_size}"
         eos = set(model.cfg.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer else set())
         self.eos_ids = eos
+        self.grammars = GrammarCompiler(tokenizer, model.cfg.vocab_size) if tokenizer else None
         self.observers: list[EngineObserver] = []
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._seqs: dict[str, Sequence] = {}
@@ -150,6 +152,7 @@ class LLMEngine:
         self.validate(req)
         if self.error is not None:
             raise RequestError(f"engine failed: {self.error}", 503)
+        matcher = await self._matcher(req)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[StreamChunk] = asyncio.Queue()
 
@@ -157,6 +160,7 @@ class LLMEngine:
             self._outbox.append((loop, q, chunk))
 
         seq = self._make_seq(req, emit)
+        seq.matcher = matcher
         self._seqs[req.request_id] = seq
         self.backlog.submitted += len(seq.prompt_ids)
         self._cmds.put(("add", seq))
@@ -183,6 +187,16 @@ class LLMEngine:
         finally:
             if not finished:
                 self.abort(req.request_id)
+
+    async def _matcher(self, req: GenerateRequest):
+        if req.constraint is None:
+            return None
+        if self.grammars is None:
+            raise RequestError("constrained decoding needs the model's tokenizer; this engine has none")
+        try:
+            return await self.grammars.matcher_async(req.constraint)
+        except GrammarError as e:
+            raise RequestError(str(e)) from e
 
     async def call_in_engine(self, fn, *args):
         """Run fn(*args) on the engine thread between steps (safe access to blocks/runner); await its result."""
@@ -389,7 +403,7 @@ class LLMEngine:
                         o.on_pages_filled(s, cached)
         now = time.monotonic()
         if seqs:
-            for seq, got in zip(seqs, sample(seqs, logits)):
+            for seq, got in zip(seqs, sample(seqs, logits, self.grammars)):
                 self._take(seq, got, now)
         self.steps += 1
         dt = time.monotonic() - t0
@@ -421,6 +435,10 @@ class LLMEngine:
         seq.last_token_time = now
         assert seq.stop_checker is not None   # set in _make_seq
         text, stopped = seq.stop_checker.push(tok)
+        if seq.matcher is not None and not stopped:
+            stopped = _grammar_done(seq, tok)
+            if stopped:
+                text += seq.stop_checker.flush()
         lps = [lp] if lp is not None else None
         if stopped:
             self._finish(seq, "stop", [tok], lps, text)
@@ -428,6 +446,15 @@ class LLMEngine:
             self._finish(seq, "length", [tok], lps, text + seq.stop_checker.flush())
         else:
             seq.emit(seq, [tok], lps, text, None)
+
+
+def _grammar_done(seq: Sequence, tok: int) -> bool:
+    """Advance the grammar by the accepted token; True when it admits nothing more (output complete)."""
+    m = seq.matcher
+    assert m is not None
+    if not m.consume_token(tok):
+        raise SamplingError(f"request {seq.request_id}: token {tok} broke the grammar: {m.get_error()}")
+    return m.is_stopped()
 
 
 def _deliver(items: list) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from backend.engine.grammar import GrammarCompiler, apply_masks
 from backend.engine.sequence import Sequence
 from backend.protocol import SamplingParams, TokenLogprob
 
@@ -105,10 +106,15 @@ def _logprob(seq: Sequence, raw: torch.Tensor, tok: int) -> TokenLogprob | None:
     return TokenLogprob(tok, float(logp[tok]), top)
 
 
-def sample(seqs: list[Sequence], logits: torch.Tensor) -> list[Sampled | SamplingError]:
+def sample(seqs: list[Sequence], logits: torch.Tensor, grammars: GrammarCompiler | None = None
+           ) -> list[Sampled | SamplingError]:
     """One (token, logprob) per sequence, or the SamplingError that ended that sequence alone.
-    logits: [len(seqs), vocab] float32."""
+    logits: [len(seqs), vocab] float32. The rows of constrained sequences are masked first, all at once."""
     out: list[Sampled | SamplingError] = []
+    constrained = [(i, s.matcher) for i, s in enumerate(seqs) if s.matcher is not None]
+    if constrained:
+        assert grammars is not None, "a constrained sequence needs the engine's GrammarCompiler"
+        apply_masks(grammars, constrained, logits)   # type: ignore[arg-type]
     plain_greedy = [i for i, s in enumerate(seqs) if is_greedy(s.sampling) and not _has_penalty(s)]
     if len(plain_greedy) == len(seqs):
         greedy_ids = logits.argmax(-1).tolist()
@@ -121,6 +127,8 @@ def sample(seqs: list[Sequence], logits: torch.Tensor) -> list[Sampled | Samplin
     for i, seq in enumerate(seqs):
         raw = logits[i]
         try:
+            if seq.matcher is not None and seq.matcher.is_error():
+                raise SamplingError(f"request {seq.request_id}: the grammar failed: {seq.matcher.get_error()}")
             if i in greedy:
                 tok = greedy[i]
                 if i in odd:

@@ -11,6 +11,7 @@ from cache_store.page_id import PageKeyContext, hash_page
 
 if TYPE_CHECKING:
     import torch
+    from llguidance import LLMatcher
 
     from backend.engine.stop import StopChecker
 
@@ -56,6 +57,7 @@ class Sequence:
         self.admitted_once = False
         self.generator: torch.Generator | None = None       # for seeded sampling
         self.stop_checker: StopChecker | None = None        # set by the engine (stop strings, detokenizer)
+        self.matcher: LLMatcher | None = None               # grammar state of a constrained request
 
     @property
     def all_ids(self) -> list[int]:
