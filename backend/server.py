@@ -234,6 +234,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-cache", action="store_true")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
     p.add_argument("--redis-url", default=os.environ.get("EDGEINFER_REDIS_URL"))
     p.add_argument("--redis-cluster", action="store_true")
     p.add_argument("--store-tier", default="redis", choices=["redis", "host", "none"])
@@ -292,7 +293,8 @@ def build_state(args: argparse.Namespace) -> BackendState:
     cfg = EngineConfig(page_size=args.page_size, kv_cache_bytes=args.kv_cache_bytes, num_pages=args.num_pages,
                        kv_dtype=args.kv_dtype, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                       cache_seed=args.cache_seed.encode(), enable_prefix_cache=not args.no_prefix_cache)
+                       cache_seed=args.cache_seed.encode(), enable_prefix_cache=not args.no_prefix_cache,
+                       cuda_graphs=not args.no_cuda_graphs)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     engine = load_engine(model_dir, cfg, dtype=dtype, device=args.device, model_name=args.model_name)
     node_id = args.node_id or f"{socket.gethostname()}-{args.port}-{uuid.uuid4().hex[:6]}"

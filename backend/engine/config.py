@@ -20,6 +20,7 @@ class EngineConfig:
     max_model_len: int | None = None
     cache_seed: bytes = b"edgeinfer-dev-seed"
     enable_prefix_cache: bool = True
+    cuda_graphs: bool = True                # decode steps replay CUDA graphs (CUDA + Triton only; cuda_graphs.py)
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
