@@ -119,18 +119,29 @@ if compgen -G "$CARRY/common/wheels/*.whl" > /dev/null; then
 fi
 
 # ---- prerequisites
+PREREQ_OK=1
 if [[ $MODE == gpu ]]; then
   run_step prereqs 90 "$PY" benchmarks/gpu_prereqs.py --out "$OUT/prereqs.json"
+  tail -n 1 "$STEPS" | grep -q '"status": "ok"' || PREREQ_OK=0
   command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv \
     | tee -a "$LOG"
 else
   run_step prereqs 90 "$PY" benchmarks/gpu_prereqs.py --cpu --out "$OUT/prereqs.json"
 fi
 
+if ((PREREQ_OK == 0)); then   # no device time on steps that cannot run: say what is missing and stop
+  for s in model kernel_tests bench_kernels bench_engine parity batch16 cuda_path bench_int4; do
+    skip_step $s "prerequisites missing (prereqs.json)"
+  done
+  MODE=aborted
+fi
+
 # ---- the model: cached SmolLM2, else a carried GGUF (whole or in parts), else random weights of its shapes
 SMOL_DIR=$EDGEINFER_HOME/models/SmolLM2-135M-Instruct
 MODEL=none
-if [[ -f $SMOL_DIR/config.json ]]; then
+if [[ $MODE == aborted ]]; then
+  :
+elif [[ -f $SMOL_DIR/config.json ]]; then
   MODEL=real
 else
   gguf=""
@@ -163,7 +174,7 @@ if [[ $MODE == dry ]]; then   # the dry run times the engine on a tiny model: pl
   run_step random_model 120 "$PY" benchmarks/random_checkpoint.py benchmarks/smollm2_config.json "$RANDOM_DIR" \
     --scale-config tiny
   ENGINE_MODEL=(--model-dir "$RANDOM_DIR")
-elif [[ $MODEL != real ]]; then
+elif [[ $MODE == gpu && $MODEL != real ]]; then
   say "model: no SmolLM2 checkpoint or GGUF here: engine timed on random weights of SmolLM2's shapes;" \
       "parity, batch16, cuda_path and bench_int4 need the real weights and are skipped"
   run_step random_model 120 "$PY" benchmarks/random_checkpoint.py benchmarks/smollm2_config.json "$RANDOM_DIR"
@@ -172,7 +183,9 @@ elif [[ $MODEL != real ]]; then
 fi
 
 # ---- the steps
-if [[ $MODE == gpu ]]; then
+if [[ $MODE == aborted ]]; then
+  :
+elif [[ $MODE == gpu ]]; then
   run_step kernel_tests 180 env EDGEINFER_KERNEL_TEST_DEVICE=cuda "${PYTEST[@]}" tests/kernels
   run_step bench_kernels 170 "$PY" benchmarks/bench_kernels.py --quick --no-checksum --out "$OUT/bench_kernels.json"
   run_step bench_engine 120 "$PY" benchmarks/bench_engine.py --device cuda --graphs both --no-hf \

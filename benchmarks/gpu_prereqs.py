@@ -60,6 +60,8 @@ def main() -> int:
         cuda = torch.cuda.is_available()
         items["cuda_device"] = {"ok": cuda or args.cpu, "essential": not args.cpu,
                                 "info": torch.cuda.get_device_name() if cuda else "torch sees no CUDA device"}
+        if not (cuda or args.cpu):
+            items["cuda_device"]["fix"] = "run on the GPU machine, or bash benchmarks/gpu_check.sh --cpu-dry-run here"
         if cuda:
             env["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
             env["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)

@@ -117,7 +117,9 @@ class CudaCapture(Capture):
             for _ in range(2):
                 fn()
         torch.cuda.current_stream().wait_stream(side)
-        with torch.cuda.graph(self.graph, pool=self.pool):
+        # thread_local: CUDA calls on other threads (none expected: the engine thread owns the device) don't
+        # invalidate this capture
+        with torch.cuda.graph(self.graph, pool=self.pool, capture_error_mode="thread_local"):
             out = fn()
         return out
 
