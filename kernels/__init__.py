@@ -22,7 +22,8 @@ Layouts (shape comments are the contract):
   cu_seqlens_q:     [B+1] int32, prefix sums of new-token counts; query rows of sequence b are
                     q[cu[b]:cu[b+1]] at positions context_lens[b]-q_len_b ... context_lens[b]-1 (causal)
   qweight:          [N, K//2] uint8, packed along K: low nibble = even k, high nibble = odd k
-  scales, zeros:    [N, K//group_size] fp16; w = (q - zeros) * scales; zeros=None -> symmetric (q - 8)
+  scales, zeros:    [N, K//group_size] fp16 (zeros also fp32: fractional, e.g. GGUF Q4_1 mins as -min/scale);
+                    w = (q - zeros) * scales; zeros=None -> symmetric (q - 8)
 """
 
 from kernels.dispatch import (  # noqa: F401

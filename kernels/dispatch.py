@@ -64,10 +64,14 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, sm_s
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, sm_scale,
-                            k_scale=None, v_scale=None, out=None):
-    # q: [T, heads, head_dim] packed by cu_seqlens_q -> [T, heads, head_dim]
-    fn = _prefill.paged_prefill_attention_triton if use_triton(q) else _prefill.paged_prefill_attention_reference
-    return fn(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, sm_scale, k_scale, v_scale, out)
+                            k_scale=None, v_scale=None, out=None, max_seqlen_q=None):
+    # q: [T, heads, head_dim] packed by cu_seqlens_q -> [T, heads, head_dim]; max_seqlen_q (host int, optional)
+    # spares the Triton launcher a device sync to size its grid
+    if use_triton(q):
+        return _prefill.paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                                                       sm_scale, k_scale, v_scale, out, max_seqlen_q=max_seqlen_q)
+    return _prefill.paged_prefill_attention_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                                                      sm_scale, k_scale, v_scale, out)
 
 
 def w4a16_gemm(x, qweight, scales, zeros=None, group_size=128, out=None):

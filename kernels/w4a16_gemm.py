@@ -134,7 +134,8 @@ def _check(x, qweight, scales, zeros, group_size, out) -> None:
     check(scales.shape == (n, k // group_size),
           lambda: f"scales shape {tuple(scales.shape)} must be [N, K//group_size] = [{n}, {k // group_size}]")
     if zeros is not None:
-        check_tensor("zeros", zeros, dtypes=(torch.float16,), ndim=2, contiguous=True, device=x.device)
+        # fp32 zeros: fractional zero points (GGUF Q4_1's mins as -min/scale) kept unrounded
+        check_tensor("zeros", zeros, dtypes=(torch.float16, torch.float32), ndim=2, contiguous=True, device=x.device)
         check(zeros.shape == scales.shape, lambda: f"zeros shape {tuple(zeros.shape)} != scales shape {tuple(scales.shape)}")
     if out is not None:
         check_tensor("out", out, dtypes=(x.dtype,), ndim=2, device=x.device)

@@ -21,11 +21,16 @@ def smol_dir():
     return ensure_default_model()
 
 
+def smol_device() -> str:
+    """EDGEINFER_TEST_DEVICE=cuda puts the SmolLM2 fixtures' model on the GPU (benchmarks/gpu_check.sh)."""
+    return os.environ.get("EDGEINFER_TEST_DEVICE", "cpu") or "cpu"
+
+
 @pytest.fixture(scope="session")
 def smol_model(smol_dir):
     from backend.model.llama import load_model
 
-    return load_model(smol_dir)
+    return load_model(smol_dir, device=smol_device())
 
 
 @pytest.fixture(scope="session")

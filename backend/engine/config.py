@@ -25,6 +25,7 @@ class EngineConfig:
     decode_token_weight: float = 2.0        # VTC cost of a decode token (the paper's w_q = 2 w_p)
     priority_aging_steps: int = 256         # a waiting request's priority class improves by 1 per this many steps
     cache_eviction: str = "fair"            # fair: evict cached pages of the tenant most over its share first | lru
+    cuda_graphs: bool = True                # decode steps replay CUDA graphs (CUDA + Triton only; cuda_graphs.py)
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):

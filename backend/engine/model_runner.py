@@ -9,6 +9,7 @@ import torch
 
 from backend.engine.block_table import BlockTables
 from backend.engine.config import EngineConfig
+from backend.engine.cuda_graphs import decode_graphs_for
 from backend.engine.scheduler import ScheduledBatch
 from backend.engine.sequence import Sequence
 from backend.model.llama import AttentionMetadata, LayerKV, LlamaModel
@@ -58,6 +59,7 @@ class ModelRunner:
         max_len = min(cfg.max_model_len or c.max_position_embeddings, c.max_position_embeddings)
         self.tables = BlockTables(cfg.max_num_seqs, -(-max_len // cfg.page_size))   # kept by the BlockManager
         self._stage = np.zeros((4, cfg.max_num_batched_tokens + cfg.max_num_seqs), dtype=np.int64)   # reused
+        self.graphs = decode_graphs_for(model, self.kv, cfg.cuda_graphs, cfg.max_num_seqs, self.tables.array.shape[1])
 
     def _inputs(self, batch: ScheduledBatch) -> tuple[np.ndarray, list[int], np.ndarray, np.ndarray]:
         """-> staging rows [ids, positions, slots, decode context lens] over the step's tokens (views of one
@@ -93,27 +95,37 @@ class ModelRunner:
         Block tables come from self.tables, which the BlockManager keeps in step with every seq.block_table."""
         stage, cu, dec_tables, pre_tables = self._inputs(batch)
         nd = len(batch.decodes)
+        if self.graphs is not None and not batch.prefills:
+            logits = self.graphs.run(stage, dec_tables)
+            if logits is not None:
+                for s in batch.decodes:
+                    s.num_computed_tokens += 1
+                return list(batch.decodes), logits.cpu()
         dev = self.model.device
-        host = torch.from_numpy(stage)
-        inputs = host.to(dev, non_blocking=True) if dev.type != "cpu" else host
-        ids, pos, slots, ctx = inputs
+
+        def to_dev(a) -> torch.Tensor:   # no stream sync: pageable H2D copies are staged at once
+            t = a if isinstance(a, torch.Tensor) else torch.from_numpy(np.asarray(a))
+            return t if dev.type == "cpu" else t.to(dev, non_blocking=True)
+
+        ids, pos, slots, ctx = to_dev(stage)
         meta = AttentionMetadata(
             slot_mapping=slots,
             num_decode=nd,
-            decode_block_tables=torch.from_numpy(dec_tables).to(dev),
+            decode_block_tables=to_dev(dec_tables),
             decode_context_lens=ctx[:nd].to(torch.int32),
-            prefill_block_tables=torch.from_numpy(pre_tables).to(dev),
-            prefill_cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-            prefill_context_lens=torch.tensor([s.num_computed_tokens + n for s, n in batch.prefills],
-                                              dtype=torch.int32, device=dev),
+            prefill_block_tables=to_dev(pre_tables),
+            prefill_cu_seqlens_q=to_dev(np.asarray(cu, dtype=np.int32)),
+            prefill_context_lens=to_dev(np.asarray([s.num_computed_tokens + n for s, n in batch.prefills],
+                                                   dtype=np.int32)),
+            prefill_max_seqlen_q=max((n for _, n in batch.prefills), default=0),
         )
-        hidden = self.model(ids, pos, self.kv, meta)
         rows: list[int] = list(range(nd))
         need: list[Sequence] = list(batch.decodes)
         for j, (s, n) in enumerate(batch.prefills):
             if s.num_computed_tokens + n == s.num_tokens:
                 rows.append(nd + cu[j + 1] - 1)
                 need.append(s)
+        hidden = self.model(ids, pos, self.kv, meta)
         for s in batch.decodes:
             s.num_computed_tokens += 1
         for s, n in batch.prefills:
@@ -121,7 +133,7 @@ class ModelRunner:
         if not need:
             return [], torch.empty(0)
         if len(rows) < hidden.shape[0]:
-            hidden = hidden.index_select(0, torch.tensor(rows, device=dev))
+            hidden = hidden.index_select(0, to_dev(np.asarray(rows, dtype=np.int64)))
         return need, self.model.compute_logits(hidden).cpu()
 
     # ---- page movement (for the page store)

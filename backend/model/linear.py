@@ -82,6 +82,18 @@ class DenseLinear(nn.Module):
         return y.reshape(*x.shape[:-1], self._shape[0])
 
 
+def kernel_takes(x: torch.Tensor) -> bool:
+    """CUDA fp16/bf16 activations go through the W4A16 GEMM kernel (Q4_1's mins too, as zero points)."""
+    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+
+
+def mins_as_zeros(scales: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w = q * s + m (GGUF Q4_1) as w = (q - z) * s': z = -m / s in fp32. A block with s = 0 (every weight = m)
+    gets s' = 2^-24 (fp16's smallest), off from m by at most 15 * 2^-24 per weight."""
+    s = torch.where(scales == 0, torch.full_like(scales, 2.0 ** -24), scales)
+    return s.contiguous(), (-mins.float() / s.float()).contiguous()
+
+
 INT4_CPU_GROUPS = (256, 128, 64, 32)   # group sizes torch's CPU int4 GEMM takes
 
 
@@ -130,6 +142,7 @@ class W4A16Linear(nn.Module):
         self.scales_and_zeros: torch.Tensor | None = None            # [in//op_group, out, 2] bf16
         self._op_group = group_size                                    # group the CPU int4 GEMM runs with
         self.q4_1_blocks: torch.Tensor | None = None                 # CPU: [out, in//32 * 20] for kernels.cpu
+        self._kernel_form: tuple[torch.Tensor, torch.Tensor] | None = None   # CUDA, with mins: (scales, zeros)
 
     @property
     def out_features(self) -> int:
@@ -183,6 +196,15 @@ class W4A16Linear(nn.Module):
         self.zeros = self.mins = None
         return True
 
+    def _scales_zeros_for_kernel(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(scales, zeros) in the GEMM kernel's (q - zero) * scale form; with mins, computed once (kernel_form):
+        zero = -min / scale in fp32."""
+        if self.mins is None:
+            return self.scales, self.zeros
+        if self._kernel_form is None:
+            self._kernel_form = mins_as_zeros(self.scales, self.mins)
+        return self._kernel_form
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         if self.q4_1_blocks is not None:
@@ -199,11 +221,12 @@ class W4A16Linear(nn.Module):
             y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, self._shape[1]).to(torch.bfloat16), self.int4pack,
                                                   self._op_group, self.scales_and_zeros)
             y = y.reshape(*x.shape[:-1], self._shape[0])
-        elif self.mins is not None:   # reference: the exact fp32 weight (gguf's own dequantization)
+        elif self.mins is not None and not kernel_takes(x):   # the exact fp32 weight (gguf's own dequantization)
             w = group_dequantize_mins(self.qweight, self.scales, self.mins, self.group_size)
             y = (x.reshape(-1, self._shape[1]).float() @ w.t()).reshape(*x.shape[:-1], self._shape[0])
-        elif x.is_cuda:
-            y = kernels.w4a16_gemm(x.reshape(-1, x.shape[-1]), self.qweight, self.scales, self.zeros,
+        elif kernel_takes(x):
+            scales, zeros = self._scales_zeros_for_kernel()
+            y = kernels.w4a16_gemm(x.reshape(-1, x.shape[-1]), self.qweight, scales, zeros,
                                    self.group_size).reshape(*x.shape[:-1], -1)
         else:
             y = kernels.w4a16_gemm(x, self.qweight, self.scales, self.zeros, self.group_size)

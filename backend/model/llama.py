@@ -30,6 +30,7 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor     # [B_p, max_pages] int32
     prefill_cu_seqlens_q: torch.Tensor     # [B_p + 1] int32
     prefill_context_lens: torch.Tensor     # [B_p] int32
+    prefill_max_seqlen_q: int | None = None   # longest prefill chunk, from the host (None: the kernel syncs to find it)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -108,7 +109,8 @@ class Attention(nn.Module):
         if t > nd:
             pre = kernels.paged_prefill_attention(q[nd:].contiguous(), kv.k, kv.v, meta.prefill_block_tables,
                                                   meta.prefill_cu_seqlens_q, meta.prefill_context_lens,
-                                                  self.scale, kv.k_scale, kv.v_scale)
+                                                  self.scale, kv.k_scale, kv.v_scale,
+                                                  max_seqlen_q=meta.prefill_max_seqlen_q)
         out = dec if t == nd else pre if nd == 0 else torch.cat((dec, pre))
         return self.o_proj(out.reshape(t, c.q_size))
 

@@ -10,24 +10,26 @@ from backend.model.llama import AttentionMetadata, LayerKV, LlamaModel
 def fresh_kv(model: LlamaModel, num_pages: int, page_size: int = 16) -> list[LayerKV]:
     c = model.cfg
     shape = (num_pages, page_size, c.num_kv_heads, c.head_dim)
-    return [LayerKV(torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
+    dev = model.device
+    return [LayerKV(torch.zeros(shape, dtype=model.dtype, device=dev), torch.zeros(shape, dtype=model.dtype, device=dev))
             for _ in range(c.num_layers)]
 
 
-def _none_tables(width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.zeros((0, width), dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
+def _none_tables(width: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.zeros((0, width), dtype=torch.int32, device=dev), torch.zeros(0, dtype=torch.int32, device=dev)
 
 
 def prefill_logits(model: LlamaModel, ids: list[int], kv: list[LayerKV], page_size: int = 16) -> torch.Tensor:
-    n = len(ids)
+    """Tensors on the model's device (CUDA runs the Triton kernels); logits returned on the host."""
+    n, dev = len(ids), model.device
     width = kv[0].k.shape[0]
     table = torch.randperm(width, generator=torch.Generator().manual_seed(1)).to(torch.int32)[None]
     slots = torch.tensor([int(table[0, i // page_size]) * page_size + i % page_size for i in range(n)])
-    dt, dc = _none_tables(width)
-    meta = AttentionMetadata(slots, 0, dt, dc, table, torch.tensor([0, n], dtype=torch.int32),
-                             torch.tensor([n], dtype=torch.int32))
+    dt, dc = _none_tables(width, dev)
+    meta = AttentionMetadata(slots.to(dev), 0, dt, dc, table.to(dev), torch.tensor([0, n], dtype=torch.int32, device=dev),
+                             torch.tensor([n], dtype=torch.int32, device=dev))
     prefill_logits.table = table
-    return model.compute_logits(model(torch.tensor(ids), torch.arange(n), kv, meta))
+    return model.compute_logits(model(torch.tensor(ids, device=dev), torch.arange(n, device=dev), kv, meta)).cpu()
 
 
 def greedy(model: LlamaModel, ids: list[int], steps: int, num_pages: int = 64, page_size: int = 16) -> tuple[
@@ -38,11 +40,12 @@ def greedy(model: LlamaModel, ids: list[int], steps: int, num_pages: int = 64, p
     out = [int(logits[-1].argmax())]
     pos = len(ids)
     for _ in range(steps - 1):
-        slot = torch.tensor([int(table[0, pos // page_size]) * page_size + pos % page_size])
-        meta = AttentionMetadata(slot, 1, table, torch.tensor([pos + 1], dtype=torch.int32),
-                                 torch.zeros((0, table.shape[1]), dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
-                                 torch.zeros(0, dtype=torch.int32))
-        h = model(torch.tensor([out[-1]]), torch.tensor([pos]), kv, meta)
+        dev = model.device
+        slot = torch.tensor([int(table[0, pos // page_size]) * page_size + pos % page_size], device=dev)
+        meta = AttentionMetadata(slot, 1, table.to(dev), torch.tensor([pos + 1], dtype=torch.int32, device=dev),
+                                 torch.zeros((0, table.shape[1]), dtype=torch.int32, device=dev),
+                                 torch.zeros(1, dtype=torch.int32, device=dev), torch.zeros(0, dtype=torch.int32, device=dev))
+        h = model(torch.tensor([out[-1]], device=dev), torch.tensor([pos], device=dev), kv, meta)
         out.append(int(model.compute_logits(h)[-1].argmax()))
         pos += 1
     return logits, out

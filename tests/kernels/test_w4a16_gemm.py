@@ -107,3 +107,27 @@ def test_bad_launch_raises_before_launch(change, message):
     change(args)
     with pytest.raises(ValueError, match=message):
         w4a16_gemm_triton(**args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_gguf_q4_1_mins_run_as_fp32_zero_points(dtype):
+    """W4A16Linear on CUDA runs GGUF Q4_1 (w = q * s + m) through the kernel as (q - z) * s with z = -m / s
+    kept in fp32 (an fp16 z would round); a block with s = 0 still gives m."""
+    from backend.model.linear import mins_as_zeros
+    from backend.quant.packing import group_dequantize_mins
+
+    n, k, g = 48, 256, 32
+    gen = torch.Generator().manual_seed(5)
+    qweight = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    scales = (torch.rand(n, k // g, generator=gen) * 0.02 + 0.001).half()
+    mins = (-torch.rand(n, k // g, generator=gen) * 0.15).half()
+    scales[3, 2] = 0.0                                            # a constant block: every weight = its min
+    exact = group_dequantize_mins(qweight, scales, mins, g)
+    s, z = mins_as_zeros(scales, mins)
+    assert z.dtype == torch.float32
+    torch.testing.assert_close(group_dequantize_tensor(qweight, s, z, g), exact, rtol=0, atol=1e-6)
+    x = torch.randn(5, k, generator=gen).to(dtype)
+    out = on_device(w4a16_gemm_triton)(x, qweight, s, z, g)
+    ref = (x.float() @ exact.t()).to(dtype)
+    rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert rel <= TOLERANCE[dtype]
