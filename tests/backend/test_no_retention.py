@@ -10,19 +10,9 @@ import pytest
 
 from backend.protocol import GenerateRequest, SamplingParams, TenantSpec
 from cache_store.page_id import page_hashes
-from tests.redis_server import ValkeyServer
 
 PRIVATE = TenantSpec("priv", retain=False)
 KEEPER = TenantSpec("keeper")
-
-
-@pytest.fixture(scope="module")
-def valkey():
-    server = ValkeyServer().start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def prompt(seed: int, n: int = 200) -> list[int]:
