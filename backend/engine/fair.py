@@ -105,9 +105,10 @@ class FairScheduler(Scheduler):
             return False
         return super()._grow(seq, num_tokens, batch, protected)
 
-    def _sole_at_cap(self, seq: Sequence) -> bool:
-        return bool(seq.tenant.max_running_pages) and all(
-            s is seq for s in self.running if s.tenant.id == seq.tenant.id)
+    def _stuck(self, seq: Sequence) -> bool:
+        """Also: seq is its tenant's only running sequence at the tenant's page cap."""
+        return super()._stuck(seq) or (bool(seq.tenant.max_running_pages) and all(
+            s is seq for s in self.running if s.tenant.id == seq.tenant.id))
 
     # ------------------------------------------------------------ the step
     def schedule(self) -> ScheduledBatch:
@@ -119,16 +120,9 @@ class FairScheduler(Scheduler):
         for seq in sorted((s for s in self.running if not s.is_prefilling), key=self._key):
             if seq not in self.running:      # preempted while making room for another
                 continue
-            if not self._grow(seq, seq.num_computed_tokens + 1, batch, scheduled):
-                if len(self.running) == 1 or self._sole_at_cap(seq):
-                    batch.out_of_room.append(seq)
-                else:
-                    self._preempt(seq, batch)
-                continue
-            batch.decodes.append(seq)
-            scheduled.add(id(seq))
-            self._charge(seq, 1, wd)
-            budget -= 1
+            if self._schedule_decode(seq, batch, scheduled):
+                self._charge(seq, 1, wd)
+                budget -= 1
         # prefill chunks and admissions draw on the rest of the budget in (class, counter) order
         pending = [s for s in self.running if s.is_prefilling]
         capped: set[str] = set()
@@ -142,13 +136,10 @@ class FairScheduler(Scheduler):
                 pending.remove(run)
                 if run not in self.running:
                     continue
-                n = min(run.num_uncomputed, budget)
-                if not self._grow(run, run.num_computed_tokens + n, batch, scheduled):
-                    continue
-                batch.prefills.append((run, n))
-                scheduled.add(id(run))
-                self._charge(run, n, wp)
-                budget -= n
+                n = self._schedule_chunk(run, budget, batch, scheduled)
+                if n:
+                    self._charge(run, n, wp)
+                    budget -= n
                 continue
             assert wait is not None
             cap = wait.tenant.max_running_pages
@@ -160,9 +151,7 @@ class FairScheduler(Scheduler):
                 admitting = False            # out of pages: nobody jumps the queue past it
                 continue
             self.waiting.remove(wait)
-            n = min(wait.num_uncomputed, budget)
-            batch.prefills.append((wait, n))
-            scheduled.add(id(wait))
+            n = self._add_prefill(wait, min(wait.num_uncomputed, budget), batch, scheduled)
             self._charge(wait, n, wp)
             budget -= n
         return batch

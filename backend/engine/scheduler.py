@@ -77,36 +77,50 @@ class Scheduler:
         for seq in [s for s in self.running if not s.is_prefilling]:
             if seq not in self.running:      # preempted while making room for an older one
                 continue
-            if not self._grow(seq, seq.num_computed_tokens + 1, batch, scheduled):
-                if len(self.running) == 1:
-                    batch.out_of_room.append(seq)
-                else:
-                    self._preempt(seq, batch)
-                continue
-            batch.decodes.append(seq)
-            scheduled.add(id(seq))
-            budget -= 1
+            if self._schedule_decode(seq, batch, scheduled):
+                budget -= 1
         for seq in [s for s in self.running if s.is_prefilling]:
             if budget <= 0:
                 break
             if seq not in self.running:
                 continue
-            n = min(seq.num_uncomputed, budget)
-            if not self._grow(seq, seq.num_computed_tokens + n, batch, scheduled):
-                continue
-            batch.prefills.append((seq, n))
-            scheduled.add(id(seq))
-            budget -= n
+            budget -= self._schedule_chunk(seq, budget, batch, scheduled)
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
             if not self._admit(seq, budget, batch):
                 break
             self.waiting.popleft()
-            n = min(seq.num_uncomputed, budget)
-            batch.prefills.append((seq, n))
-            scheduled.add(id(seq))
-            budget -= n
+            budget -= self._add_prefill(seq, min(seq.num_uncomputed, budget), batch, scheduled)
         return batch
+
+    def _stuck(self, seq: Sequence) -> bool:
+        """seq cannot grow and preempting it would free room for nobody: it is reported out of room."""
+        return len(self.running) == 1
+
+    def _schedule_decode(self, seq: Sequence, batch: ScheduledBatch, scheduled: set[int]) -> bool:
+        """One decode token for a running seq, making room as needed (else seq is preempted or out of room)."""
+        if not self._grow(seq, seq.num_computed_tokens + 1, batch, scheduled):
+            if self._stuck(seq):
+                batch.out_of_room.append(seq)
+            else:
+                self._preempt(seq, batch)
+            return False
+        batch.decodes.append(seq)
+        scheduled.add(id(seq))
+        return True
+
+    def _schedule_chunk(self, seq: Sequence, budget: int, batch: ScheduledBatch, scheduled: set[int]) -> int:
+        """The next prefill chunk of a running seq within budget, making room as needed; its tokens (0: none)."""
+        n = min(seq.num_uncomputed, budget)
+        if not self._grow(seq, seq.num_computed_tokens + n, batch, scheduled):
+            return 0
+        return self._add_prefill(seq, n, batch, scheduled)
+
+    @staticmethod
+    def _add_prefill(seq: Sequence, n: int, batch: ScheduledBatch, scheduled: set[int]) -> int:
+        batch.prefills.append((seq, n))
+        scheduled.add(id(seq))
+        return n
 
     def _admit(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> bool:
         hashes = seq.prompt_page_hashes()
