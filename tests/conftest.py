@@ -7,6 +7,7 @@ import os
 import pytest
 
 from tests.hf_compat import hide_hub_kernels
+from tests.redis_server import ValkeyServer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -46,3 +47,13 @@ def hf_smol(smol_dir):
     from transformers import LlamaForCausalLM
 
     return LlamaForCausalLM.from_pretrained(smol_dir, torch_dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def valkey():
+    """A real valkey-server on a free loopback port, one per test module, stopped by its pid."""
+    server = ValkeyServer().start()
+    try:
+        yield server
+    finally:
+        server.stop()

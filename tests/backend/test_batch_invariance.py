@@ -22,9 +22,9 @@ import torch
 
 from backend.engine.config import EngineConfig
 from backend.engine.engine import LLMEngine
-from backend.protocol import GenerateRequest, SamplingParams
 from cache_store.page_id import page_hashes
 from kernels.paged_decode_attention import paged_decode_attention_reference
+from tests.backend.engine_steps import generate_together
 
 pytestmark = pytest.mark.slow
 KV_DTYPES = ["fp32", "fp8_e4m3"]
@@ -38,25 +38,7 @@ def prompt(seed: int, n: int) -> list[int]:
 def generate(eng: LLMEngine, prompts: list[list[int]], ns: str, tokens: int) -> list[tuple[list[int], list[float], int]]:
     """Submit the prompts together and step the engine (on this thread) until they finish:
     per prompt (tokens, chosen-token logprobs, cached prompt tokens)."""
-    outs: list[tuple[list[int], list[float]]] = []
-    seqs = []
-    for i, p in enumerate(prompts):
-        ids: list[int] = []
-        lps: list[float] = []
-        outs.append((ids, lps))
-
-        def emit(chunk, ids=ids, lps=lps) -> None:
-            ids += chunk.token_ids
-            lps += [lp.logprob for lp in chunk.logprobs or []]
-
-        sp = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, logprobs=True)
-        seq = eng._make_seq(GenerateRequest(f"{ns}-{i}-{len(eng._seqs)}", p, sp, ns), emit)
-        eng._seqs[seq.request_id] = seq
-        eng.scheduler.add(seq)
-        seqs.append(seq)
-    while eng.scheduler.has_work:
-        eng.step()
-    return [(ids, lps, s.num_cached_prompt_tokens) for (ids, lps), s in zip(outs, seqs, strict=True)]
+    return generate_together(eng, prompts, ns, [tokens] * len(prompts))
 
 
 def page_bytes(eng: LLMEngine, hashes: list[bytes]) -> list[torch.Tensor]:

@@ -15,7 +15,7 @@ from backend.engine.config import EngineConfig
 from backend.engine.engine import LLMEngine
 from backend.engine.model_runner import ModelRunner
 from backend.model.llama import load_model
-from backend.protocol import GenerateRequest, SamplingParams
+from tests.backend.engine_steps import generate_together
 
 
 def test_buckets_cover_every_batch_size_up_to_the_limit():
@@ -77,24 +77,9 @@ def tiny_model(tmp_path_factory):
 
 
 def _generate(eng: LLMEngine, lengths: list[int], max_tokens: list[int]) -> list[tuple[list[int], list[float]]]:
-    outs = []
-    for i, (n, m) in enumerate(zip(lengths, max_tokens)):
-        ids: list[int] = []
-        lps: list[float] = []
-        outs.append((ids, lps))
-
-        def emit(chunk, ids=ids, lps=lps) -> None:
-            ids += chunk.token_ids
-            lps += [lp.logprob for lp in chunk.logprobs or []]
-
-        prompt = torch.randint(1, 300, (n,), generator=torch.Generator().manual_seed(i)).tolist()
-        sp = SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, logprobs=True)
-        seq = eng._make_seq(GenerateRequest(f"r{i}", prompt, sp, "t"), emit)
-        eng._seqs[seq.request_id] = seq
-        eng.scheduler.add(seq)
-    while eng.scheduler.has_work:
-        eng.step()
-    return outs
+    prompts = [torch.randint(1, 300, (n,), generator=torch.Generator().manual_seed(i)).tolist()
+               for i, n in enumerate(lengths)]
+    return [(ids, lps) for ids, lps, _ in generate_together(eng, prompts, "t", max_tokens)]
 
 
 def _engine(model, graphs: bool) -> LLMEngine:

@@ -119,14 +119,6 @@ def test_requests_per_min_in_process(harness):
     _limit_429(harness.gateway([harness.stub()], tenants=[tenant(requests_per_min=2)]))
 
 
-@pytest.fixture(scope="module")
-def valkey():
-    from tests.redis_server import ValkeyServer
-
-    with ValkeyServer() as server:
-        yield server
-
-
 def test_requests_per_min_in_redis_shared_by_two_gateways(harness, valkey):
     import redis
 
