@@ -28,7 +28,7 @@ from prometheus_client import generate_latest
 from backend.engine.config import EngineConfig
 from backend.engine.engine import LLMEngine, RequestError
 from backend.metrics import BackendMetrics
-from backend.protocol import AbortRequest, BackendInfo, GenerateRequest, StreamChunk, encode
+from protocol.wire import AbortRequest, BackendInfo, GenerateRequest, StreamChunk, encode
 
 log = logging.getLogger("edgeinfer.backend")
 VERSION = os.environ.get("EDGEINFER_VERSION", "0.1.0")

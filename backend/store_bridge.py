@@ -45,9 +45,10 @@ import torch
 
 from cache_store.codec import DecodedPage, PageFormat, PageKey, decode, encode
 from cache_store.index import PageIndex
-from cache_store.page_id import page_hashes
 from cache_store.registry import NodeRecord, NodeRegistry, NodeState, keep_registered
 from cache_store.store import PageStore, TieredPageStore
+from protocol.defaults import CACHE_SEED, KEY_PREFIX
+from protocol.page_id import page_hashes
 
 log = logging.getLogger("edgeinfer.store_bridge")
 PAGE_KEY_ENV = "EDGEINFER_PAGE_KEY"
@@ -543,7 +544,7 @@ def page_key_from_args(args) -> PageKey:
         return PageKey.from_secret(env.encode(), origin=f"page key from ${PAGE_KEY_ENV}")
     log.warning("no page key (--page-key-file or $%s): pages are keyed by the cache seed, so anyone who knows "
                 "the seed can write pages this node accepts", PAGE_KEY_ENV)
-    return PageKey.from_seed(getattr(args, "cache_seed", "edgeinfer-dev-seed").encode())
+    return PageKey.from_seed(getattr(args, "cache_seed", CACHE_SEED).encode())
 
 
 def attach_page_store(st, args) -> PageStoreBridge | None:
@@ -569,7 +570,7 @@ def attach_page_store(st, args) -> PageStoreBridge | None:
     client = index = registry = None
     if url:
         client = redis_client(url, cluster=getattr(args, "redis_cluster", False))
-        keys = KeySpace(getattr(args, "redis_key_prefix", None) or "ei")
+        keys = KeySpace(getattr(args, "redis_key_prefix", None) or KEY_PREFIX)
         guard = RedisGuard(timeout_s=0.5)
         if tier == "redis":
             tiers.append(("redis", RedisPageStore(client, keys=keys, guard=guard, timeout_s=2.0)))

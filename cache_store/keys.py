@@ -8,13 +8,15 @@
     <p>:node:<node_id>                  node record (msgspec JSON)
     <p>:nodes                           set of registered node ids
 
-Page hashes are namespace-salted (see page_id.py), so the tenant namespace is
+Page hashes are namespace-salted (see protocol/page_id.py), so the tenant namespace is
 already inside every page and index key; no key omits it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from protocol.defaults import KEY_PREFIX
 
 _FORBIDDEN = set("{}")
 
@@ -27,7 +29,7 @@ def _check_name(kind: str, value: str) -> str:
 
 @dataclass(frozen=True)
 class KeySpace:
-    prefix: str = "ei"
+    prefix: str = KEY_PREFIX
 
     def __post_init__(self) -> None:
         _check_name("key prefix", self.prefix)

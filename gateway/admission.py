@@ -23,6 +23,7 @@ import os
 from gateway.config import TenantConfig
 from gateway.ratelimit import GCRA_LUA, UNLIMITED, WINDOW_MS, Decision, LocalLimiter, _limits, rate_key
 from gateway.streams import Lease, LocalStreamLimiter, RedisStreamLimiter
+from protocol.defaults import KEY_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ class RedisAdmission:
     """Shared by every gateway on the same Redis: one Lua call to admit, one to settle (module docstring).
     Redis down or slow (> timeout_s): the in-process limits, counted in `failures` and logged."""
 
-    def __init__(self, client, prefix: str = "ei", ttl_s: float = 30.0, timeout_s: float = 0.25) -> None:
+    def __init__(self, client, prefix: str = KEY_PREFIX, ttl_s: float = 30.0, timeout_s: float = 0.25) -> None:
         self.prefix = prefix
         self.timeout_s = timeout_s
         self.fallback = LocalLimiter()

@@ -12,7 +12,6 @@ import msgspec
 from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError
 
-from backend.protocol import SamplingParams, StreamChunk
 from gateway.config import TenantConfig
 from gateway.errors import APIError, bad_value, from_validation_error
 from gateway.generation import Run, Target, merged, runs_open
@@ -40,6 +39,7 @@ from gateway.schemas import (
 from gateway.state import STATE, GatewayState
 from gateway.streams import Lease
 from gateway.upstream import UpstreamBroken
+from protocol.wire import SamplingParams, StreamChunk
 
 _SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache", "x-accel-buffering": "no"}
 _DONE = b"data: [DONE]\n\n"

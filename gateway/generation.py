@@ -14,11 +14,11 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-from backend.protocol import GenerateRequest, SamplingParams, StreamChunk
 from gateway.errors import APIError
 from gateway.nodes import Node
 from gateway.routing import Choice
 from gateway.upstream import BackendRejected, Retryable, UpstreamBroken, UpstreamStream
+from protocol.wire import GenerateRequest, SamplingParams, StreamChunk
 
 
 @dataclass

@@ -18,6 +18,7 @@ import logging
 from typing import NamedTuple
 
 from gateway.config import TenantConfig
+from protocol.defaults import KEY_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ return kept
 
 
 class RedisStreamLimiter:
-    def __init__(self, client, prefix: str = "ei", ttl_s: float = 30.0, timeout_s: float = 0.25) -> None:
+    def __init__(self, client, prefix: str = KEY_PREFIX, ttl_s: float = 30.0, timeout_s: float = 0.25) -> None:
         if not ttl_s > 0 or ttl_s != ttl_s or ttl_s == float("inf"):
             raise ValueError(f"stream lease ttl_s={ttl_s!r}; expected a finite number > 0")
         self.client = client

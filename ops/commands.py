@@ -26,6 +26,7 @@ import msgspec
 
 from ops.node_client import CANARY_PROMPT_IDS, NodeClient, NodeError
 from ops.rollout import Rollout, RolloutOptions, Target
+from protocol.defaults import KEY_PREFIX
 
 
 class OpsError(Exception):
@@ -35,7 +36,7 @@ class OpsError(Exception):
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=os.environ.get("EDGEINFER_REDIS_URL"),
                    help="the node registry (default: $EDGEINFER_REDIS_URL)")
-    p.add_argument("--redis-key-prefix", default=os.environ.get("EDGEINFER_REDIS_KEY_PREFIX", "ei"))
+    p.add_argument("--redis-key-prefix", default=os.environ.get("EDGEINFER_REDIS_KEY_PREFIX", KEY_PREFIX))
     p.add_argument("--operator-key", default=os.environ.get("EDGEINFER_OPERATOR_KEY"),
                    help="admin key of the backends (default: $EDGEINFER_OPERATOR_KEY)")
 

@@ -30,7 +30,7 @@ def smol_model(smol_dir):
 
 @pytest.fixture(scope="session")
 def smol_tokenizer(smol_dir):
-    from backend.tokenizer import Tokenizer
+    from protocol.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(smol_dir)
 

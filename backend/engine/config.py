@@ -6,19 +6,21 @@ from dataclasses import dataclass
 
 import torch
 
+from protocol.defaults import CACHE_SEED, PAGE_SIZE
+
 KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    page_size: int = 16
+    page_size: int = PAGE_SIZE
     kv_cache_bytes: int = 1 << 30           # KV budget; ignored when num_pages is set
     num_pages: int | None = None
     kv_dtype: str = "auto"                  # auto | fp32 | bf16 | fp16 | fp8_e4m3
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512       # chunked-prefill token budget per step
     max_model_len: int | None = None
-    cache_seed: bytes = b"edgeinfer-dev-seed"
+    cache_seed: bytes = CACHE_SEED.encode()
     enable_prefix_cache: bool = True
 
     def __post_init__(self) -> None:

@@ -22,9 +22,9 @@ from backend.engine.scheduler import Scheduler
 from backend.engine.sequence import SeqStatus, Sequence
 from backend.engine.stop import StopChecker
 from backend.model.llama import LlamaModel
-from backend.protocol import GenerateRequest, StreamChunk, TokenLogprob, Usage
-from backend.tokenizer import Tokenizer
-from cache_store.page_id import PageKeyContext
+from protocol.page_id import PageKeyContext
+from protocol.tokenizer import Tokenizer
+from protocol.wire import GenerateRequest, StreamChunk, TokenLogprob, Usage
 
 log = logging.getLogger("edgeinfer.engine")
 

@@ -22,9 +22,9 @@ import torch
 
 from backend.engine.config import EngineConfig
 from backend.engine.engine import LLMEngine
-from backend.protocol import GenerateRequest, SamplingParams
-from cache_store.page_id import page_hashes
 from kernels.paged_decode_attention import paged_decode_attention_reference
+from protocol.page_id import page_hashes
+from protocol.wire import GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.slow
 KV_DTYPES = ["fp32", "fp8_e4m3"]

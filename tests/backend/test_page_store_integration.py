@@ -19,9 +19,9 @@ import msgspec
 import pytest
 import requests
 
-from backend.protocol import GenerateRequest, SamplingParams, chunk_decoder
 from cache_store.codec import ENVELOPE_BYTES, TAG_BYTES, DecodedPage, PageKey, decode
-from cache_store.page_id import PageKeyContext, page_hashes
+from protocol.page_id import PageKeyContext, page_hashes
+from protocol.wire import GenerateRequest, SamplingParams, chunk_decoder
 from tests.backend_process import INTERNAL_AUTH, INTERNAL_SECRET, BackendProcess
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""A stand-in for backend.server in gateway unit tests: speaks backend/protocol.py over real HTTP.
+"""A stand-in for backend.server in gateway unit tests: speaks protocol/wire.py over real HTTP.
 
 It "generates" a fixed phrase one byte-token at a time, honours max_tokens, stop strings and
 logprobs, reports cached_tokens as the page-aligned common prefix with earlier prompts of the same
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from backend.protocol import (
+from protocol.wire import (
     AbortRequest,
     BackendInfo,
     StreamChunk,
