@@ -549,12 +549,9 @@ def page_key_from_args(args) -> PageKey:
 
 def attach_page_store(st, args) -> PageStoreBridge | None:
     """Called by backend.server.build_state: add the page store extension per the CLI flags."""
-    from cache_store.index import RedisPageIndex
-    from cache_store.keys import KeySpace
     from cache_store.node_auth import NodeRecordKey
-    from cache_store.registry import RedisNodeRegistry
-    from cache_store.resilience import RedisGuard, redis_client
-    from cache_store.store import HostPageStore, RedisPageStore
+    from cache_store.store import HostPageStore
+    from cache_store.wiring import wire_redis
 
     tier = getattr(args, "store_tier", "redis")
     url = getattr(args, "redis_url", None)
@@ -569,15 +566,15 @@ def attach_page_store(st, args) -> PageStoreBridge | None:
         tiers.append(("host", HostPageStore(host_bytes)))
     client = index = registry = None
     if url:
-        client = redis_client(url, cluster=getattr(args, "redis_cluster", False))
-        keys = KeySpace(getattr(args, "redis_key_prefix", None) or KEY_PREFIX)
-        guard = RedisGuard(timeout_s=0.5)
+        redis = wire_redis(url, getattr(args, "redis_key_prefix", None) or KEY_PREFIX,
+                           cluster=getattr(args, "redis_cluster", False), guard_timeout_s=0.5)
+        client = redis.client
         if tier == "redis":
-            tiers.append(("redis", RedisPageStore(client, keys=keys, guard=guard, timeout_s=2.0)))
-        index = RedisPageIndex(client, keys=keys, guard=guard)
+            tiers.append(("redis", redis.page_store(timeout_s=2.0)))
+        index = redis.index()
         secret = getattr(args, "internal_secret", None)   # None: --insecure-no-internal-auth, records unsigned
-        registry = RedisNodeRegistry(client, heartbeat_s=getattr(args, "heartbeat", 2.0), keys=keys, guard=guard,
-                                     signer=NodeRecordKey(secret) if secret else None)
+        registry = redis.registry(heartbeat_s=getattr(args, "heartbeat", 2.0),
+                                  signer=NodeRecordKey(secret) if secret else None)
     if not tiers:
         log.info("page store off: no tier (host store of 0 bytes and no redis tier)")
         return None

@@ -12,6 +12,7 @@ import msgspec
 from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError
 
+from gateway.admission import Lease
 from gateway.config import TenantConfig
 from gateway.errors import APIError, bad_value, from_validation_error
 from gateway.generation import Run, Target, merged, runs_open
@@ -37,7 +38,6 @@ from gateway.schemas import (
     message_dicts,
 )
 from gateway.state import STATE, GatewayState
-from gateway.streams import Lease
 from gateway.upstream import UpstreamBroken
 from protocol.wire import SamplingParams, StreamChunk
 

@@ -53,7 +53,7 @@ class GatewayState:
     pool: NodePool
     router: Router
     upstream: Upstream
-    admission: Admission | RedisAdmission    # rate limits + stream caps (gateway/admission.py)
+    admission: Admission | RedisAdmission    # rate limits + stream caps (gateway/admission/)
     index: PrefixIndex
     fill_index: bool
     redis: Redis | None = None

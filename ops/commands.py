@@ -78,12 +78,11 @@ def list_nodes(args: argparse.Namespace, model: str | None = None) -> list:
     """Registry records (cache_store.registry.NodeRecord), sorted by node id; OpsError if unreachable."""
     if not args.redis_url:
         raise OpsError("no registry: pass --redis-url or set EDGEINFER_REDIS_URL")
-    from cache_store.keys import KeySpace
-    from cache_store.registry import RedisNodeRegistry
-    from cache_store.resilience import RedisGuard, redis_client
+    from cache_store.wiring import wire_redis
 
     async def go() -> list:
-        client = redis_client(args.redis_url, socket_timeout_s=2.0)
+        redis = wire_redis(args.redis_url, args.redis_key_prefix, socket_timeout_s=2.0, guard_timeout_s=2.0)
+        client = redis.client
         try:
             try:
                 await client.ping()
@@ -91,8 +90,7 @@ def list_nodes(args: argparse.Namespace, model: str | None = None) -> list:
                 raise OpsError(f"registry {args.redis_url} unreachable: {e}") from e
             except Exception as e:  # redis.exceptions.ConnectionError is not an OSError
                 raise OpsError(f"registry {args.redis_url} unreachable: {type(e).__name__}: {e}") from e
-            reg = RedisNodeRegistry(client, keys=KeySpace(args.redis_key_prefix), guard=RedisGuard(timeout_s=2.0))
-            return await reg.list_nodes(model)
+            return await redis.registry().list_nodes(model)
         finally:
             await client.aclose()
 

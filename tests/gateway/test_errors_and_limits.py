@@ -243,8 +243,8 @@ async def test_stream_leases_of_a_dead_gateway_expire(valkey):
 async def test_admission_falls_back_to_in_process_limits_when_redis_is_down():
     import redis.asyncio as aredis
 
+    from gateway.admission.leases import RedisStreamLimiter
     from gateway.config import TenantConfig
-    from gateway.streams import RedisStreamLimiter
 
     c = aredis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.1)   # nothing listens on port 1
     adm = _redis_admission(c, ttl_s=5)
