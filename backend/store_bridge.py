@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from backend.engine.engine import EngineObserver
 from cache_store.codec import DecodedPage, PageFormat, PageKey, decode, encode
 from cache_store.index import PageIndex
 from cache_store.registry import NodeRecord, NodeRegistry, NodeState, keep_registered
@@ -53,18 +54,13 @@ from protocol.page_id import page_hashes
 log = logging.getLogger("edgeinfer.store_bridge")
 PAGE_KEY_ENV = "EDGEINFER_PAGE_KEY"
 
-try:
-    from backend.engine.engine import EngineObserver
-except ImportError:  # pragma: no cover
-    EngineObserver = object  # type: ignore[misc,assignment]
 
 
 def page_format(engine) -> PageFormat:
     c = engine.model.cfg
-    fp8 = engine.runner.kv_dtype == torch.float8_e4m3fn
-    return PageFormat(model_fingerprint=engine.fingerprint, kv_dtype=engine.kv_format, num_layers=c.num_layers,
+    return PageFormat(model_fingerprint=engine.fingerprint, kv_dtype=engine.kv.name, num_layers=c.num_layers,
                       kv_heads=c.num_kv_heads, head_dim=c.head_dim, page_size=engine.cfg.page_size,
-                      scale_layout="per_token_kv_head_bf16" if fp8 else "none",
+                      scale_layout=engine.kv.scale_layout,
                       body_nbytes=engine.runner.page_bytes)
 
 

@@ -6,9 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from backend.engine.kv_pool import KVFormat
 from protocol.defaults import CACHE_SEED, PAGE_SIZE
-
-KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 @dataclass(frozen=True)
@@ -26,14 +25,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size={self.page_size!r} is invalid: expected a power of two")
-        if self.kv_dtype != "auto" and self.kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_dtype={self.kv_dtype!r} is invalid: expected auto or one of {', '.join(KV_DTYPES)}")
+        if self.kv_dtype != "auto":
+            KVFormat(self.kv_dtype)         # raises naming the bad value
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
 
     def resolve_kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        return model_dtype if self.kv_dtype == "auto" else KV_DTYPES[self.kv_dtype]
-
-
-def kv_format_name(dtype: torch.dtype) -> str:
-    return {v: k for k, v in KV_DTYPES.items()}[dtype]
+        return KVFormat.resolve(self.kv_dtype, model_dtype).dtype

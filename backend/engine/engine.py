@@ -15,7 +15,8 @@ import torch
 import xxhash
 
 from backend.engine.block_manager import BlockManager
-from backend.engine.config import EngineConfig, kv_format_name
+from backend.engine.config import EngineConfig
+from backend.engine.kv_pool import KVFormat
 from backend.engine.model_runner import ModelRunner
 from backend.engine.sampler import SamplingError, make_generator, sample
 from backend.engine.scheduler import Scheduler
@@ -70,7 +71,8 @@ class LLMEngine:
         self.blocks = BlockManager(self.runner.num_pages, self.cfg.page_size, self.cfg.enable_prefix_cache,
                                    tables=self.runner.tables)
         self.scheduler = Scheduler(self.cfg, self.blocks)
-        self.kv_format = kv_format_name(self.runner.kv_dtype)
+        self.kv = KVFormat.of(self.runner.kv_dtype)
+        self.kv_format = self.kv.name              # BackendInfo.kv_format, page identity
         self.fingerprint = fingerprint or f"{model.cfg.architecture}-{model.cfg.num_layers}-{model.cfg.hidden_size}"
         eos = set(model.cfg.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer else set())
         self.eos_ids = eos
@@ -81,7 +83,6 @@ class LLMEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.steps = 0
-        self.error: BaseException | None = None
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -127,8 +128,6 @@ class LLMEngine:
     async def generate(self, req: GenerateRequest) -> AsyncGenerator[StreamChunk, None]:
         """Yields StreamChunks; the last one carries finish_reason and usage. Cancelling the iterator aborts."""
         self.validate(req)
-        if self.error is not None:
-            raise RequestError(f"engine failed: {self.error}", 503)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[StreamChunk] = asyncio.Queue()
 
