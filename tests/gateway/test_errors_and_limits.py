@@ -7,6 +7,7 @@ import pytest
 import requests
 
 from gateway import config as config_mod
+from tests.conftest import wait_until
 from tests.gateway.conftest import DEMO_KEY, MODEL, OTHER_KEY, client, tenant
 
 MSGS = [{"role": "user", "content": "hi"}]
@@ -115,14 +116,6 @@ def test_requests_per_min_in_process(harness):
     _limit_429(harness.gateway([harness.stub()], tenants=[tenant(requests_per_min=2)]))
 
 
-@pytest.fixture(scope="module")
-def valkey():
-    from tests.redis_server import ValkeyServer
-
-    with ValkeyServer() as server:
-        yield server
-
-
 def test_requests_per_min_in_redis_shared_by_two_gateways(harness, valkey):
     import redis
 
@@ -169,15 +162,6 @@ def test_concurrent_stream_limit(harness):
     stream.close()
 
 
-def _wait_for(pred, timeout_s: float = 10.0) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
-
-
 def test_concurrent_stream_limit_shared_by_two_gateways_in_redis(harness, valkey):
     import redis
 
@@ -197,11 +181,11 @@ def test_concurrent_stream_limit_shared_by_two_gateways_in_redis(harness, valkey
             client(gw).chat.completions.create(model=MODEL, messages=MSGS, max_tokens=1)
         assert e.value.body["code"] == "concurrency_limit_exceeded"
     s1.close()
-    _wait_for(lambda: r.zcard("ei:cc:{demo}") == 1)     # the lease goes back when the stream ends
+    wait_until(lambda: r.zcard("ei:cc:{demo}") == 1, 10.0, what="lease count 1")     # the lease goes back when the stream ends
     out = client(gw2).chat.completions.create(model=MODEL, messages=MSGS, max_tokens=1)
     assert out.choices[0].finish_reason == "length"
     s2.close()
-    _wait_for(lambda: r.zcard("ei:cc:{demo}") == 0)
+    wait_until(lambda: r.zcard("ei:cc:{demo}") == 0, 10.0, what="lease count 0")
 
 
 def _redis_admission(client, ttl_s: float):
@@ -284,6 +268,6 @@ def test_request_refused_by_the_stream_cap_spends_no_rate_budget(harness, valkey
         c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=1)
     assert e.value.body["code"] == "concurrency_limit_exceeded"
     s1.close()
-    _wait_for(lambda: r.zcard("ei:cc:{demo}") == 0)
+    wait_until(lambda: r.zcard("ei:cc:{demo}") == 0, 10.0, what="lease count 0")
     ok = c.chat.completions.with_raw_response.create(model=MODEL, messages=MSGS, max_tokens=1)    # request 2 of 3
     assert ok.headers["x-ratelimit-remaining-requests"] == "1"       # the refused one did not count
