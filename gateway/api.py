@@ -16,7 +16,6 @@ from gateway.admission import Lease
 from gateway.config import TenantConfig
 from gateway.errors import APIError, bad_value, from_validation_error
 from gateway.generation import Run, Target, merged, runs_open
-from gateway.models import ServedModel
 from gateway.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -37,6 +36,7 @@ from gateway.schemas import (
     encode,
     message_dicts,
 )
+from gateway.served_model import ServedModel
 from gateway.state import STATE, GatewayState
 from gateway.upstream import UpstreamBroken
 from protocol.wire import SamplingParams, StreamChunk

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from gateway.errors import APIError
 from gateway.schemas import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
-from gateway.segments import SegmentEncoder
+from gateway.segment_cache import SegmentEncoder
 from gateway.tokenpool import TokenizerPool, WorkerFailed
 from protocol.tokenizer import Tokenizer, TokenizerError
 from protocol.wire import TokenLogprob

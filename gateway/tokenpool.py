@@ -32,7 +32,7 @@ class WorkerFailed(Exception):
 
 
 def _init(sources: dict[str, str]) -> None:
-    from gateway.models import ServedModel
+    from gateway.served_model import ServedModel
     from protocol.tokenizer import Tokenizer
 
     try:
