@@ -308,7 +308,7 @@ def build_state(args: argparse.Namespace) -> BackendState:
                          "kv_dtype": engine.kv_format, "kv_bytes_per_token": engine.runner.bytes_per_token,
                          "kv_pages": engine.blocks.num_pages, "page_size": cfg.page_size,
                          "max_tokens_in_budget": engine.blocks.num_pages * cfg.page_size}))
-    from backend.store_bridge import attach_page_store  # noqa: PLC0415
+    from backend.store_wiring import attach_page_store  # noqa: PLC0415
 
     attach_page_store(st, args)
     return st

@@ -56,3 +56,39 @@ class KVFormat:
 def kv_bytes_per_token(model, kv_dtype: torch.dtype) -> int:
     c = model.cfg
     return KVFormat.of(kv_dtype).bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim)
+
+
+# ---- page bodies: the bytes of one page of every layer (k, v, then the fp8 scales), for the page store
+def pool_parts(runner) -> list[torch.Tensor]:
+    """The KV pool tensors in body order, viewed as uint8 ([num_pages, ..., bytes]); same order as read_page."""
+    parts = []
+    for kv in runner.kv:
+        parts += [kv.k, kv.v]
+        if kv.k_scale is not None:
+            parts += [kv.k_scale, kv.v_scale]
+    return [t.view(torch.uint8) for t in parts]
+
+
+def gather_pages(runner, pages: list[int]) -> torch.Tensor:
+    """Host uint8 [len(pages), page_bytes]: each row is one page body (backend/store_bridge.py names its layout).
+    Engine thread only."""
+    parts = pool_parts(runner)
+    idx = torch.tensor(pages, dtype=torch.long, device=parts[0].device)
+    buf = torch.cat([t.index_select(0, idx).reshape(len(pages), -1) for t in parts], dim=1)
+    return buf.cpu()
+
+
+def scatter_pages(runner, pages: list[int], buf: torch.Tensor) -> None:
+    """Write host rows buf[i] (page bodies) into KV pool pages[i]. Engine thread only."""
+    parts = pool_parts(runner)
+    dev = parts[0].device
+    idx = torch.tensor(pages, dtype=torch.long, device=dev)
+    src = buf.to(dev, non_blocking=False)
+    n = len(pages)
+    off = 0
+    for t in parts:
+        nb = t[0].numel()
+        t.index_copy_(0, idx, src[:, off:off + nb].reshape((n, *t.shape[1:])))
+        off += nb
+    if off != src.shape[1]:
+        raise ValueError(f"page body of {src.shape[1]} bytes, the KV pool needs {off}")

@@ -230,8 +230,9 @@ async def _generate(engine, bridge, prompt, namespace, max_tokens=8):
 async def test_corrupted_pages_in_host_and_redis_are_all_detected_and_never_used(smol_dir, valkey, caplog):
     from backend.engine.config import EngineConfig
     from backend.engine.engine import load_engine
+    from backend.engine.kv_pool import gather_pages
     from backend.metrics import BackendMetrics
-    from backend.store_bridge import PageStoreBridge, gather_pages
+    from backend.store_bridge import PageStoreBridge
     caplog.set_level("WARNING", logger="edgeinfer.store_bridge")
     from cache_store.index import RedisPageIndex
     from cache_store.resilience import RedisGuard, redis_client
