@@ -33,7 +33,7 @@ from prometheus_client import generate_latest
 from backend.engine.config import EngineConfig
 from backend.engine.engine import LLMEngine, RequestError
 from backend.metrics import BackendMetrics
-from backend.protocol import AbortRequest, BackendInfo, GenerateRequest, StreamChunk, encode
+from protocol.wire import AbortRequest, BackendInfo, GenerateRequest, StreamChunk, encode
 
 log = logging.getLogger("edgeinfer.backend")
 VERSION = os.environ.get("EDGEINFER_VERSION", "0.1.0")
@@ -384,12 +384,9 @@ def build_state(args: argparse.Namespace) -> BackendState:
                          "kv_dtype": engine.kv_format, "kv_bytes_per_token": engine.runner.bytes_per_token,
                          "kv_pages": engine.blocks.num_pages, "page_size": cfg.page_size,
                          "max_tokens_in_budget": engine.blocks.num_pages * cfg.page_size}))
-    try:
-        from backend.store_bridge import attach_page_store  # noqa: PLC0415
-    except ImportError:
-        attach_page_store = None  # type: ignore[assignment]
-    if attach_page_store is not None:
-        attach_page_store(st, args)
+    from backend.store_wiring import attach_page_store  # noqa: PLC0415
+
+    attach_page_store(st, args)
     return st
 
 

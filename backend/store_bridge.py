@@ -1,7 +1,8 @@
 """The backend's side of the shared prefix cache: publish filled KV pages, fetch + verify + upload missing ones.
 
-Wiring: backend.server.build_state() calls attach_page_store(st, args), which
-appends a PageStoreBridge to st.extensions and st.engine.observers.
+Wiring: backend.server.build_state() calls backend.store_wiring.attach_page_store(st, args), which
+appends a PageStoreBridge to st.extensions and st.engine.observers. The page body's bytes are moved in and
+out of the KV pool by backend.engine.kv_pool.gather_pages / scatter_pages.
 
 Publish (off the critical path):
   engine thread, on_pages_filled -> one gather of the new pages' KV into a host
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict, deque
@@ -43,62 +43,23 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from backend.engine.engine import EngineObserver
+from backend.engine.kv_pool import gather_pages, scatter_pages
 from cache_store.codec import DecodedPage, PageFormat, PageKey, decode, encode
 from cache_store.index import PageIndex
-from cache_store.page_id import page_hashes
 from cache_store.registry import NodeRecord, NodeRegistry, NodeState, keep_registered
-from cache_store.store import PageStore, TieredPageStore
+from cache_store.store import TieredPageStore
+from protocol.page_id import page_hashes
 
 log = logging.getLogger("edgeinfer.store_bridge")
-PAGE_KEY_ENV = "EDGEINFER_PAGE_KEY"
-
-try:
-    from backend.engine.engine import EngineObserver
-except ImportError:  # pragma: no cover
-    EngineObserver = object  # type: ignore[misc,assignment]
 
 
 def page_format(engine) -> PageFormat:
     c = engine.model.cfg
-    fp8 = engine.runner.kv_dtype == torch.float8_e4m3fn
-    return PageFormat(model_fingerprint=engine.fingerprint, kv_dtype=engine.kv_format, num_layers=c.num_layers,
+    return PageFormat(model_fingerprint=engine.fingerprint, kv_dtype=engine.kv.name, num_layers=c.num_layers,
                       kv_heads=c.num_kv_heads, head_dim=c.head_dim, page_size=engine.cfg.page_size,
-                      scale_layout="per_token_kv_head_bf16" if fp8 else "none",
+                      scale_layout=engine.kv.scale_layout,
                       body_nbytes=engine.runner.page_bytes)
-
-
-def _pool_parts(runner) -> list[torch.Tensor]:
-    """The KV pool tensors in body order, viewed as uint8 ([num_pages, ..., bytes]); same order as read_page."""
-    parts = []
-    for kv in runner.kv:
-        parts += [kv.k, kv.v]
-        if kv.k_scale is not None:
-            parts += [kv.k_scale, kv.v_scale]
-    return [t.view(torch.uint8) for t in parts]
-
-
-def gather_pages(runner, pages: list[int]) -> torch.Tensor:
-    """Host uint8 [len(pages), page_bytes]: each row is one page body (layout above). Engine thread only."""
-    parts = _pool_parts(runner)
-    idx = torch.tensor(pages, dtype=torch.long, device=parts[0].device)
-    buf = torch.cat([t.index_select(0, idx).reshape(len(pages), -1) for t in parts], dim=1)
-    return buf.cpu()
-
-
-def scatter_pages(runner, pages: list[int], buf: torch.Tensor) -> None:
-    """Write host rows buf[i] (page bodies) into KV pool pages[i]. Engine thread only."""
-    parts = _pool_parts(runner)
-    dev = parts[0].device
-    idx = torch.tensor(pages, dtype=torch.long, device=dev)
-    src = buf.to(dev, non_blocking=False)
-    n = len(pages)
-    off = 0
-    for t in parts:
-        nb = t[0].numel()
-        t.index_copy_(0, idx, src[:, off:off + nb].reshape((n, *t.shape[1:])))
-        off += nb
-    if off != src.shape[1]:
-        raise ValueError(f"page body of {src.shape[1]} bytes, the KV pool needs {off}")
 
 
 @dataclass
@@ -530,63 +491,3 @@ class PageStoreBridge(EngineObserver):
         for page in reversed(taken):   # deepest page least recently used: evicted first, the prefix survives
             blocks.release(page)
         return len(taken)
-
-
-def page_key_from_args(args) -> PageKey:
-    """--page-key-file, else $EDGEINFER_PAGE_KEY, else derived from --cache-seed (logged: weaker if the seed leaks)."""
-    path = getattr(args, "page_key_file", None)
-    if path:
-        with open(path, "rb") as f:
-            return PageKey.from_secret(f.read().strip(), origin=f"page key from {path}")
-    env = os.environ.get(PAGE_KEY_ENV)
-    if env:
-        return PageKey.from_secret(env.encode(), origin=f"page key from ${PAGE_KEY_ENV}")
-    log.warning("no page key (--page-key-file or $%s): pages are keyed by the cache seed, so anyone who knows "
-                "the seed can write pages this node accepts", PAGE_KEY_ENV)
-    return PageKey.from_seed(getattr(args, "cache_seed", "edgeinfer-dev-seed").encode())
-
-
-def attach_page_store(st, args) -> PageStoreBridge | None:
-    """Called by backend.server.build_state: add the page store extension per the CLI flags."""
-    from cache_store.index import RedisPageIndex
-    from cache_store.keys import KeySpace
-    from cache_store.node_auth import NodeRecordKey
-    from cache_store.registry import RedisNodeRegistry
-    from cache_store.resilience import RedisGuard, redis_client
-    from cache_store.store import HostPageStore, RedisPageStore
-
-    tier = getattr(args, "store_tier", "redis")
-    url = getattr(args, "redis_url", None)
-    if tier == "none":
-        return None
-    if tier == "redis" and not url:
-        log.info("page store off: --store-tier redis without --redis-url")
-        return None
-    tiers: list[tuple[str, PageStore]] = []
-    host_bytes = getattr(args, "host_store_bytes", 0) or 0
-    if host_bytes > 0:
-        tiers.append(("host", HostPageStore(host_bytes)))
-    client = index = registry = None
-    if url:
-        client = redis_client(url, cluster=getattr(args, "redis_cluster", False))
-        keys = KeySpace(getattr(args, "redis_key_prefix", None) or "ei")
-        guard = RedisGuard(timeout_s=0.5)
-        if tier == "redis":
-            tiers.append(("redis", RedisPageStore(client, keys=keys, guard=guard, timeout_s=2.0)))
-        index = RedisPageIndex(client, keys=keys, guard=guard)
-        secret = getattr(args, "internal_secret", None)   # None: --insecure-no-internal-auth, records unsigned
-        registry = RedisNodeRegistry(client, heartbeat_s=getattr(args, "heartbeat", 2.0), keys=keys, guard=guard,
-                                     signer=NodeRecordKey(secret) if secret else None)
-    if not tiers:
-        log.info("page store off: no tier (host store of 0 bytes and no redis tier)")
-        return None
-    bridge = PageStoreBridge(st.engine, node_id=st.node_id, store=TieredPageStore(tiers), page_key=page_key_from_args(args),
-                             index=index,
-                             registry=registry, metrics=st.metrics, url=st.url, version=st.version,
-                             state_fn=lambda: st.state, redis_client=client,
-                             fetch_timeout_s=getattr(args, "store_fetch_timeout", 1.0))
-    st.engine.observers.append(bridge)
-    st.extensions.append(bridge)
-    log.info("page store on: tiers %s, index %s, node %s", [n for n, _ in tiers],
-             "redis" if index is not None else "none", st.node_id)
-    return bridge

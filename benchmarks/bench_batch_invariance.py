@@ -37,8 +37,8 @@ from backend.engine.config import EngineConfig
 from backend.engine.engine import LLMEngine, in_fresh_thread
 from backend.model.gguf_import import ensure_default_model
 from backend.model.llama import load_model
-from backend.protocol import GenerateRequest, SamplingParams
-from cache_store.page_id import page_hashes
+from protocol.page_id import page_hashes
+from protocol.wire import GenerateRequest, SamplingParams
 
 OUT = Path(__file__).parent / "results" / "bench_batch_invariance.json"
 PAGE = 16

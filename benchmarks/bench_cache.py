@@ -44,9 +44,9 @@ import xxhash  # noqa: E402
 
 from cache_store.codec import MAC_BYTES, SALT_BYTES, DecodedPage, PageFormat, PageKey, decode, encode  # noqa: E402
 from cache_store.index import RedisPageIndex  # noqa: E402
-from cache_store.page_id import PageKeyContext, page_hashes  # noqa: E402
 from cache_store.resilience import RedisGuard, redis_client  # noqa: E402
 from cache_store.store import RedisPageStore  # noqa: E402
+from protocol.page_id import PageKeyContext, page_hashes  # noqa: E402
 from tests.redis_server import ValkeyCluster, ValkeyServer  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM, PAGE = 30, 3, 64, 16
@@ -252,9 +252,9 @@ async def bench_ttft(url: str, args) -> dict:
     from backend.engine.config import EngineConfig
     from backend.engine.engine import load_engine
     from backend.model.gguf_import import ensure_default_model
-    from backend.protocol import GenerateRequest, SamplingParams
     from backend.store_bridge import PageStoreBridge
     from cache_store.store import HostPageStore, TieredPageStore
+    from protocol.wire import GenerateRequest, SamplingParams
 
     lengths = [int(x) for x in args.ttft_tokens.split(",")]
     model_dir = ensure_default_model()

@@ -56,7 +56,7 @@ def run_stub(port: int) -> None:
     import uvloop
     from aiohttp import web
 
-    from backend.protocol import BackendInfo, StreamChunk, Usage, encode, request_decoder
+    from protocol.wire import BackendInfo, StreamChunk, Usage, encode, request_decoder
 
     async def generate(request: web.Request) -> web.Response:
         req = request_decoder.decode(await request.read())
@@ -160,8 +160,8 @@ async def measure(args, gw_port: int, stub_port: int, tokenizer_dir: str, pids: 
     import aiohttp
     import msgspec
 
-    from backend.protocol import GenerateRequest, SamplingParams
-    from backend.tokenizer import Tokenizer
+    from protocol.tokenizer import Tokenizer
+    from protocol.wire import GenerateRequest, SamplingParams
 
     prompt = Tokenizer.from_dir(tokenizer_dir).encode_chat(MSGS)
     direct_body = msgspec.json.encode(GenerateRequest("bench", prompt, SamplingParams(max_tokens=1), "ns", MODEL))

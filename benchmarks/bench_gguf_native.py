@@ -64,7 +64,7 @@ def load(variant: str):
 def step_ms(model, batch: int, steps: int) -> float:
     from backend.engine.config import EngineConfig
     from backend.engine.engine import LLMEngine
-    from backend.protocol import GenerateRequest, SamplingParams
+    from protocol.wire import GenerateRequest, SamplingParams
 
     eng = LLMEngine(model, None, EngineConfig(max_num_seqs=64, max_num_batched_tokens=4096, num_pages=512))
     g = torch.Generator().manual_seed(batch)
@@ -102,7 +102,7 @@ def perplexity(chunks_n: int, chunk_len: int) -> list[dict]:
     from backend.model.gguf_import import ensure_default_model, ensure_native_default_model
     from backend.model.llama import load_model
     from backend.quant.calib import eval_text, token_chunks
-    from backend.tokenizer import Tokenizer
+    from protocol.tokenizer import Tokenizer
 
     text, name = eval_text()
     chunks = token_chunks(Tokenizer.from_dir(ensure_default_model()).encode(text), chunks_n, chunk_len)

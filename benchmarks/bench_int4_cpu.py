@@ -28,7 +28,7 @@ from backend.engine.config import EngineConfig  # noqa: E402
 from backend.engine.engine import LLMEngine, in_fresh_thread  # noqa: E402
 from backend.model.gguf_import import ensure_default_model  # noqa: E402
 from backend.model.llama import load_model  # noqa: E402
-from backend.protocol import GenerateRequest, SamplingParams  # noqa: E402
+from protocol.wire import GenerateRequest, SamplingParams  # noqa: E402
 
 OUT = Path(__file__).parent / "results" / "bench_int4_cpu.json"
 

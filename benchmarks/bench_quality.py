@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 
-from backend.engine.model_runner import kv_bytes_per_token
+from backend.engine.kv_pool import kv_bytes_per_token
 from backend.model.llama import load_model
 from backend.quant.calib import eval_text, paged_prefill, token_chunks
 from backend.quant.quantize import quantize_checkpoint
-from backend.tokenizer import Tokenizer
+from protocol.tokenizer import Tokenizer
 
 PAGE = 16
 SEQ_LEN = 2048

@@ -38,7 +38,7 @@ def _engine(model, batch: int, prompt_len: int):
 
     from backend.engine.config import EngineConfig
     from backend.engine.engine import LLMEngine
-    from backend.protocol import GenerateRequest, SamplingParams
+    from protocol.wire import GenerateRequest, SamplingParams
 
     eng = LLMEngine(model, None, EngineConfig(max_num_seqs=max(64, batch), max_num_batched_tokens=4096,
                                               num_pages=2048))

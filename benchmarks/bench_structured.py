@@ -27,7 +27,7 @@ from backend.engine.config import EngineConfig
 from backend.engine.engine import LLMEngine, load_engine
 from backend.engine.grammar import GrammarCompiler, apply_masks
 from backend.model.gguf_import import ensure_default_model
-from backend.protocol import Constraint, GenerateRequest, SamplingParams
+from protocol.wire import Constraint, GenerateRequest, SamplingParams
 
 OUT = Path(__file__).parent / "results" / "bench_structured.json"
 

@@ -62,8 +62,8 @@ def perplexity(served_model, kv_dtype: str, chunks: int, chunk_len: int) -> dict
     from backend.model.gguf_import import default_gguf_path, ensure_default_model
     from backend.model.llama import load_model
     from backend.quant.calib import eval_text, token_chunks
-    from backend.tokenizer import Tokenizer
     from benchmarks.bench_quality import evaluate
+    from protocol.tokenizer import Tokenizer
 
     ref_dir = ensure_default_model()
     text, name = eval_text()

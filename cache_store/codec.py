@@ -39,7 +39,8 @@ import msgspec
 import numpy as np
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from cache_store.page_id import HASH_BYTES
+from protocol.defaults import PAGE_SIZE
+from protocol.page_id import HASH_BYTES
 
 MAGIC = b"EIKV"
 FORMAT_VERSION = 2
@@ -152,7 +153,7 @@ class PageFormat:
     num_layers: int
     kv_heads: int
     head_dim: int
-    page_size: int = 16
+    page_size: int = PAGE_SIZE
     scale_layout: str = "none"
     body_nbytes: int | None = None  # when set, decode() also checks the body length
 

@@ -7,14 +7,20 @@
                                         on a Redis Cluster)
     <p>:node:<node_id>                  node record (msgspec JSON)
     <p>:nodes                           set of registered node ids
+    <p>:rl:{<tenant>}:<limit>           a tenant's GCRA arrival time per rate limit
+                                        (requests | tokens; gateway/admission/)
+    <p>:cc:{<tenant>}                   a tenant's stream leases (sorted set; all of
+                                        one tenant's keys share a slot)
 
-Page hashes are namespace-salted (see page_id.py), so the tenant namespace is
+Page hashes are namespace-salted (see protocol/page_id.py), so the tenant namespace is
 already inside every page and index key; no key omits it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from protocol.defaults import KEY_PREFIX
 
 _FORBIDDEN = set("{}")
 
@@ -27,7 +33,7 @@ def _check_name(kind: str, value: str) -> str:
 
 @dataclass(frozen=True)
 class KeySpace:
-    prefix: str = "ei"
+    prefix: str = KEY_PREFIX
 
     def __post_init__(self) -> None:
         _check_name("key prefix", self.prefix)
@@ -47,3 +53,9 @@ class KeySpace:
     @property
     def nodes(self) -> str:
         return f"{self.prefix}:nodes"
+
+    def rate(self, tenant: str, limit: str) -> str:
+        return f"{self.prefix}:rl:{{{tenant}}}:{limit}"
+
+    def leases(self, tenant: str) -> str:
+        return f"{self.prefix}:cc:{{{tenant}}}"

@@ -116,10 +116,11 @@ class RedisGuard:
         self._current_backoff = self.backoff_s
 
 
-def redis_client(url: str, *, cluster: bool = False, socket_timeout_s: float = 1.0):
+def redis_client(url: str, *, cluster: bool = False, socket_timeout_s: float | None = 1.0):
     """A redis.asyncio client (or RedisCluster) that fails fast and leaves retrying to the guard.
 
-    Binary responses (decode_responses=False): page bytes must stay bytes.
+    Binary responses (decode_responses=False): page bytes must stay bytes. socket_timeout_s None: no socket
+    timeout (the caller bounds each call itself, as the gateway's admission does).
     """
     from redis.asyncio import Redis
     from redis.asyncio.cluster import RedisCluster

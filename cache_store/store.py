@@ -2,7 +2,7 @@
 
 Keys are page hashes (16 bytes). Page hashes are already salted with the cache
 namespace (tenant or sharing group), the model fingerprint and the kv format
-(see page_id.py), so a store keyed by page hash alone never lets two
+(see protocol/page_id.py), so a store keyed by page hash alone never lets two
 namespaces meet; no tier may key pages by anything weaker than the full hash.
 Stores move opaque blobs: verification is codec.decode's job, on every read.
 """

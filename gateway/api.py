@@ -12,11 +12,10 @@ import msgspec
 from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError
 
-from backend.protocol import Constraint, SamplingParams, StreamChunk
+from gateway.admission import Lease
 from gateway.config import TenantConfig
 from gateway.errors import APIError, bad_value, from_validation_error
 from gateway.generation import Run, Target, merged, runs_open
-from gateway.models import ServedModel
 from gateway.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -37,11 +36,12 @@ from gateway.schemas import (
     encode,
     message_dicts,
 )
+from gateway.served_model import ServedModel
 from gateway.state import STATE, GatewayState
-from gateway.streams import Lease
 from gateway.structured import constraint_for
 from gateway.tools import ToolPlan, ToolStream, plan_tools, render_messages, split_output
 from gateway.upstream import UpstreamBroken
+from protocol.wire import Constraint, SamplingParams, StreamChunk
 
 _SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache", "x-accel-buffering": "no"}
 _DONE = b"data: [DONE]\n\n"

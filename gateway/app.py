@@ -230,17 +230,12 @@ async def _on_shutdown(app: web.Application) -> None:
 def create_app(cfg: GatewayConfig, *, state: GatewayState | None = None, **overrides) -> web.Application:
     if state is None:
         if cfg.server.redis_url and "redis_client" not in overrides:
-            import redis.asyncio as aioredis
+            from cache_store.wiring import wire_redis
 
-            from cache_store.index import RedisPageIndex
-            from cache_store.keys import KeySpace
-            from cache_store.registry import RedisNodeRegistry
-
-            client = aioredis.from_url(cfg.server.redis_url)
-            keys = KeySpace(cfg.server.key_prefix)
-            overrides.setdefault("registry", RedisNodeRegistry(client, keys=keys))
-            overrides.setdefault("index", RedisPageIndex(client, keys=keys))
-            overrides["redis_client"] = client
+            redis = wire_redis(cfg.server.redis_url, cfg.server.key_prefix, socket_timeout_s=None)  # admission: its own timeout
+            overrides.setdefault("registry", redis.registry())
+            overrides.setdefault("index", redis.index())
+            overrides["redis_client"] = redis.client
         state = build_state(cfg, **overrides)
     app = web.Application(middlewares=[edge_middleware], client_max_size=cfg.server.max_body_bytes)
     app[STATE] = state

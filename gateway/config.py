@@ -13,7 +13,8 @@ from pathlib import Path
 
 import msgspec
 
-from backend.protocol import TenantSpec
+from protocol.defaults import CACHE_SEED, CACHE_SEED_ENV, KEY_PREFIX
+from protocol.wire import TenantSpec
 
 DEFAULT_CONFIG = Path(__file__).with_name("default_config.toml")
 DEMO_API_KEY = "sk-edgeinfer-demo"
@@ -39,12 +40,12 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     health_stale_intervals: int = 3         # unanswered this many health intervals: unroutable, waits moved
     max_attempts: int = 3                   # nodes tried before the first byte
     admin_key_sha256: str = ""              # empty: admin endpoints disabled
-    page_seed_env: str = "EDGEINFER_CACHE_SEED"  # same variable backend.server reads for --cache-seed
-    page_seed: str = "edgeinfer-dev-seed"   # the env var wins; must equal the backends' --cache-seed
+    page_seed_env: str = CACHE_SEED_ENV  # same variable backend.server reads for --cache-seed
+    page_seed: str = CACHE_SEED   # the env var wins; must equal the backends' --cache-seed
     internal_secret_env: str = "EDGEINFER_INTERNAL_SECRET"  # same variable backend.server reads
     internal_secret: str = ""               # the env var wins; sent to backends on /internal/* (empty: nothing sent)
     redis_url: str = ""                     # empty: single-node mode (in-process limiter and index)
-    key_prefix: str = "ei"
+    key_prefix: str = KEY_PREFIX
     index_fill: str = "auto"                # "gateway" | "backends" | "auto" (gateway iff no redis)
     route_load_cost_tokens: int = 32        # one in-flight request costs as much as this many cached tokens
     route_affinity_tokens: int = 256        # bonus of the x-session-affinity node, in cached tokens

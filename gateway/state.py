@@ -20,9 +20,9 @@ from gateway.admission import Admission, RedisAdmission
 from gateway.config import GatewayConfig, TenantConfig
 from gateway.errors import APIError
 from gateway.metrics import Metrics
-from gateway.models import ServedModel
 from gateway.nodes import Node, NodePool
 from gateway.routing import PrefixIndex, Router
+from gateway.served_model import ServedModel
 from gateway.tenants import TenantTable
 from gateway.upstream import Upstream
 
@@ -53,7 +53,7 @@ class GatewayState:
     pool: NodePool
     router: Router
     upstream: Upstream
-    admission: Admission | RedisAdmission    # rate limits + stream caps (gateway/admission.py)
+    admission: Admission | RedisAdmission    # rate limits + stream caps (gateway/admission/)
     index: PrefixIndex
     fill_index: bool
     redis: Redis | None = None

@@ -32,8 +32,8 @@ class WorkerFailed(Exception):
 
 
 def _init(sources: dict[str, str]) -> None:
-    from backend.tokenizer import Tokenizer
-    from gateway.models import ServedModel
+    from gateway.served_model import ServedModel
+    from protocol.tokenizer import Tokenizer
 
     try:
         os.nice(_NICE)
@@ -44,7 +44,7 @@ def _init(sources: dict[str, str]) -> None:
 
 
 def _encode(name: str, kind: str, payload) -> bytes | WorkerFailed:
-    from backend.tokenizer import TokenizerError
+    from protocol.tokenizer import TokenizerError
 
     model = _models[name]
     try:

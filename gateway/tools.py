@@ -19,8 +19,8 @@ from typing import Any
 
 import msgspec
 
-from backend.protocol import Constraint
 from gateway.errors import APIError
+from protocol.wire import Constraint
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _SYSTEM = ("You are a function calling AI model. You may call one or more functions to assist with the user "

@@ -26,6 +26,7 @@ import msgspec
 
 from ops.node_client import CANARY_PROMPT_IDS, NodeClient, NodeError
 from ops.rollout import Rollout, RolloutOptions, Target
+from protocol.defaults import KEY_PREFIX
 
 
 class OpsError(Exception):
@@ -35,7 +36,7 @@ class OpsError(Exception):
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=os.environ.get("EDGEINFER_REDIS_URL"),
                    help="the node registry (default: $EDGEINFER_REDIS_URL)")
-    p.add_argument("--redis-key-prefix", default=os.environ.get("EDGEINFER_REDIS_KEY_PREFIX", "ei"))
+    p.add_argument("--redis-key-prefix", default=os.environ.get("EDGEINFER_REDIS_KEY_PREFIX", KEY_PREFIX))
     p.add_argument("--operator-key", default=os.environ.get("EDGEINFER_OPERATOR_KEY"),
                    help="admin key of the backends (default: $EDGEINFER_OPERATOR_KEY)")
 
@@ -77,12 +78,11 @@ def list_nodes(args: argparse.Namespace, model: str | None = None) -> list:
     """Registry records (cache_store.registry.NodeRecord), sorted by node id; OpsError if unreachable."""
     if not args.redis_url:
         raise OpsError("no registry: pass --redis-url or set EDGEINFER_REDIS_URL")
-    from cache_store.keys import KeySpace
-    from cache_store.registry import RedisNodeRegistry
-    from cache_store.resilience import RedisGuard, redis_client
+    from cache_store.wiring import wire_redis
 
     async def go() -> list:
-        client = redis_client(args.redis_url, socket_timeout_s=2.0)
+        redis = wire_redis(args.redis_url, args.redis_key_prefix, socket_timeout_s=2.0, guard_timeout_s=2.0)
+        client = redis.client
         try:
             try:
                 await client.ping()
@@ -90,8 +90,7 @@ def list_nodes(args: argparse.Namespace, model: str | None = None) -> list:
                 raise OpsError(f"registry {args.redis_url} unreachable: {e}") from e
             except Exception as e:  # redis.exceptions.ConnectionError is not an OSError
                 raise OpsError(f"registry {args.redis_url} unreachable: {type(e).__name__}: {e}") from e
-            reg = RedisNodeRegistry(client, keys=KeySpace(args.redis_key_prefix), guard=RedisGuard(timeout_s=2.0))
-            return await reg.list_nodes(model)
+            return await redis.registry().list_nodes(model)
         finally:
             await client.aclose()
 

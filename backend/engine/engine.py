@@ -16,18 +16,19 @@ import xxhash
 
 from backend.engine.backlog import Backlog
 from backend.engine.block_manager import BlockManager
-from backend.engine.config import EngineConfig, kv_format_name
+from backend.engine.config import EngineConfig
 from backend.engine.fair import make_scheduler
 from backend.engine.grammar import GrammarCompiler, GrammarError
+from backend.engine.kv_pool import KVFormat
 from backend.engine.model_runner import ModelRunner
 from backend.engine.sampler import SamplingError, make_generator, sample
 from backend.engine.scheduler import Scheduler
 from backend.engine.sequence import SeqStatus, Sequence
 from backend.engine.stop import StopChecker
 from backend.model.llama import LlamaModel
-from backend.protocol import GenerateRequest, StreamChunk, TokenLogprob, Usage
-from backend.tokenizer import Tokenizer
-from cache_store.page_id import PageKeyContext
+from protocol.page_id import PageKeyContext
+from protocol.tokenizer import Tokenizer
+from protocol.wire import GenerateRequest, StreamChunk, TokenLogprob, Usage
 
 log = logging.getLogger("edgeinfer.engine")
 
@@ -73,7 +74,8 @@ class LLMEngine:
         self.blocks = BlockManager(self.runner.num_pages, self.cfg.page_size, self.cfg.enable_prefix_cache,
                                    tables=self.runner.tables, eviction=self.cfg.cache_eviction)
         self.scheduler = make_scheduler(self.cfg, self.blocks)
-        self.kv_format = kv_format_name(self.runner.kv_dtype)
+        self.kv = KVFormat.of(self.runner.kv_dtype)
+        self.kv_format = self.kv.name              # BackendInfo.kv_format, page identity
         self.fingerprint = fingerprint or f"{model.cfg.architecture}-{model.cfg.num_layers}-{model.cfg.hidden_size}"
         eos = set(model.cfg.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer else set())
         self.eos_ids = eos
@@ -85,7 +87,6 @@ class LLMEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.steps = 0
-        self.error: BaseException | None = None
         self.backlog = Backlog(self.cfg.max_num_batched_tokens)
 
     # ------------------------------------------------------------ lifecycle
@@ -150,8 +151,6 @@ class LLMEngine:
         engine completed a step since the last chunk or None: the request waits on a node that is working
         (queued or prefilling), not on a stuck one. Cancelling the iterator aborts."""
         self.validate(req)
-        if self.error is not None:
-            raise RequestError(f"engine failed: {self.error}", 503)
         matcher = await self._matcher(req)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[StreamChunk] = asyncio.Queue()

@@ -1,7 +1,7 @@
 """Grammar-constrained decoding on llguidance: constraints compiled off the event loop and cached by hash,
 one token bitmask for the whole batch per step.
 
-A Constraint (backend.protocol) is a JSON Schema or a Lark grammar. `GrammarCompiler.matcher` returns a
+A Constraint (protocol.wire) is a JSON Schema or a Lark grammar. `GrammarCompiler.matcher` returns a
 fresh LLMatcher for one sequence: a deep copy of the cached compiled prototype (microseconds). Compiling
 runs in a small thread pool under parser limits (LLParserLimits: lexer fuel, grammar size, Earley items),
 so a pathological schema ends in an error state, reported as a 400 naming the limit, and a wall-clock
@@ -21,8 +21,8 @@ import llguidance as llg
 import numpy as np
 import torch
 
-from backend.protocol import Constraint
-from backend.tokenizer import Tokenizer
+from protocol.tokenizer import Tokenizer
+from protocol.wire import Constraint
 
 JSON_OPTIONS = {"whitespace_flexible": False}   # compact JSON: a small model cannot pad with endless blanks
 

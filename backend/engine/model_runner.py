@@ -10,18 +10,10 @@ import torch
 from backend.engine.block_table import BlockTables
 from backend.engine.config import EngineConfig
 from backend.engine.cuda_graphs import decode_graphs_for
+from backend.engine.kv_pool import SCALE_DTYPE, kv_bytes_per_token
 from backend.engine.scheduler import ScheduledBatch
 from backend.engine.sequence import Sequence
 from backend.model.llama import AttentionMetadata, LayerKV, LlamaModel
-
-SCALE_DTYPE = torch.bfloat16   # fp8 scales: 2 bytes per token-head (float32 would make fp8 only 1.88x of bf16)
-
-
-def kv_bytes_per_token(model: LlamaModel, kv_dtype: torch.dtype) -> int:
-    c = model.cfg
-    elt = torch.empty((), dtype=kv_dtype).element_size()
-    scale = SCALE_DTYPE.itemsize if kv_dtype == torch.float8_e4m3fn else 0   # one bf16 scale per token-head
-    return 2 * c.num_layers * c.num_kv_heads * (c.head_dim * elt + scale)
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -146,13 +138,3 @@ class ModelRunner:
                 assert kv.v_scale is not None   # both scales are allocated together (fp8 caches)
                 out += [kv.k_scale[page].cpu(), kv.v_scale[page].cpu()]
         return out
-
-    def write_page(self, page: int, parts: list[torch.Tensor]) -> None:
-        it = iter(parts)
-        for kv in self.kv:
-            kv.k[page].copy_(next(it))
-            kv.v[page].copy_(next(it))
-            if kv.k_scale is not None:
-                assert kv.v_scale is not None   # both scales are allocated together (fp8 caches)
-                kv.k_scale[page].copy_(next(it))
-                kv.v_scale[page].copy_(next(it))

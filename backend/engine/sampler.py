@@ -18,7 +18,7 @@ import torch
 
 from backend.engine.grammar import GrammarCompiler, apply_masks
 from backend.engine.sequence import Sequence
-from backend.protocol import SamplingParams, TokenLogprob
+from protocol.wire import SamplingParams, TokenLogprob
 
 GREEDY_BELOW = 1e-5
 HOTTEST = 1e30      # a larger temperature would be inf in float32 (and -inf / inf is NaN)

@@ -6,8 +6,8 @@ import enum
 import time
 from typing import TYPE_CHECKING, Protocol
 
-from backend.protocol import SamplingParams, TenantSpec
-from cache_store.page_id import PageKeyContext, hash_page
+from protocol.page_id import PageKeyContext, hash_page
+from protocol.wire import SamplingParams, TenantSpec
 
 if TYPE_CHECKING:
     import torch
@@ -95,6 +95,6 @@ class Sequence:
         return new
 
     def prompt_page_hashes(self) -> list[bytes]:
-        from cache_store.page_id import page_hashes
+        from protocol.page_id import page_hashes
 
         return page_hashes(self.key_ctx, self.all_ids)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from backend.tokenizer import Tokenizer
+from protocol.tokenizer import Tokenizer
 
 
 class StopChecker:

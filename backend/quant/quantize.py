@@ -93,7 +93,7 @@ def quantized_tensors(model: LlamaModel, group_size: int, clips: dict[str, torch
 
 def calibration_chunks(src: Path, num: int, length: int, which: str = "mix") -> tuple[list[list[int]], str]:
     from backend.quant.calib import calibration_sources, interleaved_chunks
-    from backend.tokenizer import Tokenizer
+    from protocol.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(src)
     try:

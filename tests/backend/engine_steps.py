@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from backend.engine.engine import LLMEngine
-from backend.protocol import GenerateRequest, SamplingParams
+from protocol.wire import GenerateRequest, SamplingParams
 
 
 def generate_together(eng: LLMEngine, prompts: list[list[int]], ns: str,

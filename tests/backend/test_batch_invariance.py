@@ -22,8 +22,8 @@ import torch
 
 from backend.engine.config import EngineConfig
 from backend.engine.engine import LLMEngine
-from cache_store.page_id import page_hashes
 from kernels.paged_decode_attention import paged_decode_attention_reference
+from protocol.page_id import page_hashes
 from tests.backend.engine_steps import generate_together
 
 pytestmark = pytest.mark.slow

@@ -14,8 +14,8 @@ from backend.engine.block_table import BlockTables
 from backend.engine.config import EngineConfig
 from backend.engine.scheduler import Scheduler
 from backend.engine.sequence import Sequence
-from backend.protocol import SamplingParams
-from cache_store.page_id import PageKeyContext
+from protocol.page_id import PageKeyContext
+from protocol.wire import SamplingParams
 
 PAGE = 4
 

@@ -212,7 +212,7 @@ def test_served_native_model_runs_on_the_kernels(native_served):
 def test_greedy_with_the_kernels_equals_the_reference_ops(native_served, smol_tokenizer, monkeypatch):
     from backend.engine.config import EngineConfig
     from backend.engine.engine import LLMEngine
-    from backend.protocol import GenerateRequest, SamplingParams
+    from protocol.wire import GenerateRequest, SamplingParams
 
     _, model = native_served
     chats = ["Name three colors of the rainbow.", "What is 12 times 7?", "Write a haiku about the sea."]

@@ -11,7 +11,7 @@ import torch
 from backend.engine.config import EngineConfig
 from backend.engine.engine import LLMEngine
 from backend.model.llama import load_model
-from backend.protocol import GenerateRequest, SamplingParams
+from protocol.wire import GenerateRequest, SamplingParams
 from tests.backend.dense import greedy
 
 pytestmark = [pytest.mark.slow,

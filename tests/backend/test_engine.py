@@ -10,7 +10,7 @@ import torch
 
 from backend.engine.config import EngineConfig
 from backend.engine.engine import LLMEngine, RequestError
-from backend.protocol import GenerateRequest, SamplingParams
+from protocol.wire import GenerateRequest, SamplingParams
 
 _ids = itertools.count()
 

@@ -11,7 +11,7 @@ import pytest
 
 from backend.engine.config import EngineConfig
 from backend.engine.engine import LLMEngine
-from backend.protocol import GenerateRequest, SamplingParams
+from protocol.wire import GenerateRequest, SamplingParams
 
 _ids = itertools.count()
 VICTIMS = [[17, 4032, 311, 2713, 9, 88], [640, 22, 3100, 57, 1204, 8, 19, 731], [9000, 12, 44]]

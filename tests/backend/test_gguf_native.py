@@ -209,7 +209,7 @@ def test_import_cli_default_is_native_and_dequantize_flag_keeps_dense(tmp_path, 
 @pytest.mark.slow
 def test_backend_and_gateway_default_to_the_native_import(native_dir):
     from backend.server import build_state, parse_args
-    from gateway.models import resolve_tokenizer_dir
+    from gateway.served_model import resolve_tokenizer_dir
 
     assert native_dir == native_default_dir() and resolve_tokenizer_dir("default") == native_dir
     st = build_state(parse_args(["--store-tier", "none", "--num-pages", "32", "--insecure-no-internal-auth"]))

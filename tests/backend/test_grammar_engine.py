@@ -13,7 +13,7 @@ import pytest
 from backend.engine.config import EngineConfig
 from backend.engine.engine import LLMEngine, RequestError
 from backend.engine.grammar import GrammarCompiler, GrammarLimits, apply_masks
-from backend.protocol import Constraint, GenerateRequest, SamplingParams
+from protocol.wire import Constraint, GenerateRequest, SamplingParams
 
 _ids = itertools.count()
 

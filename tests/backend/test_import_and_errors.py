@@ -12,7 +12,7 @@ import pytest
 from backend.model.config import CheckpointError, ModelConfig
 from backend.model.gguf_import import ModelImportError, default_gguf_path, import_gguf
 from backend.model.llama import load_model
-from backend.tokenizer import Tokenizer, TokenizerError
+from protocol.tokenizer import Tokenizer, TokenizerError
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

@@ -17,8 +17,8 @@ from aiohttp import web
 from backend.engine.config import EngineConfig
 from backend.engine.engine import LLMEngine
 from backend.metrics import BackendMetrics
-from backend.protocol import StreamChunk
 from backend.server import BackendState, make_app
+from protocol.wire import StreamChunk
 
 SECRET = "gateway-internal-secret-0123456789"
 OPERATOR_KEY = "operator-key-for-auth-tests"

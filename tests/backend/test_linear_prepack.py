@@ -11,7 +11,7 @@ import torch
 from backend.engine.config import EngineConfig
 from backend.engine.engine import LLMEngine, in_fresh_thread
 from backend.model.linear import DenseLinear, can_prepack, cpu_prepack_enabled
-from backend.protocol import GenerateRequest, SamplingParams
+from protocol.wire import GenerateRequest, SamplingParams
 
 needs_mkldnn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from backend.protocol import GenerateRequest, SamplingParams, TenantSpec
-from cache_store.page_id import page_hashes
+from protocol.page_id import page_hashes
+from protocol.wire import GenerateRequest, SamplingParams, TenantSpec
 
 PRIVATE = TenantSpec("priv", retain=False)
 KEEPER = TenantSpec("keeper")

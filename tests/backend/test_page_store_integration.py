@@ -19,10 +19,11 @@ import msgspec
 import pytest
 import requests
 
-from backend.protocol import GenerateRequest, SamplingParams, chunk_decoder
 from cache_store.codec import ENVELOPE_BYTES, TAG_BYTES, DecodedPage, PageKey, decode
-from cache_store.page_id import PageKeyContext, page_hashes
+from protocol.page_id import PageKeyContext, page_hashes
+from protocol.wire import GenerateRequest, SamplingParams, chunk_decoder
 from tests.backend_process import INTERNAL_AUTH, INTERNAL_SECRET, BackendProcess
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.slow
 SEED = "page-store-test-seed"
@@ -61,15 +62,6 @@ class Backend(BackendProcess):
         return ids, msgspec.to_builtins(last.usage)
 
 
-def wait_for(cond, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.1)
-    raise TimeoutError(f"{what}: not within {timeout_s}s")
-
-
 @pytest.fixture(scope="module")
 def nodes(smol_dir, valkey, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("backends")
@@ -104,7 +96,7 @@ def test_prompt_prefilled_on_a_is_served_by_b_from_the_store(nodes, valkey):
     base = a.published()
     out_a, usage_a = a.generate(prompt, "tenant-1")
     assert usage_a["cached_tokens"] == 0
-    wait_for(lambda: a.published() >= base + 64, 30, "A publishes the prompt's 64 pages")
+    wait_until(lambda: a.published() >= base + 64, 30, 0.1, what="A publishes the prompt's 64 pages")
     out_b, usage_b = b.generate(prompt, "tenant-1")
     assert usage_b["cached_tokens"] >= 1008, usage_b
     cold, usage_cold = b.generate(prompt, "tenant-fresh")       # other namespace: nothing shared
@@ -121,7 +113,7 @@ def test_prompt_prefilled_on_a_is_served_by_b_from_the_store(nodes, valkey):
         held, _ = asyncio.run(_redis_view(valkey.url, info["model"], hashes))
         return held.get("store-a", 0) == 64 and held.get("store-b", 0) >= 63
 
-    wait_for(indexed, 10, "index lists A (64 pages) and B (63 fetched pages)")
+    wait_until(indexed, 10, 0.1, what="index lists A (64 pages) and B (63 fetched pages)")
     _, listed = asyncio.run(_redis_view(valkey.url, info["model"], hashes))
     assert {r.node_id: (r.url, r.state) for r in listed} == {"store-a": (a.url, "active"),
                                                              "store-b": (b.url, "active")}
@@ -163,7 +155,7 @@ def test_redis_killed_mid_load_backends_keep_answering_and_resume_caching(nodes,
 
     worker = threading.Thread(target=load)
     worker.start()
-    wait_for(lambda: len(results) + len(errors) >= 2, 60, "first requests of the load")
+    wait_until(lambda: len(results) + len(errors) >= 2, 60, 0.1, what="first requests of the load")
     valkey.kill()
     worker.join(timeout=120)
     assert not errors and len(results) == 8 and all(n == 4 for n, _ in results), (errors, results)
@@ -180,7 +172,7 @@ def test_redis_killed_mid_load_backends_keep_answering_and_resume_caching(nodes,
         prompt = random_prompt(300 + attempt, 300)
         base = a.published()
         a.generate(prompt, "after-restart", max_tokens=4)
-        wait_for(lambda base=base: a.published() >= base + 18, 10, "A publishes (to the host tier at least)")
+        wait_until(lambda base=base: a.published() >= base + 18, 10, 0.1, what="A publishes (to the host tier at least)")
         _, usage = b.generate(prompt, "after-restart", max_tokens=4)
         if usage["cached_tokens"] >= 288:
             break
@@ -238,8 +230,9 @@ async def _generate(engine, bridge, prompt, namespace, max_tokens=8):
 async def test_corrupted_pages_in_host_and_redis_are_all_detected_and_never_used(smol_dir, valkey, caplog):
     from backend.engine.config import EngineConfig
     from backend.engine.engine import load_engine
+    from backend.engine.kv_pool import gather_pages
     from backend.metrics import BackendMetrics
-    from backend.store_bridge import PageStoreBridge, gather_pages
+    from backend.store_bridge import PageStoreBridge
     caplog.set_level("WARNING", logger="edgeinfer.store_bridge")
     from cache_store.index import RedisPageIndex
     from cache_store.resilience import RedisGuard, redis_client

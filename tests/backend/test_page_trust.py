@@ -16,10 +16,10 @@ import time
 import pytest
 import xxhash
 
-from backend.protocol import GenerateRequest, SamplingParams
 from cache_store import codec
 from cache_store.codec import ENVELOPE_BYTES, MAC_BYTES, SALT_BYTES, DecodedPage, PageKey, decode, encode
-from cache_store.page_id import page_hashes
+from protocol.page_id import page_hashes
+from protocol.wire import GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.slow
 KEY = PageKey.from_secret(b"deployment-page-key-for-tests")

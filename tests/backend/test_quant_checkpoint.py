@@ -16,10 +16,10 @@ from backend.engine.engine import load_engine
 from backend.model.config import CheckpointError
 from backend.model.linear import W4A16Linear
 from backend.model.llama import load_model
-from backend.protocol import GenerateRequest, SamplingParams
 from backend.quant.calib import paged_prefill
 from backend.quant.packing import group_dequantize_tensor, to_autoawq_gemm, to_gptq
 from backend.quant.quantize import quantize_checkpoint
+from protocol.wire import GenerateRequest, SamplingParams
 
 VOCAB = 512
 

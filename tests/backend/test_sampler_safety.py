@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from backend.engine.sampler import make_generator, sample
 from backend.engine.sequence import Sequence
-from backend.protocol import SamplingParams
-from cache_store.page_id import PageKeyContext
+from protocol.page_id import PageKeyContext
+from protocol.wire import SamplingParams
 
 CTX = PageKeyContext(b"seed", "ns", "fp", "fp32", 16)
 POISON = {"top_p": 1e-46, "temperature": 1e-40, "repetition_penalty": 1e-40}

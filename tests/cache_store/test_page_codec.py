@@ -9,7 +9,7 @@ import xxhash
 
 from cache_store import codec
 from cache_store.codec import DecodedPage, Miss, MissReason, PageFormat, PageKey
-from cache_store.page_id import PageKeyContext, page_hashes
+from protocol.page_id import PageKeyContext, page_hashes
 
 KEY = PageKey.from_secret(b"codec-test-page-key")
 

@@ -2,8 +2,8 @@ import pytest
 
 from cache_store.index import InMemoryPageIndex, RedisPageIndex, leading_counts, store_and_publish
 from cache_store.keys import KeySpace
-from cache_store.page_id import PageKeyContext, page_hashes
 from cache_store.store import HostPageStore, PageStore, RedisPageStore
+from protocol.page_id import PageKeyContext, page_hashes
 from tests.redis_server import ValkeyServer
 
 MODEL = "smollm2-135m"

@@ -12,8 +12,8 @@ from backend.engine.config import EngineConfig
 from backend.engine.fair import make_scheduler
 from backend.engine.scheduler import Scheduler
 from backend.engine.sequence import Sequence
-from backend.protocol import SamplingParams, TenantSpec
-from cache_store.page_id import PageKeyContext
+from protocol.page_id import PageKeyContext
+from protocol.wire import SamplingParams, TenantSpec
 
 _ids = itertools.count()
 

@@ -11,7 +11,7 @@ import torch
 
 from backend.engine.config import EngineConfig
 from backend.engine.engine import EngineObserver, LLMEngine, RequestError
-from backend.protocol import GenerateRequest, SamplingParams, TenantSpec
+from protocol.wire import GenerateRequest, SamplingParams, TenantSpec
 
 _ids = itertools.count()
 

@@ -6,7 +6,7 @@ import pytest
 
 from backend.engine.fair import FairScheduler
 from backend.engine.scheduler import Scheduler
-from backend.protocol import TenantSpec
+from protocol.wire import TenantSpec
 from tests.fairness.sim import Sim, seq
 
 A, B = TenantSpec("a"), TenantSpec("b")

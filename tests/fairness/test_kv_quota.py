@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from backend.engine.block_manager import BlockManager
-from backend.protocol import TenantSpec
+from protocol.wire import TenantSpec
 from tests.fairness.sim import seq
 
 

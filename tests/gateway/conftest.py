@@ -36,7 +36,7 @@ def tokenizer_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer(tokenizer_dir):
-    from backend.tokenizer import Tokenizer
+    from protocol.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(tokenizer_dir)
 

@@ -1,4 +1,4 @@
-"""A stand-in for backend.server in gateway unit tests: speaks backend/protocol.py over real HTTP.
+"""A stand-in for backend.server in gateway unit tests: speaks protocol/wire.py over real HTTP.
 
 It "generates" a fixed phrase one byte-token at a time, honours max_tokens, stop strings and
 logprobs, reports cached_tokens as the page-aligned common prefix with earlier prompts of the same
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from backend.protocol import (
+from protocol.wire import (
     AbortRequest,
     BackendInfo,
     StreamChunk,
@@ -170,10 +170,3 @@ class StubBackend:
         return app
 
 
-def wait_until(pred, timeout_s: float = 5.0, interval_s: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(interval_s)
-    return pred()

@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 async def serve(args: argparse.Namespace) -> None:
-    from backend.tokenizer import Tokenizer
+    from protocol.tokenizer import Tokenizer
 
     stub = StubBackend(args.node_id, Tokenizer.from_dir(args.tokenizer))
     stub.behaviour.first_token_delay_s = args.first_token_delay

@@ -7,6 +7,7 @@ import pytest
 import requests
 
 from gateway import config as config_mod
+from tests.conftest import wait_until
 from tests.gateway.conftest import DEMO_KEY, MODEL, OTHER_KEY, client, tenant
 
 MSGS = [{"role": "user", "content": "hi"}]
@@ -165,15 +166,6 @@ def test_concurrent_stream_limit(harness):
     stream.close()
 
 
-def _wait_for(pred, timeout_s: float = 10.0) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
-
-
 def test_concurrent_stream_limit_shared_by_two_gateways_in_redis(harness, valkey):
     import redis
 
@@ -193,11 +185,11 @@ def test_concurrent_stream_limit_shared_by_two_gateways_in_redis(harness, valkey
             client(gw).chat.completions.create(model=MODEL, messages=MSGS, max_tokens=1)
         assert e.value.body["code"] == "concurrency_limit_exceeded"
     s1.close()
-    _wait_for(lambda: r.zcard("ei:cc:{demo}") == 1)     # the lease goes back when the stream ends
+    wait_until(lambda: r.zcard("ei:cc:{demo}") == 1, 10.0, what="lease count 1")     # the lease goes back when the stream ends
     out = client(gw2).chat.completions.create(model=MODEL, messages=MSGS, max_tokens=1)
     assert out.choices[0].finish_reason == "length"
     s2.close()
-    _wait_for(lambda: r.zcard("ei:cc:{demo}") == 0)
+    wait_until(lambda: r.zcard("ei:cc:{demo}") == 0, 10.0, what="lease count 0")
 
 
 def _redis_admission(client, ttl_s: float):
@@ -239,8 +231,8 @@ async def test_stream_leases_of_a_dead_gateway_expire(valkey):
 async def test_admission_falls_back_to_in_process_limits_when_redis_is_down():
     import redis.asyncio as aredis
 
+    from gateway.admission.leases import RedisStreamLimiter
     from gateway.config import TenantConfig
-    from gateway.streams import RedisStreamLimiter
 
     c = aredis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.1)   # nothing listens on port 1
     adm = _redis_admission(c, ttl_s=5)
@@ -280,6 +272,6 @@ def test_request_refused_by_the_stream_cap_spends_no_rate_budget(harness, valkey
         c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=1)
     assert e.value.body["code"] == "concurrency_limit_exceeded"
     s1.close()
-    _wait_for(lambda: r.zcard("ei:cc:{demo}") == 0)
+    wait_until(lambda: r.zcard("ei:cc:{demo}") == 0, 10.0, what="lease count 0")
     ok = c.chat.completions.with_raw_response.create(model=MODEL, messages=MSGS, max_tokens=1)    # request 2 of 3
     assert ok.headers["x-ratelimit-remaining-requests"] == "1"       # the refused one did not count

@@ -8,8 +8,8 @@ import pytest
 import requests
 
 from gateway import config as config_mod
+from tests.conftest import wait_until
 from tests.gateway.conftest import MODEL, client, gateway_config
-from tests.gateway.stub_backend import wait_until
 
 SECRET = "gateway-to-backend-secret-42"
 MSGS = [{"role": "user", "content": "Hello there"}]

@@ -16,8 +16,9 @@ import requests
 from gateway import config as config_mod
 from gateway.nodes import Node
 from gateway.routing import affinity_node
+from tests.conftest import wait_until
 from tests.gateway.conftest import DEMO_KEY, MODEL, OTHER_KEY, client, gateway_config, parsed, tenant
-from tests.gateway.stub_backend import PHRASE, wait_until
+from tests.gateway.stub_backend import PHRASE
 
 MSGS = [{"role": "user", "content": "Tell me about foxes, please, in detail."}]
 

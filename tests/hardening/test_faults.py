@@ -21,9 +21,9 @@ import pytest
 import requests
 
 from cache_store.codec import DecodedPage, decode
-from cache_store.page_id import page_hashes
+from protocol.page_id import page_hashes
+from tests.conftest import wait_until
 from tests.gateway.conftest import MODEL, client, tenant
-from tests.gateway.stub_backend import wait_until
 from tests.hardening.test_isolation import rand_prompt, run, two_nodes  # noqa: F401  (module fixture)
 
 MSGS = [{"role": "user", "content": "hi"}]

@@ -18,11 +18,11 @@ import requests
 
 from backend.engine.config import EngineConfig
 from backend.engine.engine import LLMEngine, RequestError
-from backend.protocol import GenerateRequest, SamplingParams
 from cache_store.codec import PageKey
-from cache_store.page_id import PageKeyContext, page_hashes
 from gateway import config as config_mod
 from gateway.state import STATE as GW_STATE
+from protocol.page_id import PageKeyContext, page_hashes
+from protocol.wire import GenerateRequest, SamplingParams
 from tests.backend_process import INTERNAL_AUTH, INTERNAL_SECRET
 from tests.gateway.conftest import Harness, client
 from tests.gateway.server_thread import ServerThread

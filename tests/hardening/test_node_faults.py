@@ -23,8 +23,8 @@ import redis
 import requests
 
 from gateway import config as config_mod
+from tests.conftest import wait_until
 from tests.gateway.conftest import MODEL, client, tenant
-from tests.gateway.stub_backend import wait_until
 from tests.gateway.stub_process import StubProcess
 from tests.redis_server import ValkeyServer
 

@@ -14,16 +14,16 @@ import requests
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
-from backend.protocol import (
+from cache_store import codec
+from cache_store.codec import DecodedPage, Miss, PageFormat, PageKey
+from gateway import config as config_mod
+from protocol.wire import (
     AbortRequest,
     SamplingParams,
     chunk_decoder,
     info_decoder,
     request_decoder,
 )
-from cache_store import codec
-from cache_store.codec import DecodedPage, Miss, PageFormat, PageKey
-from gateway import config as config_mod
 from tests.gateway.conftest import DEMO_KEY, MODEL, gateway_config, tenant
 
 KEY = PageKey.from_secret(b"parser-test-page-key")

@@ -19,8 +19,8 @@ import pytest
 import requests
 
 from tests.backend_process import INTERNAL_AUTH, INTERNAL_SECRET, BackendProcess
+from tests.conftest import wait_until
 from tests.gateway.conftest import DEMO_KEY, MODEL, client, parsed, tenant
-from tests.gateway.stub_backend import wait_until
 
 MSGS = [{"role": "user", "content": "hi"}]
 SEED = "queueing-test-seed"

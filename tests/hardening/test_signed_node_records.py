@@ -21,8 +21,8 @@ import requests
 from cache_store.node_auth import NodeRecordKey
 from cache_store.registry import NodeRecord
 from gateway import config as config_mod
+from tests.conftest import wait_until
 from tests.gateway.conftest import MODEL, client, tenant
-from tests.gateway.stub_backend import wait_until
 from tests.gateway.stub_process import StubProcess
 from tests.redis_server import ValkeyServer
 

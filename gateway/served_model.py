@@ -8,12 +8,12 @@ from concurrent.futures.process import BrokenProcessPool
 from functools import lru_cache
 from pathlib import Path
 
-from backend.protocol import TokenLogprob
-from backend.tokenizer import Tokenizer, TokenizerError
 from gateway.errors import APIError
 from gateway.schemas import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
-from gateway.segments import SegmentEncoder
+from gateway.segment_cache import SegmentEncoder
 from gateway.tokenpool import TokenizerPool, WorkerFailed
+from protocol.tokenizer import Tokenizer, TokenizerError
+from protocol.wire import TokenLogprob
 
 _OFFLOAD_CHARS = 8192  # longer prompts are tokenized off the event loop: in `pool`, else in a thread
 

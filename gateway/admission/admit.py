@@ -2,7 +2,7 @@
 the request's end: its lease released and its completion tokens charged.
 
 Admission (in-process, or with Redis down) runs the two limiters one after the other, cap first. RedisAdmission
-runs both in one Lua script per request and one at its end (keys `ei:rl:{t}:*` and `ei:cc:{t}` share the
+runs both in one Lua script (lua.py) per request and one at its end (keys `ei:rl:{t}:*` and `ei:cc:{t}` share the
 tenant's hash tag, so one cluster slot): each Redis round trip costs the gateway ~60-70 us of CPU in
 redis-py, which is most of what a Redis-backed gateway spends per request (benchmarks/bench_gateway.py
 --redis). A request the cap refuses consumes no rate budget; one the rate limit refuses takes no lease.
@@ -20,15 +20,18 @@ import asyncio
 import logging
 import os
 
+from cache_store.keys import KeySpace
+from gateway.admission.leases import Lease, LocalStreamLimiter, RedisStreamLimiter
+from gateway.admission.lua import ADMIT, CHARGE, FINISH
+from gateway.admission.ratelimit import UNLIMITED, WINDOW_MS, Decision, LocalLimiter, limits_of
 from gateway.config import TenantConfig
-from gateway.ratelimit import GCRA_LUA, UNLIMITED, WINDOW_MS, Decision, LocalLimiter, _limits, rate_key
-from gateway.streams import Lease, LocalStreamLimiter, RedisStreamLimiter
+from protocol.defaults import KEY_PREFIX
 
 log = logging.getLogger(__name__)
 
 
 def _decision(out: list, limits: list[tuple[str, float, int]]) -> Decision:
-    """GCRA_LUA's `out` as a Decision."""
+    """lua.GCRA_LUA's `out` as a Decision."""
     allowed, retry_ms, by = int(out[0]), int(out[1]), int(out[2])
     remaining, reset = {}, {}
     for i, (name, _, _) in enumerate(limits):
@@ -78,65 +81,21 @@ class Admission:
         return self.limiter.acquire(tenant, tokens, requests=False)
 
 
-_ADMIT = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
-local n = tonumber(ARGV[1])
-local window = tonumber(ARGV[2])
-local force = false
-local cap = tonumber(ARGV[3 + 2 * n])
-local cc = KEYS[n + 1]
-if cap > 0 then
-  redis.call('ZREMRANGEBYSCORE', cc, '-inf', now)
-  if redis.call('ZCARD', cc) >= cap then return {-1} end
-end
-""" + GCRA_LUA + """
-if allowed == 1 and cap > 0 then
-  local ttl = tonumber(ARGV[5 + 2 * n])
-  redis.call('ZADD', cc, math.floor(now) + ttl, ARGV[4 + 2 * n])
-  redis.call('PEXPIRE', cc, ttl)
-end
-return out
-"""
-
-# KEYS: tokens key; ARGV: 1, window, interval, cost
-_CHARGE = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
-local n = 1
-local window = tonumber(ARGV[2])
-local force = false
-""" + GCRA_LUA + """
-return out
-"""
-
-# KEYS: tokens key, stream key; ARGV: lease id ('' for none), window, interval (0: no charge), cost
-_FINISH = """
-if ARGV[1] ~= '' then redis.call('ZREM', KEYS[2], ARGV[1]) end
-if tonumber(ARGV[3]) <= 0 or tonumber(ARGV[4]) <= 0 then return 1 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
-local n = 1
-local window = tonumber(ARGV[2])
-local force = true
-""" + GCRA_LUA + """
-return 1
-"""
 
 
 class RedisAdmission:
     """Shared by every gateway on the same Redis: one Lua call to admit, one to settle (module docstring).
     Redis down or slow (> timeout_s): the in-process limits, counted in `failures` and logged."""
 
-    def __init__(self, client, prefix: str = "ei", ttl_s: float = 30.0, timeout_s: float = 0.25) -> None:
-        self.prefix = prefix
+    def __init__(self, client, prefix: str = KEY_PREFIX, ttl_s: float = 30.0, timeout_s: float = 0.25) -> None:
+        self.keys = KeySpace(prefix)
         self.timeout_s = timeout_s
         self.fallback = LocalLimiter()
         self.streams = RedisStreamLimiter(client, prefix, ttl_s, timeout_s)
         self._failures = 0
-        self._admit = client.register_script(_ADMIT)
-        self._finish = client.register_script(_FINISH)
-        self._charge = client.register_script(_CHARGE)
+        self._admit = client.register_script(ADMIT)
+        self._finish = client.register_script(FINISH)
+        self._charge = client.register_script(CHARGE)
         self.orphans: set[asyncio.Future] = set()   # admissions whose caller was cancelled, until settled
 
     @property
@@ -173,7 +132,7 @@ class RedisAdmission:
             back.add_done_callback(self.orphans.discard)
 
     async def _admit_once(self, tenant: TenantConfig, tokens: int) -> tuple[Decision, Lease | None]:
-        limits = _limits(tenant, tokens)
+        limits = limits_of(tenant, tokens)
         cap = tenant.max_concurrent_streams
         if not limits and not cap:
             return UNLIMITED, Lease(tenant.id, "", "none")
@@ -182,7 +141,7 @@ class RedisAdmission:
         for _, interval, cost in limits:
             args += [repr(interval), cost]
         args += [cap, lease_id, self.streams.ttl_ms]
-        keys = [rate_key(self.prefix, tenant.id, name) for name, _, _ in limits] + [self.streams.key(tenant.id)]
+        keys = [self.keys.rate(tenant.id, name) for name, _, _ in limits] + [self.keys.leases(tenant.id)]
         try:
             async with asyncio.timeout(self.timeout_s):
                 out = await self._admit(keys=keys, args=args)
@@ -212,7 +171,7 @@ class RedisAdmission:
             self.streams.release_local(lease)
         interval = WINDOW_MS / tenant.tokens_per_min if tenant.tokens_per_min else 0
         args = [lease.lease_id if lease.kind == "redis" else "", WINDOW_MS, repr(interval), completion_tokens]
-        keys = [rate_key(self.prefix, tenant.id, "tokens"), self.streams.key(tenant.id)]
+        keys = [self.keys.rate(tenant.id, "tokens"), self.keys.leases(tenant.id)]
         try:
             async with asyncio.timeout(self.timeout_s):
                 await self._finish(keys=keys, args=args)
@@ -221,13 +180,13 @@ class RedisAdmission:
             self.fallback.charge(tenant, completion_tokens)
 
     async def charge_prompt(self, tenant: TenantConfig, tokens: int) -> Decision:
-        limits = _limits(tenant, tokens, requests=False)
+        limits = limits_of(tenant, tokens, requests=False)
         if not limits or tokens <= 0:
             return UNLIMITED
         _, interval, cost = limits[0]
         try:
             async with asyncio.timeout(self.timeout_s):
-                out = await self._charge(keys=[rate_key(self.prefix, tenant.id, "tokens")],
+                out = await self._charge(keys=[self.keys.rate(tenant.id, "tokens")],
                                          args=[1, WINDOW_MS, repr(interval), cost])
         except Exception as e:  # Redis down or slow: the in-process limits
             self._failed("charge", e)

@@ -2,7 +2,7 @@
 
 RedisStreamLimiter keeps one sorted set per tenant, `<prefix>:cc:{<tenant>}`: member = a lease id (one per
 running request), score = the lease's expiry on the Redis clock. Leases are taken and given back by
-gateway/admission.py (in the same Lua script as the rate limits: drop expired leases, count, add if below
+admit.py (in the same Lua script as the rate limits: drop expired leases, count, add if below
 the cap), so N gateways share one cap without a race. This class holds the lease bookkeeping: a gateway
 refreshes the leases it holds every ttl/3; a gateway that dies stops refreshing and its leases expire
 after `ttl`, so a crash frees its share within one TTL instead of leaking it. Redis down or slow: the
@@ -17,7 +17,10 @@ import asyncio
 import logging
 from typing import NamedTuple
 
+from cache_store.keys import KeySpace
+from gateway.admission.lua import REFRESH
 from gateway.config import TenantConfig
+from protocol.defaults import KEY_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -49,34 +52,20 @@ class LocalStreamLimiter:
             self.active.pop(lease.tenant, None)
 
 
-_REFRESH = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local ttl = tonumber(ARGV[1])
-local kept = 0
-for i = 2, #ARGV do
-  kept = kept + redis.call('ZADD', KEYS[1], 'XX', 'CH', now + ttl, ARGV[i])
-end
-redis.call('PEXPIRE', KEYS[1], ttl)
-return kept
-"""
 
 
 class RedisStreamLimiter:
-    def __init__(self, client, prefix: str = "ei", ttl_s: float = 30.0, timeout_s: float = 0.25) -> None:
+    def __init__(self, client, prefix: str = KEY_PREFIX, ttl_s: float = 30.0, timeout_s: float = 0.25) -> None:
         if not ttl_s > 0 or ttl_s != ttl_s or ttl_s == float("inf"):
             raise ValueError(f"stream lease ttl_s={ttl_s!r}; expected a finite number > 0")
         self.client = client
-        self.prefix = prefix
+        self.keys = KeySpace(prefix)
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.timeout_s = timeout_s
         self.local = LocalStreamLimiter()     # fallback when Redis fails
         self.failures = 0
         self.held: dict[str, set[str]] = {}   # tenant -> lease ids this gateway holds in Redis
-        self._refresh = client.register_script(_REFRESH)
-
-    def key(self, tenant: str) -> str:
-        return f"{self.prefix}:cc:{{{tenant}}}"
+        self._refresh = client.register_script(REFRESH)
 
     def _failed(self, what: str, e: Exception) -> None:
         self.failures += 1
@@ -104,7 +93,7 @@ class RedisStreamLimiter:
                 continue
             try:
                 async with asyncio.timeout(self.timeout_s):
-                    await self._refresh(keys=[self.key(tenant)], args=[self.ttl_ms, *ids])
+                    await self._refresh(keys=[self.keys.leases(tenant)], args=[self.ttl_ms, *ids])
             except Exception as e:
                 self._failed("refresh", e)
 

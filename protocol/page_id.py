@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from protocol.defaults import PAGE_SIZE
+
 HASH_BYTES = 16
 
 
@@ -27,7 +29,7 @@ class PageKeyContext:
     namespace: str
     model_fingerprint: str
     kv_format: str
-    page_size: int = 16
+    page_size: int = PAGE_SIZE
 
     def __post_init__(self) -> None:
         if self.page_size <= 0:

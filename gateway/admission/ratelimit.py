@@ -8,7 +8,7 @@ once counted (`acquire(requests=False)`, checked: 429 if they do not fit; the re
 completion tokens after the response (`charge`, never rejected: it may push the tenant into debt so the
 next request waits).
 
-GCRA_LUA is the arithmetic as a Lua fragment: gateway/admission.py runs it in one script with the
+GCRA_LUA (lua.py) is the arithmetic as a Lua fragment: admit.py runs it in one script with the
 concurrent-stream cap (atomic, Redis clock) so many gateways share one budget. LocalLimiter is the
 same arithmetic in-process, for single-node mode and as the fallback when Redis fails.
 """
@@ -48,7 +48,7 @@ class Decision(NamedTuple):
 UNLIMITED = Decision(True, 0.0, "", {}, {})
 
 
-def _limits(t: TenantConfig, tokens: int, requests: bool = True) -> list[tuple[str, float, int]]:
+def limits_of(t: TenantConfig, tokens: int, requests: bool = True) -> list[tuple[str, float, int]]:
     out = []
     if requests and t.requests_per_min:
         out.append(("requests", WINDOW_MS / t.requests_per_min, 1))
@@ -84,7 +84,7 @@ class LocalLimiter:
 
     def acquire(self, tenant: TenantConfig, tokens: int, force: bool = False, requests: bool = True) -> Decision:
         """requests=False: the tokens limit alone (the prompt's tokens, charged after admission)."""
-        limits = _limits(tenant, tokens, requests)
+        limits = limits_of(tenant, tokens, requests)
         if not limits:
             return UNLIMITED
         now = self._clock() * 1000.0
@@ -102,40 +102,3 @@ class LocalLimiter:
             now = self._clock() * 1000.0
             key = (tenant.id, "tokens")
             self._tat[key] = max(self._tat.get(key, now), now) + tokens * WINDOW_MS / tenant.tokens_per_min
-
-
-# GCRA over KEYS[1..n] with ARGV[1+2i] = interval, ARGV[2+2i] = cost; needs locals now, n, window, force.
-# Leaves `allowed` and `out` = {allowed, retry ms, limit index, (remaining, reset ms) per limit}.
-GCRA_LUA = """
-local tats, news = {}, {}
-local allowed, retry, by = 1, 0, 0
-for i = 1, n do
-  local interval = tonumber(ARGV[1 + 2 * i])
-  local cost = tonumber(ARGV[2 + 2 * i])
-  local tat = tonumber(redis.call('GET', KEYS[i]) or now)
-  if tat < now then tat = now end
-  tats[i] = tat
-  news[i] = tat + cost * interval
-  local diff = news[i] - now
-  if diff > window and not force then
-    allowed = 0
-    if diff - window > retry then retry = diff - window; by = i end
-  end
-end
-local out = {allowed, math.ceil(retry), by}
-for i = 1, n do
-  local interval = tonumber(ARGV[1 + 2 * i])
-  local held = tats[i] - now
-  if allowed == 1 then
-    held = news[i] - now
-    redis.call('SET', KEYS[i], string.format('%.3f', news[i]), 'PX', math.ceil(held) + 1)
-  end
-  out[#out + 1] = math.floor((window - held) / interval)
-  out[#out + 1] = math.ceil(held)
-end
-"""
-
-
-def rate_key(prefix: str, tenant: str, name: str) -> str:
-    """`<prefix>:rl:{<tenant>}:requests|tokens` (hash tag: one cluster slot per tenant)."""
-    return f"{prefix}:rl:{{{tenant}}}:{name}"

@@ -1,0 +1,94 @@
+"""The KV pool's format: one KVFormat value (dtype, scale dtype and layout, bytes per token), named as it
+travels (`BackendInfo.kv_format`, page identity, the page header's `kv_dtype`). The pool itself is allocated
+by model_runner.ModelRunner: per layer k, v `[num_pages, page_size, kv_heads, head_dim]` and, for fp8 only,
+k_scale, v_scale `[num_pages, page_size, kv_heads]` in SCALE_DTYPE."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn}
+SCALE_DTYPE = torch.bfloat16   # fp8 scales: 2 bytes per token-head (float32 would make fp8 only 1.88x of bf16)
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    name: str                  # a KV_DTYPES key
+
+    def __post_init__(self) -> None:
+        if self.name not in KV_DTYPES:
+            raise ValueError(f"kv_dtype={self.name!r} is invalid: expected auto or one of {', '.join(KV_DTYPES)}")
+
+    @classmethod
+    def resolve(cls, name: str, model_dtype: torch.dtype) -> KVFormat:
+        """`auto`: the model's dtype."""
+        return cls.of(model_dtype) if name == "auto" else cls(name)
+
+    @classmethod
+    def of(cls, dtype: torch.dtype) -> KVFormat:
+        return cls({v: k for k, v in KV_DTYPES.items()}[dtype])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return KV_DTYPES[self.name]
+
+    @property
+    def scaled(self) -> bool:
+        """fp8: one scale per token-head beside the values."""
+        return self.dtype == torch.float8_e4m3fn
+
+    @property
+    def scale_dtype(self) -> torch.dtype | None:
+        return SCALE_DTYPE if self.scaled else None
+
+    @property
+    def scale_layout(self) -> str:
+        """As the page header (cache_store.codec.PageFormat) names it."""
+        return "per_token_kv_head_bf16" if self.scaled else "none"
+
+    def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+        scale = SCALE_DTYPE.itemsize if self.scaled else 0
+        return 2 * num_layers * num_kv_heads * (head_dim * self.dtype.itemsize + scale)
+
+
+def kv_bytes_per_token(model, kv_dtype: torch.dtype) -> int:
+    c = model.cfg
+    return KVFormat.of(kv_dtype).bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim)
+
+
+# ---- page bodies: the bytes of one page of every layer (k, v, then the fp8 scales), for the page store
+def pool_parts(runner) -> list[torch.Tensor]:
+    """The KV pool tensors in body order, viewed as uint8 ([num_pages, ..., bytes]); same order as read_page."""
+    parts = []
+    for kv in runner.kv:
+        parts += [kv.k, kv.v]
+        if kv.k_scale is not None:
+            parts += [kv.k_scale, kv.v_scale]
+    return [t.view(torch.uint8) for t in parts]
+
+
+def gather_pages(runner, pages: list[int]) -> torch.Tensor:
+    """Host uint8 [len(pages), page_bytes]: each row is one page body (backend/store_bridge.py names its layout).
+    Engine thread only."""
+    parts = pool_parts(runner)
+    idx = torch.tensor(pages, dtype=torch.long, device=parts[0].device)
+    buf = torch.cat([t.index_select(0, idx).reshape(len(pages), -1) for t in parts], dim=1)
+    return buf.cpu()
+
+
+def scatter_pages(runner, pages: list[int], buf: torch.Tensor) -> None:
+    """Write host rows buf[i] (page bodies) into KV pool pages[i]. Engine thread only."""
+    parts = pool_parts(runner)
+    dev = parts[0].device
+    idx = torch.tensor(pages, dtype=torch.long, device=dev)
+    src = buf.to(dev, non_blocking=False)
+    n = len(pages)
+    off = 0
+    for t in parts:
+        nb = t[0].numel()
+        t.index_copy_(0, idx, src[:, off:off + nb].reshape((n, *t.shape[1:])))
+        off += nb
+    if off != src.shape[1]:
+        raise ValueError(f"page body of {src.shape[1]} bytes, the KV pool needs {off}")

@@ -1,0 +1,72 @@
+"""The page store wired per the backend's flags: tiers (host, Redis), the page index, the node registry
+(signed records, heartbeat) and the page key; backend.server.build_state() calls attach_page_store."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from backend.store_bridge import PageStoreBridge
+from cache_store.codec import PageKey
+from cache_store.store import PageStore, TieredPageStore
+from protocol.defaults import CACHE_SEED, KEY_PREFIX
+
+log = logging.getLogger("edgeinfer.store_bridge")
+PAGE_KEY_ENV = "EDGEINFER_PAGE_KEY"
+
+
+def page_key_from_args(args) -> PageKey:
+    """--page-key-file, else $EDGEINFER_PAGE_KEY, else derived from --cache-seed (logged: weaker if the seed leaks)."""
+    path = getattr(args, "page_key_file", None)
+    if path:
+        with open(path, "rb") as f:
+            return PageKey.from_secret(f.read().strip(), origin=f"page key from {path}")
+    env = os.environ.get(PAGE_KEY_ENV)
+    if env:
+        return PageKey.from_secret(env.encode(), origin=f"page key from ${PAGE_KEY_ENV}")
+    log.warning("no page key (--page-key-file or $%s): pages are keyed by the cache seed, so anyone who knows "
+                "the seed can write pages this node accepts", PAGE_KEY_ENV)
+    return PageKey.from_seed(getattr(args, "cache_seed", CACHE_SEED).encode())
+
+
+def attach_page_store(st, args) -> PageStoreBridge | None:
+    """Called by backend.server.build_state: add the page store extension per the CLI flags."""
+    from cache_store.node_auth import NodeRecordKey
+    from cache_store.store import HostPageStore
+    from cache_store.wiring import wire_redis
+
+    tier = getattr(args, "store_tier", "redis")
+    url = getattr(args, "redis_url", None)
+    if tier == "none":
+        return None
+    if tier == "redis" and not url:
+        log.info("page store off: --store-tier redis without --redis-url")
+        return None
+    tiers: list[tuple[str, PageStore]] = []
+    host_bytes = getattr(args, "host_store_bytes", 0) or 0
+    if host_bytes > 0:
+        tiers.append(("host", HostPageStore(host_bytes)))
+    client = index = registry = None
+    if url:
+        redis = wire_redis(url, getattr(args, "redis_key_prefix", None) or KEY_PREFIX,
+                           cluster=getattr(args, "redis_cluster", False), guard_timeout_s=0.5)
+        client = redis.client
+        if tier == "redis":
+            tiers.append(("redis", redis.page_store(timeout_s=2.0)))
+        index = redis.index()
+        secret = getattr(args, "internal_secret", None)   # None: --insecure-no-internal-auth, records unsigned
+        registry = redis.registry(heartbeat_s=getattr(args, "heartbeat", 2.0),
+                                  signer=NodeRecordKey(secret) if secret else None)
+    if not tiers:
+        log.info("page store off: no tier (host store of 0 bytes and no redis tier)")
+        return None
+    bridge = PageStoreBridge(st.engine, node_id=st.node_id, store=TieredPageStore(tiers), page_key=page_key_from_args(args),
+                             index=index,
+                             registry=registry, metrics=st.metrics, url=st.url, version=st.version,
+                             state_fn=lambda: st.state, redis_client=client,
+                             fetch_timeout_s=getattr(args, "store_fetch_timeout", 1.0))
+    st.engine.observers.append(bridge)
+    st.extensions.append(bridge)
+    log.info("page store on: tiers %s, index %s, node %s", [n for n, _ in tiers],
+             "redis" if index is not None else "none", st.node_id)
+    return bridge

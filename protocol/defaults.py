@@ -1,0 +1,8 @@
+"""Defaults that gateway, backends and ops must agree on; changing one here changes it everywhere."""
+
+from __future__ import annotations
+
+CACHE_SEED_ENV = "EDGEINFER_CACHE_SEED"   # deployment secret mixed into every page hash (gateway and backends)
+CACHE_SEED = "edgeinfer-dev-seed"         # used when neither the flag/config nor the env var sets one
+KEY_PREFIX = "ei"                         # prefix of every Redis key (cache_store/keys.py)
+PAGE_SIZE = 16                            # tokens per KV page, and per hashed page

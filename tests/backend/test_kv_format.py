@@ -1,0 +1,39 @@
+"""KVFormat (backend/engine/kv_pool.py): the one place the KV dtype's name, scales and size are derived."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backend.engine.config import EngineConfig
+from backend.engine.kv_pool import KV_DTYPES, KVFormat
+
+
+@pytest.mark.parametrize("name", list(KV_DTYPES))
+def test_name_and_dtype_round_trip(name):
+    fmt = KVFormat(name)
+    assert KVFormat.of(fmt.dtype) == fmt
+    assert EngineConfig(kv_dtype=name).resolve_kv_dtype(torch.float32) == fmt.dtype
+
+
+def test_auto_is_the_model_dtype():
+    assert KVFormat.resolve("auto", torch.bfloat16) == KVFormat("bf16")
+    assert EngineConfig().resolve_kv_dtype(torch.float16) == torch.float16
+
+
+def test_only_fp8_carries_bf16_scales_per_token_head():
+    fp8, bf16 = KVFormat("fp8_e4m3"), KVFormat("bf16")
+    assert (fp8.scaled, fp8.scale_dtype, fp8.scale_layout) == (True, torch.bfloat16, "per_token_kv_head_bf16")
+    assert (bf16.scaled, bf16.scale_dtype, bf16.scale_layout) == (False, None, "none")
+    # 30 layers x 3 kv heads x 64 dims (SmolLM2-135M): k and v, plus a 2-byte scale per token-head for fp8
+    assert bf16.bytes_per_token(30, 3, 64) == 2 * 30 * 3 * 64 * 2
+    assert fp8.bytes_per_token(30, 3, 64) == 2 * 30 * 3 * (64 + 2)
+    assert KVFormat("fp32").bytes_per_token(30, 3, 64) == 2 * bf16.bytes_per_token(30, 3, 64)
+
+
+@pytest.mark.parametrize("bad", ["fp4", "float8_e4m3fn", ""])
+def test_a_bad_name_is_refused_by_value(bad):
+    with pytest.raises(ValueError, match=f"kv_dtype={bad!r} is invalid: expected auto or one of fp32, bf16"):
+        KVFormat(bad)
+    with pytest.raises(ValueError, match=f"kv_dtype={bad!r}"):
+        EngineConfig(kv_dtype=bad)
