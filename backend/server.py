@@ -30,9 +30,10 @@ import msgspec
 from aiohttp import web
 from prometheus_client import generate_latest
 
-from backend.engine.config import EngineConfig
+from backend.config import BackendConfig
 from backend.engine.engine import LLMEngine, RequestError
 from backend.metrics import BackendMetrics
+from protocol.defaults import CACHE_SEED, CACHE_SEED_ENV, KEY_PREFIX, PAGE_SIZE
 from protocol.wire import AbortRequest, BackendInfo, GenerateRequest, StreamChunk, encode
 
 log = logging.getLogger("edgeinfer.backend")
@@ -252,7 +253,7 @@ def make_app(state: BackendState) -> web.Application:
     return app
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None) -> BackendConfig:
     p = argparse.ArgumentParser(prog="edgeinfer backend", description="Run one inference backend node.")
     p.add_argument("--model", default=None, help="HF checkpoint directory (default: SmolLM2-135M-Instruct, the GGUF's INT4 weights)")
     p.add_argument("--model-name", default=None, help="name served to clients (default: directory name)")
@@ -261,7 +262,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--node-id", default=None)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=PAGE_SIZE)
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16", "fp8_e4m3"])
     p.add_argument("--kv-cache-bytes", type=int, default=512 << 20,
                    help="KV pool budget (default 512 MiB: 11.6k tokens of fp32 KV for the default model); memory "
@@ -292,8 +293,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host-store-bytes", type=int, default=256 << 20)
     p.add_argument("--store-fetch-timeout", type=float, default=1.0,
                    help="seconds a request may spend fetching KV pages from the store before computing them")
-    p.add_argument("--redis-key-prefix", default="ei", help="prefix of every Redis key (same as the gateway's)")
-    p.add_argument("--cache-seed", default=os.environ.get("EDGEINFER_CACHE_SEED", "edgeinfer-dev-seed"))
+    p.add_argument("--redis-key-prefix", default=KEY_PREFIX, help="prefix of every Redis key (same as the gateway's)")
+    p.add_argument("--cache-seed", default=os.environ.get(CACHE_SEED_ENV, CACHE_SEED))
     p.add_argument("--operator-key", default=os.environ.get("EDGEINFER_OPERATOR_KEY"))
     p.add_argument("--internal-secret-file", default=None,
                    help=f"file holding the secret the gateway sends on /internal/* (default: ${INTERNAL_SECRET_ENV})")
@@ -317,7 +318,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.start_drained and not args.operator_key:
         p.error("--start-drained needs --operator-key (or EDGEINFER_OPERATOR_KEY): without it the node could "
                 "never be undrained")
-    return args
+    return BackendConfig.from_namespace(args)
 
 
 def _internal_secret(p: argparse.ArgumentParser, args: argparse.Namespace) -> str:
@@ -351,48 +352,40 @@ def release_free_heap() -> int:
         return -1
 
 
-def build_state(args: argparse.Namespace) -> BackendState:
+def build_state(cfg: BackendConfig) -> BackendState:
     import torch
 
     from backend.engine.engine import in_fresh_thread, load_engine
     from backend.model.gguf_import import ensure_native_default_model
 
     # the import runs torch on CPU: off the main thread, so the engine thread's OpenMP pool stays the only one
-    model_dir = Path(args.model) if args.model else in_fresh_thread(ensure_native_default_model)
-    cfg = EngineConfig(page_size=args.page_size, kv_cache_bytes=args.kv_cache_bytes, num_pages=args.num_pages,
-                       kv_dtype=args.kv_dtype, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                       cache_seed=args.cache_seed.encode(), enable_prefix_cache=not args.no_prefix_cache,
-                       scheduler=args.scheduler, cache_eviction=args.cache_eviction,
-                       prefill_token_weight=args.prefill_token_weight, decode_token_weight=args.decode_token_weight,
-                       priority_aging_steps=args.priority_aging_steps,
-                       cuda_graphs=not args.no_cuda_graphs)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    engine = load_engine(model_dir, cfg, dtype=dtype, device=args.device, model_name=args.model_name)
+    model_dir = Path(cfg.model) if cfg.model else in_fresh_thread(ensure_native_default_model)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
+    engine = load_engine(model_dir, cfg.engine_config(), dtype=dtype, device=cfg.device, model_name=cfg.model_name)
     release_free_heap()
-    node_id = args.node_id or f"{socket.gethostname()}-{args.port}-{uuid.uuid4().hex[:6]}"
+    node_id = cfg.node_id or f"{socket.gethostname()}-{cfg.port}-{uuid.uuid4().hex[:6]}"
     m = BackendMetrics(engine.model_name)
     engine.observers.append(m)
     m.set_memory(engine)
-    st = BackendState(engine=engine, metrics=m, node_id=node_id, version=args.version,
-                      operator_key=args.operator_key, internal_secret=args.internal_secret,
-                      url=f"http://{args.host}:{args.port}",
-                      keepalive_s=args.keepalive_s or None, max_queue_wait_s=args.max_queue_wait_s or None,
-                      state="draining" if args.start_drained else "active")
+    st = BackendState(engine=engine, metrics=m, node_id=node_id, version=cfg.version,
+                      operator_key=cfg.operator_key, internal_secret=cfg.internal_secret,
+                      url=f"http://{cfg.host}:{cfg.port}",
+                      keepalive_s=cfg.keepalive_s or None, max_queue_wait_s=cfg.max_queue_wait_s or None,
+                      state="draining" if cfg.start_drained else "active")
     log.info(json.dumps({"event": "memory", "model": engine.model_name, "weight_bytes": engine.model.weight_bytes(),
                          "prepacked_copy_bytes": engine.model.prepacked_copy_bytes(),
                          "kv_dtype": engine.kv_format, "kv_bytes_per_token": engine.runner.bytes_per_token,
-                         "kv_pages": engine.blocks.num_pages, "page_size": cfg.page_size,
-                         "max_tokens_in_budget": engine.blocks.num_pages * cfg.page_size}))
+                         "kv_pages": engine.blocks.num_pages, "page_size": engine.cfg.page_size,
+                         "max_tokens_in_budget": engine.blocks.num_pages * engine.cfg.page_size}))
     from backend.store_wiring import attach_page_store  # noqa: PLC0415
 
-    attach_page_store(st, args)
+    attach_page_store(st, cfg)
     return st
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    cfg = parse_args(argv)
+    logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)
     try:
         import uvloop
@@ -400,11 +393,11 @@ def main(argv: list[str] | None = None) -> int:
         uvloop.install()
     except ImportError:
         pass
-    if args.internal_secret is None:
+    if cfg.internal_secret is None:
         log.warning("--insecure-no-internal-auth: /internal/* answers anyone who can connect to %s:%d",
-                    args.host, args.port)
+                    cfg.host, cfg.port)
     try:
-        st = build_state(args)
+        st = build_state(cfg)
     except (ValueError, OSError, RuntimeError) as e:
         print(f"edgeinfer backend: error: {e}", file=sys.stderr)
         return 1
@@ -413,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     async def serve() -> None:
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, args.host, args.port, reuse_address=True)
+        site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True)
         await site.start()
         print(json.dumps({"event": "ready", "node_id": st.node_id, "url": st.url, "model": st.engine.model_name}),
               flush=True)

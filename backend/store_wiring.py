@@ -6,18 +6,19 @@ from __future__ import annotations
 import logging
 import os
 
+from backend.config import BackendConfig
 from backend.store_bridge import PageStoreBridge
 from cache_store.codec import PageKey
 from cache_store.store import PageStore, TieredPageStore
-from protocol.defaults import CACHE_SEED, KEY_PREFIX
+from protocol.defaults import KEY_PREFIX
 
 log = logging.getLogger("edgeinfer.store_bridge")
 PAGE_KEY_ENV = "EDGEINFER_PAGE_KEY"
 
 
-def page_key_from_args(args) -> PageKey:
+def page_key_from_config(cfg: BackendConfig) -> PageKey:
     """--page-key-file, else $EDGEINFER_PAGE_KEY, else derived from --cache-seed (logged: weaker if the seed leaks)."""
-    path = getattr(args, "page_key_file", None)
+    path = cfg.page_key_file
     if path:
         with open(path, "rb") as f:
             return PageKey.from_secret(f.read().strip(), origin=f"page key from {path}")
@@ -26,45 +27,42 @@ def page_key_from_args(args) -> PageKey:
         return PageKey.from_secret(env.encode(), origin=f"page key from ${PAGE_KEY_ENV}")
     log.warning("no page key (--page-key-file or $%s): pages are keyed by the cache seed, so anyone who knows "
                 "the seed can write pages this node accepts", PAGE_KEY_ENV)
-    return PageKey.from_seed(getattr(args, "cache_seed", CACHE_SEED).encode())
+    return PageKey.from_seed(cfg.cache_seed.encode())
 
 
-def attach_page_store(st, args) -> PageStoreBridge | None:
+def attach_page_store(st, cfg: BackendConfig) -> PageStoreBridge | None:
     """Called by backend.server.build_state: add the page store extension per the CLI flags."""
     from cache_store.node_auth import NodeRecordKey
     from cache_store.store import HostPageStore
     from cache_store.wiring import wire_redis
 
-    tier = getattr(args, "store_tier", "redis")
-    url = getattr(args, "redis_url", None)
+    tier, url = cfg.store_tier, cfg.redis_url
     if tier == "none":
         return None
     if tier == "redis" and not url:
         log.info("page store off: --store-tier redis without --redis-url")
         return None
     tiers: list[tuple[str, PageStore]] = []
-    host_bytes = getattr(args, "host_store_bytes", 0) or 0
-    if host_bytes > 0:
-        tiers.append(("host", HostPageStore(host_bytes)))
+    if cfg.host_store_bytes > 0:
+        tiers.append(("host", HostPageStore(cfg.host_store_bytes)))
     client = index = registry = None
     if url:
-        redis = wire_redis(url, getattr(args, "redis_key_prefix", None) or KEY_PREFIX,
-                           cluster=getattr(args, "redis_cluster", False), guard_timeout_s=0.5)
+        redis = wire_redis(url, cfg.redis_key_prefix or KEY_PREFIX, cluster=cfg.redis_cluster, guard_timeout_s=0.5)
         client = redis.client
         if tier == "redis":
             tiers.append(("redis", redis.page_store(timeout_s=2.0)))
         index = redis.index()
-        secret = getattr(args, "internal_secret", None)   # None: --insecure-no-internal-auth, records unsigned
-        registry = redis.registry(heartbeat_s=getattr(args, "heartbeat", 2.0),
+        secret = cfg.internal_secret   # None: --insecure-no-internal-auth, records unsigned
+        registry = redis.registry(heartbeat_s=cfg.heartbeat,
                                   signer=NodeRecordKey(secret) if secret else None)
     if not tiers:
         log.info("page store off: no tier (host store of 0 bytes and no redis tier)")
         return None
-    bridge = PageStoreBridge(st.engine, node_id=st.node_id, store=TieredPageStore(tiers), page_key=page_key_from_args(args),
+    bridge = PageStoreBridge(st.engine, node_id=st.node_id, store=TieredPageStore(tiers), page_key=page_key_from_config(cfg),
                              index=index,
                              registry=registry, metrics=st.metrics, url=st.url, version=st.version,
                              state_fn=lambda: st.state, redis_client=client,
-                             fetch_timeout_s=getattr(args, "store_fetch_timeout", 1.0))
+                             fetch_timeout_s=cfg.store_fetch_timeout)
     st.engine.observers.append(bridge)
     st.extensions.append(bridge)
     log.info("page store on: tiers %s, index %s, node %s", [n for n, _ in tiers],
