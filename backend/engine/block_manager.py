@@ -10,6 +10,7 @@ uses it. A tenant with retain=False never gets a page into the cache: its pages 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from typing import NamedTuple
 
 from backend.engine.block_table import BlockTables
@@ -56,7 +57,7 @@ class BlockManager:
         self.cache: dict[bytes, CachedPage] = {}
         self.hits = 0
         self.queries = 0
-        self.on_evict = None   # callable(hash) when a cached page is reused for other data
+        self._evict_subscribers: list[Callable[[bytes], None]] = []   # told the hash of every page leaving the cache
 
     # ---- accounting
     @property
@@ -72,18 +73,41 @@ class BlockManager:
 
     # ---- prefix cache
     def match_prefix(self, seq: Sequence, hashes: list[bytes]) -> PrefixMatch:
-        pages: list[int] = []
-        ids = seq.all_ids
+        n = self.cached_prefix_len(hashes, seq.all_ids, seq.key_ctx.root) if self.enable_prefix_cache else 0
+        return PrefixMatch([self.cache[h].page for h in hashes[:n]], hashes[:n])
+
+    def cached_prefix_len(self, hashes: list[bytes], ids: list[int], root: bytes) -> int:
+        """Leading pages of `hashes` cached here, each with its parent and tokens compared. Safe to call from
+        another thread as a hint: single dict.get calls on immutable entries (atomic under the GIL)."""
         p = self.page_size
-        parent = seq.key_ctx.root
-        if self.enable_prefix_cache:
-            for i, h in enumerate(hashes):
-                hit = self.cache.get(h)
-                if hit is None or hit.parent != parent or hit.tokens != tuple(ids[i * p:(i + 1) * p]):
-                    break
-                pages.append(hit.page)
-                parent = h
-        return PrefixMatch(pages, hashes[: len(pages)])
+        parent = root
+        for i, h in enumerate(hashes):
+            hit = self.cache.get(h)
+            if hit is None or hit.parent != parent or hit.tokens != tuple(ids[i * p:(i + 1) * p]):
+                return i
+            parent = h
+        return len(hashes)
+
+    # ---- the page store's view (backend/store_*.py): lookup, insert_external, evictions
+    def lookup(self, h: bytes) -> CachedPage | None:
+        return self.cache.get(h)
+
+    def cached_pages(self) -> list[tuple[bytes, int]]:
+        """(hash, page) of every cached page (engine thread)."""
+        return [(h, c.page) for h, c in list(self.cache.items())]
+
+    def subscribe_evictions(self, fn: Callable[[bytes], None]) -> Callable[[], None]:
+        """fn(hash) is called (engine thread) for each page that leaves the prefix cache; returns the unsubscribe."""
+        self._evict_subscribers.append(fn)
+
+        def unsubscribe() -> None:
+            if fn in self._evict_subscribers:
+                self._evict_subscribers.remove(fn)
+        return unsubscribe
+
+    def _evicted(self, h: bytes) -> None:
+        for fn in self._evict_subscribers:
+            fn(h)
 
     # ---- cached page bookkeeping
     def _cache_page(self, page: int, h: bytes, entry: CachedPage, owner: str) -> None:
@@ -136,9 +160,7 @@ class BlockManager:
         elif (victim := self.eviction_candidate()) is not None:
             page = victim
             self._unpark(page)
-            h = self._uncache_page(page)
-            if self.on_evict is not None:
-                self.on_evict(h)
+            self._evicted(self._uncache_page(page))
         else:
             raise OutOfPages(f"Cannot allocate a page: 0 of {self.num_pages} free")
         self.ref[page] = 1
@@ -222,8 +244,7 @@ class BlockManager:
                 self._unpark(hit.page)
                 self.free_uncached.append(hit.page)
             self._uncache_page(hit.page)
-            if self.on_evict is not None:
-                self.on_evict(h)
+            self._evicted(h)
 
     def free(self, seq: Sequence) -> None:
         for page in reversed(seq.block_table):

@@ -272,7 +272,7 @@ async def test_corrupted_pages_in_host_and_redis_are_all_detected_and_never_used
             await engine.call_in_engine(lambda: [blocks.drop_cached(h) for h in hashes])
 
         def local_pages() -> int:
-            return bridge._local_prefix(hashes, prompt, ctx.root)
+            return blocks.cached_prefix_len(hashes, prompt, ctx.root)
 
         rng = random.Random(11)
         regions: dict[str, int] = {}

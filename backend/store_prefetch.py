@@ -1,0 +1,191 @@
+"""Fetching a prompt's pages from the page store before the request reaches the engine.
+
+Prompt page hashes -> leading pages already in the local prefix cache -> the following pages from the tiers,
+nearest first (host, then Redis: one pipeline per chunk of fetch_chunk_bytes) -> codec.decode each (MAC under
+the page key) against what this engine expects (hash, parent, tokens, format) -> stop at the first miss.
+An integrity failure is counted (integrity_failures{model,source}), logged with the page hash and tier,
+deleted from that tier, and ends the fetch (the rest is recomputed). Verified pages go into the KV pool on the
+engine thread (BlockManager.insert_external + write + release), so the scheduler's own prefix match then hits
+them. Bounded by fetch_timeout_s; never fails the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import numpy as np
+import torch
+
+from backend.engine.kv_pool import scatter_pages
+from backend.store_context import StoreContext
+from cache_store.codec import DecodedPage, decode
+from protocol.page_id import page_hashes
+
+log = logging.getLogger("edgeinfer.store_bridge")
+
+
+class PagePrefetcher:
+    def __init__(self, ctx: StoreContext, *, fetch_timeout_s: float, fetch_chunk_bytes: int) -> None:
+        self.engine = ctx.engine
+        self.store = ctx.store
+        self.index = ctx.index
+        self.page_key = ctx.page_key
+        self.format = ctx.format
+        self.node_id = ctx.node_id
+        self.model = ctx.model
+        self.counters = ctx.counters
+        self.published = ctx.published
+        self.fetch_timeout_s = fetch_timeout_s
+        self.page_bytes = ctx.page_bytes
+        self.fetch_chunk_pages = max(1, fetch_chunk_bytes // self.page_bytes)
+        self._background: set[asyncio.Task] = set()
+
+    async def prefetch(self, req) -> int:
+        """Fetch, verify and upload the prompt's pages beyond the local cache. Returns pages uploaded."""
+        if self.store is None or not self.engine.cfg.enable_prefix_cache or (req.tenant and not req.tenant.retain):
+            return 0    # a no-retain tenant's prompts neither fetch nor (through the fetch) index anything
+        t0 = time.monotonic()
+        try:
+            return await self._prefetch(req, t0 + self.fetch_timeout_s)
+        except Exception:  # noqa: BLE001 - the store never fails a request
+            self.counters.count("errors")
+            log.exception("page fetch failed for request %s; computing it instead", req.request_id)
+            return 0
+        finally:
+            self.counters.fetch_took(time.monotonic() - t0)
+
+    async def _prefetch(self, req, deadline: float) -> int:
+        ctx = self.engine.key_context(req.cache_namespace)
+        tokens = req.prompt_token_ids
+        p = ctx.page_size
+        usable = (len(tokens) - 1) // p      # the scheduler always computes >= 1 prompt token
+        if usable <= 0:
+            return 0
+        root = ctx.root
+        hashes = page_hashes(ctx, tokens[: usable * p])
+        first = self.engine.blocks.cached_prefix_len(hashes, tokens, root)   # a hint: the upload re-checks
+        if first >= usable:
+            return 0
+        self.counters.count("fetch_requests")
+        uploads: list[asyncio.Future] = []
+        i = first
+        done = False
+        while i < usable and not done:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.counters.count("fetch_timeouts")
+                break
+            keys = hashes[i:min(usable, i + self.fetch_chunk_pages)]
+            good, bodies = await self._fetch_chunk(keys, hashes, tokens, i, root, left)
+            if good:
+                buf = np.empty((len(good), self.page_bytes), dtype=np.uint8)
+                for r, body in enumerate(bodies):
+                    buf[r] = np.frombuffer(body, dtype=np.uint8)
+                fut = asyncio.ensure_future(self.engine.call_in_engine(self._upload, good, torch.from_numpy(buf),
+                                                                       root))
+                await asyncio.sleep(0)        # lets the task queue its engine command now, in chain order
+                uploads.append(fut)
+            i += len(keys)
+            if len(good) < len(keys):
+                done = True
+        uploaded = await self._await_uploads(uploads, deadline)
+        if uploaded:
+            self._held(hashes[first:first + uploaded], uploaded)
+        return uploaded
+
+    async def _fetch_chunk(self, keys: list[bytes], hashes: list[bytes], tokens: list[int], i: int, root: bytes,
+                           left: float) -> tuple[list[tuple[bytes, bytes, tuple]], list[memoryview]]:
+        """The verified leading pages of one chunk (pages i, i+1, ...), up to the first miss or bad page."""
+        p = self.format.page_size
+        assert self.store is not None   # checked by prefetch()
+        sourced = await self.store.get_many_sourced(keys, timeout_s=left)
+        good: list[tuple[bytes, bytes, tuple]] = []
+        bodies: list[memoryview] = []
+        for j, got in enumerate(sourced):
+            k = i + j
+            h = hashes[k]
+            if got is None:
+                break
+            blob, source = got
+            parent = hashes[k - 1] if k else root
+            page_tokens = tokens[k * p:(k + 1) * p]
+            res = decode(blob, self.format.expect(h, parent, page_tokens), self.page_key)
+            if not isinstance(res, DecodedPage):
+                self.published.forget(h)   # the store's copy is not ours: publish ours again once computed
+                if res.integrity_failure:
+                    await self._integrity_failure(h, source, res)
+                else:
+                    self.counters.count("incompatible")
+                    log.info("page %s from the %s tier is not usable here: %s (%s)", h.hex(), source,
+                             res.reason.label, res.detail)
+                break
+            good.append((h, parent, tuple(page_tokens)))
+            bodies.append(res.body)
+        return good, bodies
+
+    async def _await_uploads(self, uploads: list[asyncio.Future], deadline: float) -> int:
+        uploaded = 0
+        if uploads:
+            left = max(deadline - time.monotonic(), 0.05)
+            try:
+                async with asyncio.timeout(left):
+                    for n in await asyncio.gather(*uploads):
+                        uploaded += n
+            except TimeoutError:
+                # the uploads are queued ahead of this request's admission, so they still land first
+                self.counters.count("fetch_timeouts")
+        return uploaded
+
+    def _held(self, held: list[bytes], uploaded: int) -> None:
+        self.counters.count("fetch_hit_requests")
+        self.counters.count("uploaded", uploaded)
+        for h in held:                 # already in the store: a drain need not publish them again
+            self.published.remember(h)
+        if self.index is not None:     # this node now holds them too (background; a hint for routing)
+            task = asyncio.create_task(self.index.publish(self.model, self.node_id, held))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _integrity_failure(self, h: bytes, source: str, miss) -> None:
+        self.counters.count("integrity_failures", source=source)
+        log.warning("integrity failure: page %s from the %s tier: %s (%s); deleted from %s, recomputing",
+                    h.hex(), source, miss.reason.label, miss.detail, source)
+        try:
+            assert self.store is not None   # pages are fetched only with a store
+            await self.store.delete_from(source, [h])
+        except Exception:  # noqa: BLE001
+            log.exception("could not delete corrupt page %s from %s", h.hex(), source)
+
+    def _upload(self, pages: list[tuple[bytes, bytes, tuple]], buf: torch.Tensor, root: bytes) -> int:
+        """Engine thread: put verified pages into the KV pool and the prefix cache, chain order; returns count."""
+        blocks = self.engine.blocks
+        first_parent = pages[0][1]
+        if first_parent != root and blocks.lookup(first_parent) is None:
+            return 0     # the page before these was evicted meanwhile: they could never match
+        taken: list[int] = []
+        rows: list[int] = []
+        hs: list[bytes] = []
+        for r, (h, parent, toks) in enumerate(pages):
+            if blocks.lookup(h) is not None:
+                continue
+            page = blocks.insert_external(h, parent, toks)
+            if page is None:
+                break
+            taken.append(page)
+            rows.append(r)
+            hs.append(h)
+        if not taken:
+            return 0
+        try:
+            scatter_pages(self.engine.runner, taken, buf if len(rows) == len(pages) else buf[rows])
+        except BaseException:
+            for h in hs:
+                blocks.drop_cached(h)
+            for page in taken:
+                blocks.release(page)
+            raise
+        for page in reversed(taken):   # deepest page least recently used: evicted first, the prefix survives
+            blocks.release(page)
+        return len(taken)

@@ -1,0 +1,41 @@
+"""This node's record in the node registry: registered at start, heartbeated, deregistered at stop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from cache_store.registry import NodeRecord, NodeRegistry, NodeState, keep_registered
+
+
+class NodeRegistration:
+    def __init__(self, engine, registry: NodeRegistry, *, node_id: str, url: str, version: str,
+                 state_fn: Callable[[], NodeState]) -> None:
+        self.engine = engine
+        self.registry = registry
+        self.node_id = node_id
+        self.url = url
+        self.version = version
+        self.state_fn = state_fn
+        self.started_at = time.time()
+
+    def record(self) -> NodeRecord:
+        e = self.engine
+        b = e.blocks
+        return NodeRecord(node_id=self.node_id, url=self.url, model=e.model_name, version=self.version,
+                          state=self.state_fn(), running=e.num_running, waiting=e.num_waiting,
+                          kv_usage=b.num_used / max(b.num_pages, 1), cache_hit_rate=b.hits / max(b.queries, 1),
+                          started_at=self.started_at)
+
+    async def start(self) -> asyncio.Task:
+        """Register now; returns the heartbeat task."""
+        landed = await self.registry.register(self.record())
+        return asyncio.create_task(keep_registered(self.registry, self.record, landed=landed),
+                                   name="page-store-heartbeat")
+
+    async def heartbeat(self) -> None:
+        await self.registry.heartbeat(self.record())
+
+    async def stop(self) -> None:
+        await self.registry.deregister(self.node_id)
