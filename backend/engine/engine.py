@@ -19,7 +19,6 @@ from backend.engine.block_manager import BlockManager
 from backend.engine.config import EngineConfig
 from backend.engine.fair import make_scheduler
 from backend.engine.grammar import GrammarCompiler, GrammarError
-from backend.engine.kv_pool import KVFormat
 from backend.engine.model_runner import ModelRunner
 from backend.engine.sampler import SamplingError, make_generator, sample
 from backend.engine.scheduler import Scheduler
@@ -74,7 +73,7 @@ class LLMEngine:
         self.blocks = BlockManager(self.runner.num_pages, self.cfg.page_size, self.cfg.enable_prefix_cache,
                                    tables=self.runner.tables, eviction=self.cfg.cache_eviction)
         self.scheduler = make_scheduler(self.cfg, self.blocks)
-        self.kv = KVFormat.of(self.runner.kv_dtype)
+        self.kv = self.runner.kv_format
         self.kv_format = self.kv.name              # BackendInfo.kv_format, page identity
         self.fingerprint = fingerprint or f"{model.cfg.architecture}-{model.cfg.num_layers}-{model.cfg.hidden_size}"
         eos = set(model.cfg.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer else set())

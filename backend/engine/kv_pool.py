@@ -1,13 +1,20 @@
-"""The KV pool's format: one KVFormat value (dtype, scale dtype and layout, bytes per token), named as it
-travels (`BackendInfo.kv_format`, page identity, the page header's `kv_dtype`). The pool itself is allocated
-by model_runner.ModelRunner: per layer k, v `[num_pages, page_size, kv_heads, head_dim]` and, for fp8 only,
-k_scale, v_scale `[num_pages, page_size, kv_heads]` in SCALE_DTYPE."""
+"""The KV pool: its format, one KVFormat value (dtype, scale dtype and layout, bytes per token), named as it
+travels (`BackendInfo.kv_format`, page identity, the page header's `kv_dtype`); its allocation (allocate_pool,
+called by model_runner.ModelRunner): per layer k, v `[num_pages, page_size, kv_heads, head_dim]` and, for fp8
+only, k_scale, v_scale `[num_pages, page_size, kv_heads]` in SCALE_DTYPE; and the page bodies' bytes."""
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from backend.model.config import ModelConfig
+    from backend.model.llama import LayerKV
 
 KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn}
 SCALE_DTYPE = torch.bfloat16   # fp8 scales: 2 bytes per token-head (float32 would make fp8 only 1.88x of bf16)
@@ -56,6 +63,34 @@ class KVFormat:
 def kv_bytes_per_token(model, kv_dtype: torch.dtype) -> int:
     c = model.cfg
     return KVFormat.of(kv_dtype).bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim)
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """torch.zeros, except that on CPU the memory is an anonymous mapping: the kernel hands out zeroed pages on
+    first write, so a KV pool costs resident memory only for the pages requests have used (torch.zeros writes
+    every byte at once: the whole budget resident from start-up)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    elt = torch.empty((), dtype=dtype).element_size()
+    nbytes = elt * int(np.prod(shape))
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)   # the tensor keeps buf alive
+
+
+def allocate_pool(fmt: KVFormat, num_pages: int, page_size: int, model_cfg: ModelConfig,
+                  device: torch.device | str) -> list[LayerKV]:
+    """One LayerKV per layer: lazily zeroed values, and for a scaled format scales of one."""
+    from backend.model.llama import LayerKV
+
+    shape = (num_pages, page_size, model_cfg.num_kv_heads, model_cfg.head_dim)
+
+    def scales() -> torch.Tensor | None:
+        return torch.ones(shape[:3], dtype=fmt.scale_dtype, device=device) if fmt.scaled else None
+
+    return [LayerKV(lazy_zeros(shape, fmt.dtype, device), lazy_zeros(shape, fmt.dtype, device), scales(), scales())
+            for _ in range(model_cfg.num_layers)]
 
 
 # ---- page bodies: the bytes of one page of every layer (k, v, then the fp8 scales), for the page store

@@ -2,32 +2,16 @@
 
 from __future__ import annotations
 
-import mmap
-
 import numpy as np
 import torch
 
 from backend.engine.block_table import BlockTables
 from backend.engine.config import EngineConfig
 from backend.engine.cuda_graphs import decode_graphs_for
-from backend.engine.kv_pool import SCALE_DTYPE, kv_bytes_per_token
+from backend.engine.kv_pool import KVFormat, allocate_pool
 from backend.engine.scheduler import ScheduledBatch
 from backend.engine.sequence import Sequence
 from backend.model.llama import AttentionMetadata, LayerKV, LlamaModel
-
-
-def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """torch.zeros, except that on CPU the memory is an anonymous mapping: the kernel hands out zeroed pages on
-    first write, so a KV pool costs resident memory only for the pages requests have used (torch.zeros writes
-    every byte at once: the whole budget resident from start-up)."""
-    if torch.device(device).type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    elt = torch.empty((), dtype=dtype).element_size()
-    nbytes = elt * int(np.prod(shape))
-    if nbytes == 0:
-        return torch.zeros(shape, dtype=dtype)
-    buf = mmap.mmap(-1, nbytes)
-    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)   # the tensor keeps buf alive
 
 
 class ModelRunner:
@@ -35,19 +19,11 @@ class ModelRunner:
         self.model = model
         self.cfg = cfg
         c = model.cfg
-        self.kv_dtype = cfg.resolve_kv_dtype(model.dtype)
-        self.bytes_per_token = kv_bytes_per_token(model, self.kv_dtype)
+        self.kv_format = KVFormat.resolve(cfg.kv_dtype, model.dtype)
+        self.bytes_per_token = self.kv_format.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim)
         self.page_bytes = self.bytes_per_token * cfg.page_size
         self.num_pages = cfg.num_pages or max(1, cfg.kv_cache_bytes // self.page_bytes)
-        shape = (self.num_pages, cfg.page_size, c.num_kv_heads, c.head_dim)
-        dev = model.device
-        fp8 = self.kv_dtype == torch.float8_e4m3fn
-        self.kv: list[LayerKV] = []
-        for _ in range(c.num_layers):
-            self.kv.append(LayerKV(
-                lazy_zeros(shape, self.kv_dtype, dev), lazy_zeros(shape, self.kv_dtype, dev),
-                torch.ones(shape[:3], dtype=SCALE_DTYPE, device=dev) if fp8 else None,
-                torch.ones(shape[:3], dtype=SCALE_DTYPE, device=dev) if fp8 else None))
+        self.kv: list[LayerKV] = allocate_pool(self.kv_format, self.num_pages, cfg.page_size, c, model.device)
         max_len = min(cfg.max_model_len or c.max_position_embeddings, c.max_position_embeddings)
         self.tables = BlockTables(cfg.max_num_seqs, -(-max_len // cfg.page_size))   # kept by the BlockManager
         self._stage = np.zeros((4, cfg.max_num_batched_tokens + cfg.max_num_seqs), dtype=np.int64)   # reused

@@ -37,3 +37,25 @@ def test_a_bad_name_is_refused_by_value(bad):
         KVFormat(bad)
     with pytest.raises(ValueError, match=f"kv_dtype={bad!r}"):
         EngineConfig(kv_dtype=bad)
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "bf16"])
+def test_the_pool_is_allocated_per_the_format(name):
+    from types import SimpleNamespace
+
+    from backend.engine.kv_pool import allocate_pool
+
+    fmt = KVFormat(name)
+    cfg = SimpleNamespace(num_layers=3, num_kv_heads=2, head_dim=8)
+    pool = allocate_pool(fmt, num_pages=5, page_size=4, model_cfg=cfg, device="cpu")
+    assert len(pool) == 3
+    for kv in pool:
+        assert kv.k.shape == kv.v.shape == (5, 4, 2, 8) and kv.k.dtype == kv.v.dtype == fmt.dtype
+        if fmt.scaled:
+            assert kv.k_scale.dtype == kv.v_scale.dtype == torch.bfloat16 and kv.k_scale.shape == (5, 4, 2)
+            assert bool((kv.k_scale == 1).all()) and bool((kv.v_scale == 1).all())
+        else:
+            assert kv.k_scale is None and kv.v_scale is None
+    per_token = sum(t[0, 0].numel() * t.element_size() for kv in pool for t in (kv.k, kv.v, kv.k_scale, kv.v_scale)
+                    if t is not None)
+    assert per_token == fmt.bytes_per_token(3, 2, 8)
