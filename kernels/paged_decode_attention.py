@@ -1,7 +1,8 @@
 """paged_decode_attention: one query token per sequence against its paged K/V (GQA, FP8).
 
 The kernel runs one program per (sequence, kv head, context split): the GQA group of query
-heads shares every K/V tile it loads. FP8 pages are multiplied by their per-token scales
+heads shares every K/V tile it loads; each tile is folded in by kernels/_online_softmax.py
+(shared with the prefill kernel). FP8 pages are multiplied by their per-token scales
 after the dot products (scores * k_scale, probabilities * v_scale), so dequantization
 costs one vector multiply per tile. Long contexts are split over programs (split-K) and
 merged by a second pass from each split's running max, sum and unnormalized output.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from kernels._memo import LastCall
+from kernels._online_softmax import online_softmax_tile
 from kernels._triton import (
     cdiv,
     check,
@@ -130,26 +132,10 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_p
     for n0 in range(start, end, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
         mask_t = t < end
-        page = tl.load(tables_ptr + b * stride_tb + t // page_size, mask=mask_t, other=0).to(tl.int64)
-        off = t % page_size
-        row = page * stride_cp + off * stride_co + kvh * stride_ch
-        # k, v: [BLOCK_N, BLOCK_D]
-        kv_mask = mask_t[:, None] & mask_d[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + d[None, :] * stride_cd, mask=kv_mask, other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        if QUANT:
-            srow = page * stride_sp + off * stride_so + kvh * stride_sh
-            s = s * tl.load(k_scale_ptr + srow, mask=mask_t, other=0.0).to(tl.float32)[None, :]
-        s = tl.where(mask_t[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if QUANT:
-            p = p * tl.load(v_scale_ptr + srow, mask=mask_t, other=0.0).to(tl.float32)[None, :]
-        v = tl.load(v_cache_ptr + row[:, None] + d[None, :] * stride_cd, mask=kv_mask, other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_tile(q, m_i, l_i, acc, t, mask_t, mask_t[None, :], d, mask_d, b, kvh,
+                                            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, tables_ptr,
+                                            qk_scale, page_size, stride_cp, stride_co, stride_ch, stride_cd,
+                                            stride_sp, stride_so, stride_sh, stride_tb, QUANT, PRECISION)
     if NUM_SPLITS == 1:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],

@@ -3,13 +3,15 @@
 The new tokens' K/V are already in the cache (kv_store runs first), so one loop over the
 sequence's pages covers the cached prefix and the chunk itself; the causal mask compares
 absolute positions (query row i of sequence b sits at context_lens[b] - q_len_b + i).
-One program per (query block, sequence, query head), flash-attention style online softmax.
+One program per (query block, sequence, query head), flash-attention style online softmax
+(the tile step in kernels/_online_softmax.py, shared with the decode kernel).
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels._online_softmax import online_softmax_tile
 from kernels._triton import cdiv, check, check_tensor, jit, next_pow2, require_triton, tl, upcast_dot
 from kernels.paged_decode_attention import (
     FP8,
@@ -83,26 +85,11 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, t
     for n0 in range(0, last_key, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
         mask_t = t < ctx
-        page = tl.load(tables_ptr + b * stride_tb + t // page_size, mask=mask_t, other=0).to(tl.int64)
-        off = t % page_size
-        row = page * stride_cp + off * stride_co + kvh * stride_ch
-        kv_mask = mask_t[:, None] & mask_d[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + d[None, :] * stride_cd, mask=kv_mask, other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        if QUANT:
-            srow = page * stride_sp + off * stride_so + kvh * stride_sh
-            s = s * tl.load(k_scale_ptr + srow, mask=mask_t, other=0.0).to(tl.float32)[None, :]
         visible = mask_t[None, :] & (t[None, :] <= qpos[:, None])
-        s = tl.where(visible, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if QUANT:
-            p = p * tl.load(v_scale_ptr + srow, mask=mask_t, other=0.0).to(tl.float32)[None, :]
-        v = tl.load(v_cache_ptr + row[:, None] + d[None, :] * stride_cd, mask=kv_mask, other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_tile(q, m_i, l_i, acc, t, mask_t, visible, d, mask_d, b, kvh,
+                                            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, tables_ptr,
+                                            qk_scale, page_size, stride_cp, stride_co, stride_ch, stride_cd,
+                                            stride_sp, stride_so, stride_sh, stride_tb, QUANT, PRECISION)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=mask_r[:, None] & mask_d[None, :])

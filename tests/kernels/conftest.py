@@ -29,7 +29,7 @@ try:
     import kernels._triton
 
     importlib.reload(kernels._triton)
-    for name in ("kv_store", "w4a16_gemm", "paged_decode_attention", "paged_prefill_attention"):
+    for name in ("_online_softmax", "kv_store", "w4a16_gemm", "paged_decode_attention", "paged_prefill_attention"):
         importlib.reload(importlib.import_module(f"kernels.{name}"))
 finally:
     if _ON_GPU:
