@@ -118,7 +118,6 @@ class NodePool:
         for n in static:
             self._adopt(n)
         self._loops: dict[str, tuple[Node, asyncio.Task]] = {}
-        self._ready = asyncio.Event()
 
     def _adopt(self, node: Node) -> Node:
         node.stale_after_s = self.stale_after_s
@@ -240,7 +239,6 @@ class NodePool:
         """Sync the registry and probe every node once (at start, before serving)."""
         await self._sync()
         await asyncio.gather(*(self.probe(n) for n in list(self.nodes.values())))
-        self._ready.set()
 
     async def run(self) -> None:
         try:
@@ -254,6 +252,3 @@ class NodePool:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def wait_first_probe(self) -> None:
-        await self._ready.wait()

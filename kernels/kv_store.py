@@ -23,9 +23,6 @@ ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 CACHE_DTYPES = (*ACT_DTYPES, FP8)
 
 
-SCALE_DTYPES = (torch.float32, torch.bfloat16)
-
-
 def fp8_scale(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     # x: [..., head_dim] -> [...] in `dtype` (bf16: round to nearest even)
     return (x.float().abs().amax(-1).clamp(min=MIN_AMAX) / FP8_MAX).to(dtype)

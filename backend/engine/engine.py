@@ -359,7 +359,7 @@ class LLMEngine:
     def _probe(self, seq: Sequence) -> str | None:
         """Run seq alone until it has a new token or finishes. None: fine (it is running again or
         finished); "stuck": it could not be scheduled alone; otherwise the failure's message."""
-        solo = Scheduler(self.cfg, self.blocks, self.scheduler.prefix_lookup)
+        solo = Scheduler(self.cfg, self.blocks)
         solo.add(seq)
         main, self.scheduler = self.scheduler, solo
         produced = len(seq.output_ids)

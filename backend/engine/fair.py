@@ -35,8 +35,8 @@ from backend.engine.sequence import Sequence
 
 
 class FairScheduler(Scheduler):
-    def __init__(self, cfg: EngineConfig, blocks: BlockManager, prefix_lookup=None) -> None:
-        super().__init__(cfg, blocks, prefix_lookup)
+    def __init__(self, cfg: EngineConfig, blocks: BlockManager) -> None:
+        super().__init__(cfg, blocks)
         self.counters: dict[str, float] = {}
         self.steps = 0
         self._last_left = 0.0

@@ -24,13 +24,12 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, blocks: BlockManager, prefix_lookup=None) -> None:
+    def __init__(self, cfg: EngineConfig, blocks: BlockManager) -> None:
         self.cfg = cfg
         self.blocks = blocks
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.prefix_lookup = prefix_lookup   # optional callable(seq, hashes, local_match) -> PrefixMatch
 
     @property
     def has_work(self) -> bool:
@@ -125,8 +124,6 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> bool:
         hashes = seq.prompt_page_hashes()
         match = self.blocks.match_prefix(seq, hashes)
-        if self.prefix_lookup is not None:
-            match = self.prefix_lookup(seq, hashes, match)
         p = self.blocks.page_size
         pages = list(match.pages)
         if len(pages) * p >= seq.num_tokens:     # keep >= 1 token to compute (its logits are needed)

@@ -32,10 +32,6 @@ class AttentionMetadata:
     prefill_context_lens: torch.Tensor     # [B_p] int32
     prefill_max_seqlen_q: int | None = None   # longest prefill chunk, from the host (None: the kernel syncs to find it)
 
-    @property
-    def num_prefill_tokens(self) -> int:
-        return int(self.prefill_cu_seqlens_q[-1]) if self.prefill_cu_seqlens_q.numel() else 0
-
 
 @dataclass
 class LayerKV:

@@ -25,7 +25,6 @@ from backend.quant.packing import effective_group_size, fake_quantize
 
 GRID = 20                                  # alpha in {0, 1/GRID, ..., 1}
 CLIP_RATIOS = [1 - i / 20 for i in range(10)]
-LINEARS = ("qkv", "o", "gate_up", "down")
 
 
 @dataclass

@@ -26,8 +26,6 @@ from backend.quant.packing import effective_group_size, group_quantize_tensor
 
 log = logging.getLogger("edgeinfer.quant")
 METHODS = ("rtn", "awq", "gptq", "awq-gptq")
-SINK_TOKENS = 4   # first positions of each calibration chunk (attention sinks); skip_first=SINK_TOKENS leaves them
-                  # out of the statistics. Default 0: keeping them measured better (SmolLM2 g64, docs/QUANTIZATION.md)
 COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
 
 
