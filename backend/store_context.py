@@ -104,3 +104,19 @@ class StoreContext:
     @property
     def model(self) -> str:
         return self.counters.model
+
+
+class StorePart:
+    """Publisher and prefetcher: the context's fields as their own."""
+
+    def __init__(self, ctx: StoreContext) -> None:
+        self.engine = ctx.engine
+        self.store = ctx.store
+        self.index = ctx.index
+        self.page_key = ctx.page_key
+        self.format = ctx.format
+        self.page_bytes = ctx.page_bytes
+        self.node_id = ctx.node_id
+        self.model = ctx.model
+        self.counters = ctx.counters
+        self.published = ctx.published

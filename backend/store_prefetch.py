@@ -19,26 +19,17 @@ import numpy as np
 import torch
 
 from backend.engine.kv_pool import scatter_pages
-from backend.store_context import StoreContext
+from backend.store_context import StoreContext, StorePart
 from cache_store.codec import DecodedPage, decode
 from protocol.page_id import page_hashes
 
 log = logging.getLogger("edgeinfer.store_bridge")
 
 
-class PagePrefetcher:
+class PagePrefetcher(StorePart):
     def __init__(self, ctx: StoreContext, *, fetch_timeout_s: float, fetch_chunk_bytes: int) -> None:
-        self.engine = ctx.engine
-        self.store = ctx.store
-        self.index = ctx.index
-        self.page_key = ctx.page_key
-        self.format = ctx.format
-        self.node_id = ctx.node_id
-        self.model = ctx.model
-        self.counters = ctx.counters
-        self.published = ctx.published
+        super().__init__(ctx)
         self.fetch_timeout_s = fetch_timeout_s
-        self.page_bytes = ctx.page_bytes
         self.fetch_chunk_pages = max(1, fetch_chunk_bytes // self.page_bytes)
         self._background: set[asyncio.Task] = set()
 

@@ -17,25 +17,16 @@ from collections import deque
 import torch
 
 from backend.engine.kv_pool import gather_pages
-from backend.store_context import StoreContext
+from backend.store_context import StoreContext, StorePart
 from cache_store.codec import encode
 
 log = logging.getLogger("edgeinfer.store_bridge")
 
 
-class PagePublisher:
+class PagePublisher(StorePart):
     def __init__(self, ctx: StoreContext, *, max_pending_bytes: int, publish_batch_bytes: int,
                  unindex_interval_s: float) -> None:
-        self.engine = ctx.engine
-        self.store = ctx.store
-        self.index = ctx.index
-        self.page_key = ctx.page_key
-        self.format = ctx.format
-        self.node_id = ctx.node_id
-        self.model = ctx.model
-        self.counters = ctx.counters
-        self.published = ctx.published
-        self.page_bytes = ctx.page_bytes
+        super().__init__(ctx)
         self.publish_batch_pages = max(1, publish_batch_bytes // self.page_bytes)
         self.max_pending_bytes = max_pending_bytes
         self.unindex_interval_s = unindex_interval_s

@@ -5,20 +5,21 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 from cache_store.registry import NodeRecord, NodeRegistry, NodeState, keep_registered
 
 
+@dataclass
 class NodeRegistration:
-    def __init__(self, engine, registry: NodeRegistry, *, node_id: str, url: str, version: str,
-                 state_fn: Callable[[], NodeState]) -> None:
-        self.engine = engine
-        self.registry = registry
-        self.node_id = node_id
-        self.url = url
-        self.version = version
-        self.state_fn = state_fn
-        self.started_at = time.time()
+    engine: Any                          # backend.engine.engine.LLMEngine
+    registry: NodeRegistry
+    node_id: str
+    url: str
+    version: str
+    state_fn: Callable[[], NodeState]
+    started_at: float = field(default_factory=time.time)
 
     def record(self) -> NodeRecord:
         e = self.engine

@@ -191,6 +191,20 @@ def check_paged_kv(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_s
         check(k_scale is None and v_scale is None, lambda: f"k_scale/v_scale are only for fp8 caches, cache is {k_cache.dtype}")
 
 
+def check_block(name: str, n: int) -> None:
+    check(n >= 16 and n & (n - 1) == 0, lambda: f"{name} must be a power of two >= 16, got {n}")
+
+
+def output_like(q, out, op: str) -> torch.Tensor:
+    """A caller's `out` checked against q, or a new one; raises first if Triton cannot run `op`."""
+    if out is not None:
+        check_tensor("out", out, dtypes=(q.dtype,), ndim=3, device=q.device)
+        check(out.shape == q.shape, lambda: f"out shape {tuple(out.shape)} != q shape {tuple(q.shape)}")
+        check(out.stride(2) == 1, lambda: f"out must be contiguous along head_dim, got strides {out.stride()}")
+    require_triton(op)
+    return torch.empty_like(q) if out is None else out
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # fp32 stays exact; tf32 is ignored for 16-bit
 
@@ -205,13 +219,8 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_len
     check_paged_kv(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     batch, heads, head_dim = q.shape
     check(q.shape[0] == block_tables.shape[0], lambda: f"q has {batch} sequences, block_tables has {block_tables.shape[0]}")
-    check(block_n >= 16 and block_n & (block_n - 1) == 0, lambda: f"block_n must be a power of two >= 16, got {block_n}")
-    if out is not None:
-        check_tensor("out", out, dtypes=(q.dtype,), ndim=3, device=q.device)
-        check(out.shape == q.shape, lambda: f"out shape {tuple(out.shape)} != q shape {tuple(q.shape)}")
-        check(out.stride(2) == 1, lambda: f"out must be contiguous along head_dim, got strides {out.stride()}")
-    require_triton("paged_decode_attention")
-    out = torch.empty_like(q) if out is None else out
+    check_block("block_n", block_n)
+    out = output_like(q, out, "paged_decode_attention")
     if batch == 0:
         return out
     kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]

@@ -12,14 +12,16 @@ from __future__ import annotations
 import torch
 
 from kernels._online_softmax import online_softmax_tile
-from kernels._triton import cdiv, check, check_tensor, jit, next_pow2, require_triton, tl, upcast_dot
+from kernels._triton import cdiv, check, check_tensor, jit, next_pow2, tl, upcast_dot
 from kernels.paged_decode_attention import (
     FP8,
     LOG2E,
     _compute_dtype,
+    check_block,
     check_paged_kv,
     dot_precision,
     gather_index,
+    output_like,
     page_index,
 )
 
@@ -103,14 +105,9 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens
     batch = block_tables.shape[0]
     check(cu_seqlens_q.shape[0] == batch + 1,
           lambda: f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries, expected batch + 1 = {batch + 1}")
-    check(block_m >= 16 and block_m & (block_m - 1) == 0, lambda: f"block_m must be a power of two >= 16, got {block_m}")
-    check(block_n >= 16 and block_n & (block_n - 1) == 0, lambda: f"block_n must be a power of two >= 16, got {block_n}")
-    if out is not None:
-        check_tensor("out", out, dtypes=(q.dtype,), ndim=3, device=q.device)
-        check(out.shape == q.shape, lambda: f"out shape {tuple(out.shape)} != q shape {tuple(q.shape)}")
-        check(out.stride(2) == 1, lambda: f"out must be contiguous along head_dim, got strides {out.stride()}")
-    require_triton("paged_prefill_attention")
-    out = torch.empty_like(q) if out is None else out
+    check_block("block_m", block_m)
+    check_block("block_n", block_n)
+    out = output_like(q, out, "paged_prefill_attention")
     if q.shape[0] == 0 or batch == 0:
         return out
     if max_seqlen_q is None:
