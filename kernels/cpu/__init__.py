@@ -185,7 +185,7 @@ def _pad_rows(t: torch.Tensor) -> torch.Tensor:
 def pack_q4_1x8(blocks: torch.Tensor) -> torch.Tensor:
     """GGUF Q4_1 blocks [N, nb * 20] -> the interleaved layout [ceil(N/8), nb * 160] (rows past N zero): per
     block fp16 d[8], fp16 m[8], then chunk j (0..3) = bytes 4j..4j+3 of each row's 16 nibble bytes."""
-    n, nb = blocks.shape[0], blocks.shape[1] // Q4_1_BLOCK_BYTES
+    nb = blocks.shape[1] // Q4_1_BLOCK_BYTES
     b = _pad_rows(blocks).reshape(-1, X8, nb, Q4_1_BLOCK_BYTES).transpose(1, 2)          # [G, nb, 8, 20]
     g = b.shape[0]
     qs = b[..., 4:].reshape(g, nb, X8, 4, 4).transpose(2, 3)                             # [G, nb, j, r, 4]
