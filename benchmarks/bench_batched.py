@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,12 +44,14 @@ def part(name: str, fn) -> dict:
     return {**out, "load_before": before, "load_after": load(), "wall_s": round(time.monotonic() - t, 1)}
 
 
-def subprocess_json(cmd: list[str], threads: int, timeout_s: float) -> dict:
+def subprocess_json(cmd: list[str], threads: int, timeout_s: float, out_file: Path | None = None) -> dict:
+    """Run a benchmark script; its result is the last stdout line as JSON, or out_file where given."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT), "EDGEINFER_CPU_KERNELS": "ext"}
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
     if p.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited with {p.returncode}: {(p.stdout + p.stderr)[-2000:]}")
-    return {"command": " ".join(cmd[1:]), "result": json.loads(p.stdout.strip().splitlines()[-1])}
+    text = out_file.read_text() if out_file is not None else p.stdout.strip().splitlines()[-1]
+    return {"command": " ".join(cmd[1:]), "result": json.loads(text)}
 
 
 def main() -> int:
@@ -80,9 +83,11 @@ def main() -> int:
         result["llama_bench"] = part("llama-bench", lambda: llama_bench(
             bench, a.llamacpp_build, gguf, a.threads, a.pp, 32, 1, 900))
     if not a.skip_kernels:
-        result["kernels"] = part("bench_cpu_kernels", lambda: subprocess_json(
-            [sys.executable, str(ROOT / "benchmarks" / "bench_cpu_kernels.py"), "--threads", str(a.threads),
-             "--reps", "3", "--rows", "1,8,32,64,512", "--out", "/dev/null"], a.threads, 1800))
+        with tempfile.TemporaryDirectory() as tmp:
+            out_file = Path(tmp) / "kernels.json"
+            result["kernels"] = part("bench_cpu_kernels", lambda: subprocess_json(
+                [sys.executable, str(ROOT / "benchmarks" / "bench_cpu_kernels.py"), "--threads", str(a.threads),
+                 "--reps", "3", "--rows", "1,8,32,64,512", "--out", str(out_file)], a.threads, 1800, out_file))
     result["ratios"] = ratios(result, a.pp)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1) + "\n")
