@@ -5,11 +5,12 @@ absolutes; the load average is recorded before and after).
   python benchmarks/bench_cpu_kernels.py [--rows 1,8,32,64,128,512] [--reps 7] [--threads N]
 
 Methods, each through the module the engine uses:
-  ext        W4A16Linear (Q4_1 mins form) on kernels.cpu: int8 dots below DENSE_MIN_ROWS, dequantize into a
-             scratch buffer + GEMM from it; the head: Q8Linear (Q8_0 x Q8 int8 dots below HEAD_DENSE_MIN_ROWS,
-             chunked dequantize + GEMM from it)
-  ext_int    the int8-dot kernel forced at every row count (to place the threshold)
-  ext_dense  dequantize + GEMM forced at every row count
+  ext        W4A16Linear (Q4_1 mins form) on kernels.cpu's interleaved (x8) layout: int8 dots below
+             DENSE_MIN_ROWS, dequantize into a scratch buffer + GEMM from it; the head: Q8Linear (x8 Q8_0 x Q8
+             int8 dots below HEAD_DENSE_MIN_ROWS, chunked dequantize + GEMM from it)
+  ext_int    the x8 int8-dot kernel forced at every row count (to place the threshold)
+  ext_dense  x8 dequantize + GEMM forced at every row count
+  old_int    the previous plain-layout int8-dot kernel (q4_1_gemm / q8_0_gemm: one weight row at a time)
   torch_int4 W4A16Linear prepacked for torch._weight_int4pack_mm_for_cpu (the old default)
   fp32       DenseLinear(fp32 weight).prepack() (oneDNN), the dequantized import's path
 GB/s at one row = the bytes the method's weight holds / time. Writes benchmarks/results/bench_cpu_kernels.json.
@@ -41,7 +42,7 @@ def q4_layer(n: int, k: int, mode: str) -> W4A16Linear:
     q, s, m = _raw(n, k)
     lin = W4A16Linear(q, s, None, 32, mins=m)
     os.environ[kc.MODE_ENV] = mode
-    assert lin.prepack() and (lin.q4_1_blocks is not None) == (mode == "ext"), mode
+    assert lin.prepack() and (lin.q4_1x8 is not None) == (mode == "ext"), mode
     return lin
 
 
@@ -52,22 +53,26 @@ def methods(name: str, n: int, k: int) -> dict:
         sc = (torch.rand(n, k // 32, generator=g) * 0.01).half()
         dense = DenseLinear((qw.float().reshape(n, -1, 32) * sc.float()[..., None]).reshape(n, k))
         dense.prepack()
-        head = Q8Linear(qw, sc)
+        head = Q8Linear.from_plain(qw, sc)
+        qs, d = head.qs, head.d
         nbytes = head.weight_bytes()
-        return {"ext": (head, nbytes), "ext_int": (lambda x: kc.q8_0_gemm(x, qw, sc), nbytes),
-                "ext_dense": (lambda x: torch.cat([x @ kc.q8_0_dequant(qw[r:r + HEAD_CHUNK], sc[r:r + HEAD_CHUNK],
-                                                                      kc.scratch(min(HEAD_CHUNK, n - r), k)).t()
+        return {"ext": (head, nbytes), "ext_int": (lambda x: kc.q8_0x8_gemm(x, qs, d, n), nbytes),
+                "ext_dense": (lambda x: torch.cat([x @ kc.q8_0x8_dequant(qs, d, r, kc.scratch(min(HEAD_CHUNK, n - r),
+                                                                                             k)).t()
                                                    for r in range(0, n, HEAD_CHUNK)], dim=1), nbytes),
+                "old_int": (lambda x: kc.q8_0_gemm(x, qw, sc), nbytes),
                 "fp32": (dense, n * k * 4)}
     ext, old = q4_layer(n, k, "ext"), q4_layer(n, k, "torch")
-    blocks = ext.q4_1_blocks
-    assert blocks is not None
+    packed = ext.q4_1x8
+    assert packed is not None
+    blocks = kc.pack_q4_1(*_raw(n, k), 32)
     dense = DenseLinear(group_dequantize_mins(*_raw(n, k), 32))
     dense.prepack()
-    nbytes = blocks.numel()
+    nbytes = packed.numel()
     return {"ext": (ext, nbytes),
-            "ext_int": (lambda x: kc.q4_1_gemm(x, blocks), nbytes),
-            "ext_dense": (lambda x: x @ kc.q4_1_dequant(blocks, kc.scratch(n, k)).t(), nbytes),
+            "ext_int": (lambda x: kc.q4_1x8_gemm(x, packed, n), nbytes),
+            "ext_dense": (lambda x: x @ kc.q4_1x8_dequant(packed, n, kc.scratch(n, k)).t(), nbytes),
+            "old_int": (lambda x: kc.q4_1_gemm(x, blocks), nbytes),
             "torch_int4": (old, old.int4pack.numel() + old.scales_and_zeros.numel() * 2),  # type: ignore[union-attr]
             "fp32": (dense, n * k * 4)}
 
@@ -119,6 +124,8 @@ def main() -> int:
                 base = row.get("torch_int4_ms", row["fp32_ms"])
                 row["ext_speedup_vs_torch_int4" if "torch_int4_ms" in row else "ext_speedup_vs_fp32"] = \
                     round(base / row["ext_ms"], 2)
+                row["x8_speedup_vs_old_int"] = round(row["old_int_ms"] / row["ext_int_ms"], 2)
+                row["x8_int_over_dense"] = round(row["ext_dense_ms"] / row["ext_int_ms"], 2)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     result = {"threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),

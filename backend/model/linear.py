@@ -15,9 +15,10 @@ from backend.quant.packing import group_dequantize_mins, unpack_uint4
 
 PREPACK_ENV = "EDGEINFER_CPU_PREPACK"
 PREPACK_BATCH_HINT = 64   # oneDNN picks its blocking for this many rows (a hint of 1 was 2x slower at 32 rows)
-DENSE_MIN_ROWS = 48       # from this many rows kernels.cpu dequantizes to a scratch fp32 weight and runs a GEMM
-                          # (benchmarks/bench_cpu_kernels.py: the int8-dot kernel wins below, the GEMM above)
-HEAD_DENSE_MIN_ROWS = 64  # the same for the Q8_0 head (dequantized HEAD_CHUNK rows at a time): measured a wash at 64
+DENSE_MIN_ROWS = 1 << 30  # from this many rows kernels.cpu would dequantize to a scratch fp32 weight and run a GEMM;
+                          # the interleaved (x8) int8 kernel beat that at every row count measured (1 .. 2048:
+                          # benchmarks/bench_cpu_kernels.py, docs/notes/batched.md), so in effect never
+HEAD_DENSE_MIN_ROWS = 1 << 30  # the same for the Q8_0 head (x8 int8 dots vs chunked dequantize + GEMM)
 HEAD_CHUNK = 4096
 
 
@@ -108,9 +109,10 @@ class W4A16Linear(nn.Module):
     Or, with `mins` instead of zeros (GGUF Q4_1, exact): w = q * scale + min.
 
     On CUDA: kernels.w4a16_gemm (Triton). On CPU the reference dequantizes the whole weight every call;
-    `prepack()` instead packs the `mins` form (group a multiple of 32) once into GGUF Q4_1 blocks for
-    kernels.cpu (activations quantized to int8 per 32, integer dots, as llama.cpp; from DENSE_MIN_ROWS rows a
-    dequantize into a reused scratch buffer then a dense GEMM), or, where those are off or unavailable
+    `prepack()` instead packs the `mins` form (group a multiple of 32) once into GGUF Q4_1 blocks with 8 rows
+    interleaved (kernels.cpu.pack_q4_1x8) for kernels.cpu (activations quantized to int8 per 32, integer dots,
+    as llama.cpp's repacked Q4_0_8x8; from DENSE_MIN_ROWS rows a dequantize into a reused scratch buffer then a
+    dense GEMM), or, where those are off or unavailable
     (kernels.cpu.MODE_ENV) and for the `zeros` form, repacks it once for torch's CPU int4 GEMM (`_weight_int4pack_mm_for_cpu`, as
     gpt-fast/torchao use): still 4 bits a weight in memory, activations through it in bf16 and the fp16
     scales and zero points rounded to bf16 (the op's format: w = (q - 8) * s + z', z' = (8 - zero) * s,
@@ -141,7 +143,7 @@ class W4A16Linear(nn.Module):
         self.int4pack: torch.Tensor | None = None                    # CPU: torch's packed int4 layout
         self.scales_and_zeros: torch.Tensor | None = None            # [in//op_group, out, 2] bf16
         self._op_group = group_size                                    # group the CPU int4 GEMM runs with
-        self.q4_1_blocks: torch.Tensor | None = None                 # CPU: [out, in//32 * 20] for kernels.cpu
+        self.q4_1x8: torch.Tensor | None = None                      # CPU: [ceil(out/8), in//32 * 160] for kernels.cpu
         self._kernel_form: tuple[torch.Tensor, torch.Tensor] | None = None   # CUDA, with mins: (scales, zeros)
 
     @property
@@ -160,7 +162,7 @@ class W4A16Linear(nn.Module):
 
     @property
     def prepacked(self) -> bool:
-        return self.int4pack is not None or self.q4_1_blocks is not None
+        return self.int4pack is not None or self.q4_1x8 is not None
 
     def prepack(self) -> bool:
         """CPU only: pack for kernels.cpu (mins form) or torch's int4 CPU GEMM and free the original buffers.
@@ -169,7 +171,8 @@ class W4A16Linear(nn.Module):
             return True
         if (self.mins is not None and self.group_size % cpu_kernels.BLOCK == 0 and self.qweight.device.type == "cpu"
                 and cpu_kernels.enabled()):
-            self.q4_1_blocks = cpu_kernels.pack_q4_1(self.qweight, self.scales, self.mins, self.group_size)
+            self.q4_1x8 = cpu_kernels.pack_q4_1x8(
+                cpu_kernels.pack_q4_1(self.qweight, self.scales, self.mins, self.group_size))
             self.qweight = self.scales = self.mins = None  # type: ignore[assignment]
             return True
         group = int4_cpu_group(self.group_size)
@@ -207,13 +210,13 @@ class W4A16Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        if self.q4_1_blocks is not None:
+        if self.q4_1x8 is not None:
             n, k = self._shape
             x2 = x.reshape(-1, k).to(torch.float32).contiguous()            # [rows, in] -> [rows, out]
             if x2.shape[0] < DENSE_MIN_ROWS:
-                y = cpu_kernels.q4_1_gemm(x2, self.q4_1_blocks)
+                y = cpu_kernels.q4_1x8_gemm(x2, self.q4_1x8, n)
             else:
-                y = x2 @ cpu_kernels.q4_1_dequant(self.q4_1_blocks, cpu_kernels.scratch(n, k)).t()
+                y = x2 @ cpu_kernels.q4_1x8_dequant(self.q4_1x8, n, cpu_kernels.scratch(n, k)).t()
             y = y.reshape(*x.shape[:-1], n)
         elif self.int4pack is not None:
             assert self.scales_and_zeros is not None   # set together with int4pack
@@ -247,6 +250,16 @@ class Q8Embedding(nn.Module):
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)
         self._dtype = dtype
+        self._shape = qweight.shape
+        self.interleaved = False   # True once interleave() holds the table in kernels.cpu's x8 layout
+
+    def interleave(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hold the table in kernels.cpu's x8 layout (pack_q8_0x8) instead of the plain one, so a tied Q8Linear
+        head reads the same bytes (one copy): lookups then gather their rows from it. Returns (qs, d)."""
+        if not self.interleaved:
+            self.qweight, self.scales = cpu_kernels.pack_q8_0x8(self.qweight, self.scales)
+            self.interleaved = True
+        return self.qweight, self.scales
 
     @property
     def dtype(self) -> torch.dtype:
@@ -258,9 +271,12 @@ class Q8Embedding(nn.Module):
 
     @property
     def shape(self) -> torch.Size:
-        return self.qweight.shape
+        return self._shape
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        if self.interleaved:
+            q, s = cpu_kernels.q8_0x8_rows(self.qweight, self.scales, rows, n=self._shape[0])
+            return dequantize_int8(q, s).to(self._dtype)
         q = self.qweight if rows is None else self.qweight.index_select(0, rows)
         s = self.scales if rows is None else self.scales.index_select(0, rows)
         return dequantize_int8(q, s).to(self._dtype)
@@ -272,41 +288,51 @@ class Q8Embedding(nn.Module):
 
 
 class Q8Linear(nn.Module):
-    """y = x @ W.T for a GGUF Q8_0 table (int8 [out, in] + fp16 scales per 32) on kernels.cpu's int8 dots, with
-    the activations quantized to int8 per 32 (llama.cpp's Q8_0 x Q8_1): the tied head of a Q8_0 embedding,
-    sharing its buffers (a quarter of the fp32 copy's bytes read per step, no copy held). From
-    HEAD_DENSE_MIN_ROWS rows (compute-bound) it dequantizes HEAD_CHUNK rows at a time into a scratch buffer
-    and runs fp32 GEMMs instead."""
+    """y = x @ W.T for a GGUF Q8_0 table on kernels.cpu's int8 dots, held in its x8 layout (qs, d: 8 rows
+    interleaved, kernels.cpu.pack_q8_0x8), with the activations quantized to int8 per 32 (llama.cpp's Q8_0 x
+    Q8_1): the tied head of a Q8_0 embedding, sharing its (interleaved) buffers: a quarter of the fp32 copy's
+    bytes read per step, no copy held. From HEAD_DENSE_MIN_ROWS rows it dequantizes HEAD_CHUNK rows at a time
+    into a scratch buffer and runs fp32 GEMMs instead."""
 
-    qweight: torch.Tensor
-    scales: torch.Tensor
+    qs: torch.Tensor
+    d: torch.Tensor
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor) -> None:
+    def __init__(self, qs: torch.Tensor, d: torch.Tensor, out_features: int) -> None:
         super().__init__()
-        self.register_buffer("qweight", qweight)
-        self.register_buffer("scales", scales)
+        self.register_buffer("qs", qs)
+        self.register_buffer("d", d)
+        self._n = out_features
+
+    @classmethod
+    def from_plain(cls, qweight: torch.Tensor, scales: torch.Tensor) -> Q8Linear:
+        """From int8 [out, in] + fp16 scales [out, in/32] (packed into a new x8 copy)."""
+        return cls(*cpu_kernels.pack_q8_0x8(qweight, scales), qweight.shape[0])
+
+    @classmethod
+    def tied_to(cls, embed: Q8Embedding) -> Q8Linear:
+        """The head on the embedding's own table (interleaved in place: one copy for both)."""
+        return cls(*embed.interleave(), embed.shape[0])
 
     @property
     def out_features(self) -> int:
-        return self.qweight.shape[0]
+        return self._n
 
     @property
     def prepacked(self) -> bool:
         return False            # holds no copy beyond its (shared) buffers, counted by the model once
 
     def weight_bytes(self) -> int:
-        return self.qweight.numel() + self.scales.numel() * self.scales.element_size()
+        return self.qs.numel() + self.d.numel() * self.d.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out] fp32
-        n, k = self.qweight.shape
+        n, k = self._n, self.qs.shape[1] // 256 * 32
         x2 = x.reshape(-1, k).to(torch.float32).contiguous()
         if x2.shape[0] < HEAD_DENSE_MIN_ROWS:
-            y = cpu_kernels.q8_0_gemm(x2, self.qweight, self.scales)
-        else:   # compute-bound: dequantize a chunk of rows into the scratch buffer, fp32 GEMM, next chunk
+            y = cpu_kernels.q8_0x8_gemm(x2, self.qs, self.d, n)
+        else:   # dequantize a chunk of rows into the scratch buffer, fp32 GEMM, next chunk
             y = torch.empty(x2.shape[0], n)
             for r in range(0, n, HEAD_CHUNK):
-                q, s = self.qweight[r: r + HEAD_CHUNK], self.scales[r: r + HEAD_CHUNK]
-                w = cpu_kernels.q8_0_dequant(q, s, cpu_kernels.scratch(q.shape[0], k))
-                y[:, r: r + q.shape[0]] = x2 @ w.t()
+                w = cpu_kernels.q8_0x8_dequant(self.qs, self.d, r, cpu_kernels.scratch(min(HEAD_CHUNK, n - r), k))
+                y[:, r: r + w.shape[0]] = x2 @ w.t()
         return y.reshape(*x.shape[:-1], n)

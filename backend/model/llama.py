@@ -203,11 +203,12 @@ class LlamaModel(nn.Module):
     def prepack(self) -> int:
         """Prepack every dense linear for oneDNN and every INT4 linear for kernels.cpu or torch's CPU int4
         GEMM (CPU); a head tied to a Q8_0 embedding becomes a Q8Linear on the embedding's own int8 table
-        (where kernels.cpu is enabled), dropping its fp32 copy. Returns how many were packed."""
+        (where kernels.cpu is enabled; the table interleaved in place, the lookups reading it too), dropping its
+        fp32 copy. Returns how many were packed."""
         swapped = 0
         if (isinstance(self.embed_tokens, Q8Embedding) and self.tied_lm_head and self.device.type == "cpu"
                 and isinstance(self.lm_head_linear, DenseLinear) and cpu_kernels.enabled()):
-            self.lm_head_linear = Q8Linear(self.embed_tokens.qweight, self.embed_tokens.scales)
+            self.lm_head_linear = Q8Linear.tied_to(self.embed_tokens)
             swapped = 1
         return swapped + sum(m.prepack() for m in self.modules() if isinstance(m, DenseLinear | W4A16Linear))
 

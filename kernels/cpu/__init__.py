@@ -8,9 +8,16 @@ Ops (every one has a pure-torch reference with the same signature in kernels.cpu
   q8_0_gemm(x [M, K] fp32, qweight [N, K] int8, scales [N, K/32] fp16) -> [M, N] fp32
   q4_1_dequant(blocks, out [N, K] fp32) -> out                                         (then a dense GEMM)
   q8_0_dequant(qweight, scales, out [N, K] fp32) -> out
+  q4_1x8_gemm(x, packed [ceil(N/8), K/32*160] uint8, n) -> [M, n] fp32               (8 weight rows interleaved)
+  q8_0x8_gemm(x, qs [ceil(N/8), K/32*256] int8, d [ceil(N/8), K/32*8] fp16, n) -> [M, n] fp32
+  q4_1x8_dequant(packed, n, out [n, K] fp32) -> out
+  q8_0x8_dequant(qs, d, row0, out [rows, K] fp32) -> out                               (rows row0 .. row0+rows)
 
 `blocks` is GGUF's Q4_1 block (fp16 d, fp16 m, 16 bytes: byte j = q[j] | q[j+16] << 4; w = d * q + m),
 built once from our layout by pack_q4_1. A Q4_0 weight is the same with m = -8 d.
+The x8 layouts (pack_q4_1x8, pack_q8_0x8) interleave 8 weight rows per block, as llama.cpp's "repack": one
+int8 maddubs then computes 8 output columns for an activation row, and a tile of activation rows reuses the
+weight registers (kernels/cpu/q4.cpp's header has the byte layout).
 
 EDGEINFER_CPU_KERNELS=auto (default) | ext | torch picks the CPU path of the native INT4 model:
 auto uses these kernels where `unavailable_reason()` is None and otherwise torch's int4 GEMM with one
@@ -41,6 +48,7 @@ LDFLAGS = ["-fopenmp"]   # at::parallel_for is inline OpenMP: without it the ker
                          # soname libgomp.so.1 resolves to the copy torch already loaded, so one pool
 BLOCK = 32
 Q4_1_BLOCK_BYTES = 20
+X8 = 8
 
 
 class KernelUnavailable(RuntimeError):
@@ -167,3 +175,70 @@ def q4_1_dequant(blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 def q8_0_dequant(qweight: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return _ops().q8_0_dequant(qweight, scales, out)
+
+
+def _pad_rows(t: torch.Tensor) -> torch.Tensor:
+    pad = -t.shape[0] % X8
+    return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+
+
+def pack_q4_1x8(blocks: torch.Tensor) -> torch.Tensor:
+    """GGUF Q4_1 blocks [N, nb * 20] -> the interleaved layout [ceil(N/8), nb * 160] (rows past N zero): per
+    block fp16 d[8], fp16 m[8], then chunk j (0..3) = bytes 4j..4j+3 of each row's 16 nibble bytes."""
+    nb = blocks.shape[1] // Q4_1_BLOCK_BYTES
+    b = _pad_rows(blocks).reshape(-1, X8, nb, Q4_1_BLOCK_BYTES).transpose(1, 2)          # [G, nb, 8, 20]
+    g = b.shape[0]
+    qs = b[..., 4:].reshape(g, nb, X8, 4, 4).transpose(2, 3)                             # [G, nb, j, r, 4]
+    return torch.cat([b[..., 0:2].reshape(g, nb, 16), b[..., 2:4].reshape(g, nb, 16), qs.reshape(g, nb, 128)],
+                     dim=-1).reshape(g, nb * 160).contiguous()
+
+
+def unpack_q4_1x8(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of pack_q4_1x8: GGUF Q4_1 blocks [n, nb * 20]."""
+    g, nb = packed.shape[0], packed.shape[1] // 160
+    p = packed.reshape(g, nb, 160)
+    d, m = p[..., 0:16].reshape(g, nb, X8, 2), p[..., 16:32].reshape(g, nb, X8, 2)
+    qs = p[..., 32:].reshape(g, nb, 4, X8, 4).transpose(2, 3).reshape(g, nb, X8, 16)
+    b = torch.cat([d, m, qs], dim=-1).transpose(1, 2)                                   # [G, 8, nb, 20]
+    return b.reshape(g * X8, nb * Q4_1_BLOCK_BYTES)[:n].contiguous()
+
+
+def pack_q8_0x8(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 int8 [N, K] + fp16 scales [N, K/32] -> qs [ceil(N/8), nb * 256] int8 (chunk c = int8 k 4c..4c+3 of
+    each of the 8 rows), d [ceil(N/8), nb * 8] fp16."""
+    k = qweight.shape[1]
+    nb = k // BLOCK
+    q = _pad_rows(qweight).reshape(-1, X8, nb, 8, 4)                                     # [G, r, nb, c, 4]
+    g = q.shape[0]
+    qs = q.permute(0, 2, 3, 1, 4).reshape(g, nb * 256).contiguous()
+    d = _pad_rows(scales.to(torch.float16)).reshape(g, X8, nb).transpose(1, 2).reshape(g, nb * X8).contiguous()
+    return qs, d
+
+
+def q8_0x8_rows(qs: torch.Tensor, d: torch.Tensor, rows: torch.Tensor | None = None,
+                n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of a pack_q8_0x8 table back in the plain form: int8 [len, K], fp16 scales [len, K/32] (all n rows
+    where rows is None)."""
+    g, nb = qs.shape[0], qs.shape[1] // 256
+    if rows is None:
+        rows = torch.arange(g * X8 if n is None else n)
+    gi, li = rows // X8, rows % X8
+    q = qs.view(g, nb, 8, X8, 4)[gi, :, :, li, :]                                       # [len, nb, c, 4]
+    s = d.view(g, nb, X8)[gi, :, li]                                                    # [len, nb]
+    return q.reshape(rows.shape[0], nb * BLOCK), s
+
+
+def q4_1x8_gemm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    return _ops().q4_1x8_gemm(x, packed, n)
+
+
+def q8_0x8_gemm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, n: int) -> torch.Tensor:
+    return _ops().q8_0x8_gemm(x, qs, d, n)
+
+
+def q4_1x8_dequant(packed: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
+    return _ops().q4_1x8_dequant(packed, n, out)
+
+
+def q8_0x8_dequant(qs: torch.Tensor, d: torch.Tensor, row0: int, out: torch.Tensor) -> torch.Tensor:
+    return _ops().q8_0x8_dequant(qs, d, row0, out)

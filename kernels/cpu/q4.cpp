@@ -7,6 +7,11 @@
 //   q4_1    [N, K/32 * 20] uint8: per block fp16 d, fp16 m, 16 bytes (byte j = q[j] | q[j + 16] << 4);
 //           w = d * q + m (GGUF Q4_1's block; Q4_0 is m = -8 d)
 //   q8_0    qweight [N, K] int8, scales [N, K/32] fp16; w = d * q
+//   q4_1x8  [G, K/32 * 160] uint8, G = ceil(N / 8): 8 weight rows interleaved per block (llama.cpp's "repack"
+//           idea): fp16 d[8], fp16 m[8], then 4 chunks of 32 bytes, chunk j = for row r 0..7 the GGUF bytes
+//           4j .. 4j+3 of row r (low nibbles k = 4j + i, high nibbles k = 16 + 4j + i); rows >= N are zero
+//   q8_0x8  qs [G, K/32 * 256] int8 (8 chunks of 32 bytes, chunk c = for row r the int8 k = 4c .. 4c+3),
+//           d [G, K/32 * 8] fp16
 //   out     [M, N] fp32
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -284,6 +289,224 @@ at::Tensor q8_0_dequant(const at::Tensor& qw, const at::Tensor& scales, const at
   return out;
 }
 
+
+// ---- interleaved (x8) kernels: a tile of T activation rows x 8 weight rows per block. The weight chunk
+// registers hold 4 k-values of each of the 8 rows; the activation's 4 bytes are broadcast to all 8, so one
+// maddubs does 8 rows at once, the int32 lanes are the 8 output columns, and scales/mins are vectors.
+constexpr int64_t X8 = 8;
+constexpr int64_t Q4X8_BYTES = 160;
+constexpr int64_t Q8X8_BYTES = 256;
+constexpr int64_t X8_TILE = 4;
+
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  __builtin_memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+inline void store8(float* o, __m256 v, int64_t valid) {   // 8 output columns, fewer at the padded end
+  if (valid >= X8) {
+    _mm256_storeu_ps(o, v);
+  } else {
+    alignas(32) float tmp[8];
+    _mm256_store_ps(tmp, v);
+    for (int64_t i = 0; i < valid; ++i) o[i] = tmp[i];
+  }
+}
+
+template <int T>
+inline void q4_1x8_tile(const uint8_t* wg, int64_t nb, const Q8Rows& y, int64_t m0, float* out, int64_t N,
+                        int64_t n0) {
+  const __m256i lo = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* w = wg + b * Q4X8_BYTES;
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)));
+    __m256i q[8];
+    for (int j = 0; j < 4; ++j) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 + 32 * j));
+      q[j] = _mm256_and_si256(raw, lo);
+      q[j + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo);
+    }
+    for (int t = 0; t < T; ++t) {
+      const int64_t r = (m0 + t) * nb + b;
+      const int8_t* qy = y.q.data() + r * QK;
+      __m256i s16 = _mm256_maddubs_epi16(q[0], bcast4(qy));   // <= 16 products of 15 * 127 per lane: no overflow
+      for (int j = 1; j < 4; ++j) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(q[j], bcast4(qy + 4 * j)));
+      for (int j = 0; j < 4; ++j)
+        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(q[j + 4], bcast4(qy + 16 + 4 * j)));
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+      acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(y.d[r])), dot, acc[t]);
+      acc[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(y.s[r]), acc[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) store8(out + (m0 + t) * N + n0, acc[t], N - n0);
+}
+
+template <int T>
+inline void q8_0x8_tile(const int8_t* wg, const uint8_t* dg, int64_t nb, const Q8Rows& y, int64_t m0, float* out,
+                        int64_t N, int64_t n0) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* w = wg + b * Q8X8_BYTES;
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dg + b * 16)));
+    __m256i q[8], a[8];
+    for (int c = 0; c < 8; ++c) {
+      q[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c));
+      a[c] = _mm256_sign_epi8(q[c], q[c]);
+    }
+    for (int t = 0; t < T; ++t) {
+      const int64_t r = (m0 + t) * nb + b;
+      const int8_t* qy = y.q.data() + r * QK;
+      __m256i s32 = _mm256_setzero_si256();   // a pair of 128 * 127 products nearly fills int16: madd per chunk
+      for (int c = 0; c < 8; ++c) {
+        const __m256i p = _mm256_maddubs_epi16(a[c], _mm256_sign_epi8(bcast4(qy + 4 * c), q[c]));
+        s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(p, ones));
+      }
+      acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(y.d[r])), _mm256_cvtepi32_ps(s32), acc[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) store8(out + (m0 + t) * N + n0, acc[t], N - n0);
+}
+
+template <typename Tile>
+void over_tiles(int64_t M, Tile tile) {   // full tiles of X8_TILE activation rows, then the rest
+  int64_t m0 = 0;
+  for (; m0 + X8_TILE <= M; m0 += X8_TILE) tile(std::integral_constant<int, X8_TILE>{}, m0);
+  switch (M - m0) {
+    case 3: tile(std::integral_constant<int, 3>{}, m0); break;
+    case 2: tile(std::integral_constant<int, 2>{}, m0); break;
+    case 1: tile(std::integral_constant<int, 1>{}, m0); break;
+    default: break;
+  }
+}
+
+int64_t groups_of(int64_t n) { return (n + X8 - 1) / X8; }
+
+void check_x8(const at::Tensor& w, int64_t n, int64_t row_bytes, at::ScalarType dtype, const char* op,
+              const char* what) {
+  TORCH_CHECK(n >= 0, op, ": n must be >= 0, got ", n);
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == dtype && w.dim() == 2 && w.is_contiguous() &&
+                  w.size(0) == groups_of(n) && w.size(1) % row_bytes == 0,
+              op, ": ", what, " must be contiguous ", dtype, " [ceil(", n, " / 8) = ", groups_of(n), ", K/32 * ",
+              row_bytes, "], got ", w.scalar_type(), " ", w.sizes());
+}
+
+at::Tensor q4_1x8_gemm(const at::Tensor& x, const at::Tensor& w, int64_t n) {
+  check_x8(w, n, Q4X8_BYTES, at::kByte, "q4_1x8_gemm", "weight");
+  const int64_t G = w.size(0), nb = w.size(1) / Q4X8_BYTES, K = nb * QK;
+  check_x(x, K, "q4_1x8_gemm");
+  const int64_t M = x.size(0);
+  at::Tensor out = at::empty({M, n}, x.options());
+  if (M == 0 || n == 0) return out;
+  const Q8Rows y = quantize_rows(x.data_ptr<float>(), M, K);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, G, std::max<int64_t>(1, G / (4 * at::get_num_threads())), [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      over_tiles(M, [&](auto t, int64_t m0) {
+        q4_1x8_tile<decltype(t)::value>(wp + g * nb * Q4X8_BYTES, nb, y, m0, op, n, g * X8);
+      });
+  });
+  return out;
+}
+
+at::Tensor q8_0x8_gemm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, int64_t n) {
+  check_x8(qs, n, Q8X8_BYTES, at::kChar, "q8_0x8_gemm", "qs");
+  const int64_t G = qs.size(0), nb = qs.size(1) / Q8X8_BYTES, K = nb * QK;
+  TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() && d.dim() == 2 && d.size(0) == G &&
+                  d.size(1) == nb * X8,
+              "q8_0x8_gemm: d must be contiguous fp16 [", G, ", ", nb * X8, "], got ", d.scalar_type(), " ",
+              d.sizes());
+  check_x(x, K, "q8_0x8_gemm");
+  const int64_t M = x.size(0);
+  at::Tensor out = at::empty({M, n}, x.options());
+  if (M == 0 || n == 0) return out;
+  const Q8Rows y = quantize_rows(x.data_ptr<float>(), M, K);
+  const int8_t* wp = qs.data_ptr<int8_t>();
+  const uint8_t* dp = reinterpret_cast<const uint8_t*>(d.data_ptr<at::Half>());
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, G, std::max<int64_t>(1, G / (4 * at::get_num_threads())), [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      over_tiles(M, [&](auto t, int64_t m0) {
+        q8_0x8_tile<decltype(t)::value>(wp + g * nb * Q8X8_BYTES, dp + g * nb * 16, nb, y, m0, op, n, g * X8);
+      });
+  });
+  return out;
+}
+
+// q4_1x8 -> fp32 [n, K] (gguf's values, as q4_1_dequant)
+at::Tensor q4_1x8_dequant(const at::Tensor& w, int64_t n, const at::Tensor& out) {
+  check_x8(w, n, Q4X8_BYTES, at::kByte, "q4_1x8_dequant", "weight");
+  const int64_t nb = w.size(1) / Q4X8_BYTES, K = nb * QK;
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == n &&
+                  out.size(1) == K,
+              "q4_1x8_dequant: out must be contiguous float32 [", n, ", ", K, "], got ", out.scalar_type(), " ",
+              out.sizes());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const __m128i lo = _mm_set1_epi8(0x0F);
+  at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t row = r0; row < r1; ++row) {
+      const int64_t g = row / X8, l = row % X8;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = wp + (g * nb + b) * Q4X8_BYTES;
+        const __m256 d = _mm256_set1_ps(f16(blk + 2 * l)), m = _mm256_set1_ps(f16(blk + 16 + 2 * l));
+        int32_t c[4];
+        for (int j = 0; j < 4; ++j) __builtin_memcpy(&c[j], blk + 32 + 32 * j + 4 * l, 4);
+        const __m128i raw = _mm_setr_epi32(c[0], c[1], c[2], c[3]);
+        const __m128i q[2] = {_mm_and_si128(raw, lo), _mm_and_si128(_mm_srli_epi16(raw, 4), lo)};
+        float* o = op + row * K + b * QK;
+        for (int h = 0; h < 2; ++h) {
+          const __m256 f0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q[h]));
+          const __m256 f1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q[h], 8)));
+          _mm256_storeu_ps(o + 16 * h, _mm256_add_ps(_mm256_mul_ps(f0, d), m));
+          _mm256_storeu_ps(o + 16 * h + 8, _mm256_add_ps(_mm256_mul_ps(f1, d), m));
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// q8_0x8 rows [g0 * 8, g0 * 8 + out.size(0)) -> fp32 (a chunk of the head at a time)
+at::Tensor q8_0x8_dequant(const at::Tensor& qs, const at::Tensor& d, int64_t row0, const at::Tensor& out) {
+  TORCH_CHECK(qs.scalar_type() == at::kChar && qs.is_contiguous() && qs.dim() == 2 &&
+                  qs.size(1) % Q8X8_BYTES == 0 && d.scalar_type() == at::kHalf && d.is_contiguous() &&
+                  d.numel() * 32 == qs.numel(),
+              "q8_0x8_dequant: qs must be contiguous int8 [G, K/32 * 256] and d fp16 [G, K/32 * 8], got ",
+              qs.sizes(), " and ", d.sizes());
+  const int64_t nb = qs.size(1) / Q8X8_BYTES, K = nb * QK, rows = out.size(0);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(1) == K &&
+                  row0 >= 0 && row0 + rows <= qs.size(0) * X8,
+              "q8_0x8_dequant: out must be contiguous float32 [rows, ", K, "] within the ", qs.size(0) * X8,
+              " rows from row0 ", row0, ", got ", out.sizes());
+  const int8_t* wp = qs.data_ptr<int8_t>();
+  const uint8_t* dp = reinterpret_cast<const uint8_t*>(d.data_ptr<at::Half>());
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0; i < r1; ++i) {
+      const int64_t row = row0 + i, g = row / X8, l = row % X8;
+      for (int64_t b = 0; b < nb; ++b) {
+        const __m256 s = _mm256_set1_ps(f16(dp + ((g * nb + b) * X8 + l) * 2));
+        const int8_t* blk = wp + (g * nb + b) * Q8X8_BYTES + 4 * l;
+        for (int c = 0; c < 8; c += 2) {
+          int32_t v[2];
+          __builtin_memcpy(&v[0], blk + 32 * c, 4);
+          __builtin_memcpy(&v[1], blk + 32 * (c + 1), 4);
+          const __m128i q = _mm_setr_epi32(v[0], v[1], 0, 0);
+          _mm256_storeu_ps(op + i * K + b * QK + 4 * c, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), s));
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(edgeinfer_cpu, m) {
@@ -292,4 +515,8 @@ TORCH_LIBRARY(edgeinfer_cpu, m) {
   m.def("q8_0_gemm", &q8_0_gemm);
   m.def("q4_1_dequant", &q4_1_dequant);
   m.def("q8_0_dequant", &q8_0_dequant);
+  m.def("q4_1x8_gemm", &q4_1x8_gemm);
+  m.def("q8_0x8_gemm", &q8_0x8_gemm);
+  m.def("q4_1x8_dequant", &q4_1x8_dequant);
+  m.def("q8_0x8_dequant", &q8_0x8_dequant);
 }

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.cpu import q8_0x8_rows, unpack_q4_1x8
+
 BLOCK = 32
 
 
@@ -56,3 +58,20 @@ def q8_0_dequant(qweight: torch.Tensor, scales: torch.Tensor, out: torch.Tensor)
     n, k = qweight.shape
     out.copy_((qweight.float().reshape(n, -1, BLOCK) * scales.float()[..., None]).reshape(n, k))
     return out
+
+
+def q4_1x8_gemm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    return q4_1_gemm(x, unpack_q4_1x8(packed, n))
+
+
+def q8_0x8_gemm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, n: int) -> torch.Tensor:
+    return q8_0_gemm(x, *q8_0x8_rows(qs, d, n=n))
+
+
+def q4_1x8_dequant(packed: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
+    return q4_1_dequant(unpack_q4_1x8(packed, n), out)
+
+
+def q8_0x8_dequant(qs: torch.Tensor, d: torch.Tensor, row0: int, out: torch.Tensor) -> torch.Tensor:
+    q, s = q8_0x8_rows(qs, d, torch.arange(row0, row0 + out.shape[0]))
+    return q8_0_dequant(q, s, out)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kernels.cpu as kc
-from backend.model.linear import DENSE_MIN_ROWS, HEAD_DENSE_MIN_ROWS, Q8Linear, W4A16Linear
+from backend.model.linear import Q8Embedding, Q8Linear, W4A16Linear
 from backend.quant.packing import group_dequantize_mins
 from kernels.cpu import reference as ref
 
@@ -87,6 +87,55 @@ def test_q8_0_gemm_matches_reference_and_dequantized_weight(m, n, k):
     assert float((got - dense).norm() / dense.norm()) < 0.05
 
 
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("n,k", SHAPES + [(8, 64), (960, 576)])
+def test_q4_1x8_gemm_matches_reference_and_the_plain_kernel(m, n, k):
+    """The interleaved layout (8 rows, N padded to a multiple of 8) computes what the plain Q4_1 blocks do."""
+    blocks = kc.pack_q4_1(*q4_weight(n, k), 32)
+    packed = kc.pack_q4_1x8(blocks)
+    assert packed.shape == ((n + 7) // 8, k // 32 * 160) and torch.equal(kc.unpack_q4_1x8(packed, n), blocks)
+    x = activations(m, k)
+    got = kc.q4_1x8_gemm(x, packed, n)
+    assert got.shape == (m, n) and close(got, ref.q4_1x8_gemm(x, packed, n)) and close(got, ref.q4_1_gemm(x, blocks))
+    assert close(got, kc.q4_1_gemm(x, blocks))
+    want = group_dequantize_mins(*q4_weight(n, k), 32)
+    assert torch.equal(kc.q4_1x8_dequant(packed, n, torch.empty(n, k)), want)
+    assert torch.equal(ref.q4_1x8_dequant(packed, n, torch.empty(n, k)), want)
+
+
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("n,k", SHAPES + [(960, 576)])
+def test_q8_0x8_gemm_matches_reference_and_the_plain_kernel(m, n, k):
+    g = torch.Generator().manual_seed(4)
+    qweight = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    qweight[0, :4] = -128                                                       # |q| = 128 in one chunk
+    scales = (torch.rand(n, k // 32, generator=g) * 0.01).half()
+    qs, d = kc.pack_q8_0x8(qweight, scales)
+    assert qs.shape == ((n + 7) // 8, k // 32 * 256) and d.shape == ((n + 7) // 8, k // 32 * 8)
+    q, s = kc.q8_0x8_rows(qs, d, n=n)
+    assert torch.equal(q, qweight) and torch.equal(s, scales)
+    x = activations(m, k)
+    got = kc.q8_0x8_gemm(x, qs, d, n)
+    want = ref.q8_0_gemm(x, qweight, scales)
+    assert got.shape == (m, n) and close(got, want) and close(ref.q8_0x8_gemm(x, qs, d, n), want)
+    r0 = n // 3
+    plain = kc.q8_0_dequant(qweight[r0:].contiguous(), scales[r0:].contiguous(), torch.empty(n - r0, k))
+    assert torch.equal(kc.q8_0x8_dequant(qs, d, r0, torch.empty(n - r0, k)), plain)
+    assert torch.equal(ref.q8_0x8_dequant(qs, d, r0, torch.empty(n - r0, k)), plain)
+
+
+def test_interleaved_embedding_looks_up_the_same_rows():
+    g = torch.Generator().manual_seed(6)
+    qweight = torch.randint(-128, 128, (67, 96), dtype=torch.int8, generator=g)
+    scales = (torch.rand(67, 3, generator=g) * 0.01).half()
+    emb = Q8Embedding(qweight, scales)
+    rows = torch.tensor([0, 66, 7, 8, 7, 65])
+    want, everything = emb.index_select(0, rows), emb.dequantize()
+    head = Q8Linear.tied_to(emb)
+    assert emb.interleaved and emb.shape == (67, 96) and head.qs.data_ptr() == emb.qweight.data_ptr()
+    assert torch.equal(emb.index_select(0, rows), want) and torch.equal(emb.dequantize(), everything)
+
+
 @pytest.mark.parametrize("group", [32, 64])
 def test_pack_and_dequant_are_gguf_values_bit_for_bit(group):
     qweight, scales, mins = q4_weight(37, 192, group)
@@ -97,9 +146,10 @@ def test_pack_and_dequant_are_gguf_values_bit_for_bit(group):
     assert torch.equal(ref.q4_1_dequant(blocks, torch.empty(37, 192)), want)
 
 
-@pytest.mark.parametrize("m", [1, 3, HEAD_DENSE_MIN_ROWS, 40])
+@pytest.mark.parametrize("m", [1, 3, 16, 40])
 def test_q8_linear_head_on_both_sides_of_its_dense_threshold(monkeypatch, m):
     monkeypatch.setattr("backend.model.linear.HEAD_CHUNK", 48)              # several chunks, a short last one
+    monkeypatch.setattr("backend.model.linear.HEAD_DENSE_MIN_ROWS", 16)     # both paths (the default: never dense)
     g = torch.Generator().manual_seed(5)
     qweight = torch.randint(-127, 128, (130, 96), dtype=torch.int8, generator=g)
     scales = (torch.rand(130, 3, generator=g) * 0.01).half()
@@ -107,11 +157,13 @@ def test_q8_linear_head_on_both_sides_of_its_dense_threshold(monkeypatch, m):
     assert torch.equal(kc.q8_0_dequant(qweight, scales, torch.empty(130, 96)), w)
     assert torch.equal(ref.q8_0_dequant(qweight, scales, torch.empty(130, 96)), w)
     x = activations(m, 96)
-    got = Q8Linear(qweight, scales)(x)
-    if m >= HEAD_DENSE_MIN_ROWS:
+    head = Q8Linear.from_plain(qweight, scales)
+    got = head(x)
+    if m >= 16:
         torch.testing.assert_close(got, x @ w.t(), rtol=1e-5, atol=1e-5)
     else:
         assert close(got, ref.q8_0_gemm(x, qweight, scales))
+        assert close(got, ref.q8_0x8_gemm(x, head.qs, head.d, 130))
 
 
 def test_tolerance_fails_a_swapped_nibble_order_or_a_dropped_min():
@@ -130,6 +182,20 @@ def test_tolerance_fails_a_swapped_nibble_order_or_a_dropped_min():
     b[..., 4:] = b[..., 4:].roll(1, dims=-1)                                 # bytes off by one
     assert not close(ref.q4_1_gemm(x, b.reshape(64, -1)), want)
     assert close(kc.q4_1_gemm(x, good), want)
+    packed = kc.pack_q4_1x8(good)                                            # the x8 layout's likely bugs
+    assert close(kc.q4_1x8_gemm(x, packed, 64), want)
+    p = packed.reshape(8, -1, 160).clone()
+    p[..., 32:] = p[..., 32:].reshape(8, -1, 4, 8, 4).transpose(3, 4).reshape(8, -1, 128)   # rows/bytes transposed
+    assert not close(ref.q4_1x8_gemm(x, p.reshape(8, -1), 64), want)
+    p = packed.reshape(8, -1, 160).clone()
+    p[..., 0:32] = p[..., 0:32].reshape(8, -1, 2, 16).flip(2).reshape(8, -1, 32)           # d and m swapped
+    assert not close(ref.q4_1x8_gemm(x, p.reshape(8, -1), 64), want)
+    p = packed.reshape(8, -1, 160).clone()
+    p[..., 16:32] = 0                                                                      # min term dropped
+    assert not close(ref.q4_1x8_gemm(x, p.reshape(8, -1), 64), want)
+    p = packed.reshape(8, -1, 160).clone()
+    p[..., 32:] = p[..., 32:].reshape(8, -1, 4, 32).roll(1, dims=2).reshape(8, -1, 128)    # chunks rotated
+    assert not close(ref.q4_1x8_gemm(x, p.reshape(8, -1), 64), want)
 
 
 def test_bad_inputs_name_the_shapes():
@@ -140,6 +206,10 @@ def test_bad_inputs_name_the_shapes():
         kc.q4_1_gemm(torch.zeros(2, 64, dtype=torch.float64), blocks)
     with pytest.raises(RuntimeError, match=r"scales must be contiguous fp16 \[8, 2\]"):
         kc.q8_0_gemm(torch.zeros(1, 64), torch.zeros(8, 64, dtype=torch.int8), torch.zeros(8, 3).half())
+    with pytest.raises(RuntimeError, match=r"weight must be contiguous Byte \[ceil\(9 / 8\) = 2, K/32 \* 160\]"):
+        kc.q4_1x8_gemm(torch.zeros(2, 64), kc.pack_q4_1x8(blocks), 9)
+    with pytest.raises(RuntimeError, match=r"d must be contiguous fp16 \[1, 16\]"):
+        kc.q8_0x8_gemm(torch.zeros(1, 64), torch.zeros(1, 512, dtype=torch.int8), torch.zeros(1, 8).half(), 8)
     with pytest.raises(ValueError, match="group_size 48 is not a multiple of 32"):
         kc.pack_q4_1(*q4_weight(8, 96, 48), 48)
 
@@ -150,21 +220,23 @@ def test_mode_env_rejects_unknown_values(monkeypatch):
         kc.enabled()
 
 
-@pytest.mark.parametrize("m", [1, 8, DENSE_MIN_ROWS + 3])
+@pytest.mark.parametrize("m", [1, 8, 19, 67])
 def test_w4a16_linear_prepacks_for_the_kernels_on_both_sides_of_the_dense_threshold(monkeypatch, m):
     monkeypatch.setenv(kc.MODE_ENV, "ext")
+    monkeypatch.setattr("backend.model.linear.DENSE_MIN_ROWS", 16)          # both paths (the default: never dense)
     qweight, scales, mins = q4_weight(96, 192, 64)
     bias = torch.randn(96)
     lin = W4A16Linear(qweight, scales, None, 64, bias=bias, mins=mins)
     x = activations(m, 192)
     want = lin(x)                                                      # the reference: exact fp32 weight
-    assert lin.prepack() and lin.q4_1_blocks is not None and lin.qweight is None and lin.int4pack is None
+    assert lin.prepack() and lin.q4_1x8 is not None and lin.qweight is None and lin.int4pack is None
     got = lin(x)
     assert float((got - want).norm() / want.norm()) < 0.02
-    if m >= DENSE_MIN_ROWS:                                           # dequantize + GEMM: fp32 rounding only
+    if m >= 16:                                                       # dequantize + GEMM: fp32 rounding only
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     else:
-        assert close(got - bias, ref.q4_1_gemm(x, lin.q4_1_blocks))
+        assert close(got - bias, ref.q4_1x8_gemm(x, lin.q4_1x8, 96))
+        assert close(got - bias, ref.q4_1_gemm(x, kc.pack_q4_1(qweight, scales, mins, 64)))
 
 
 def test_without_a_compiler_auto_falls_back_to_torch_int4_with_one_warning(tmp_path):
@@ -174,7 +246,7 @@ def test_without_a_compiler_auto_falls_back_to_torch_int4_with_one_warning(tmp_p
         "from backend.model.linear import W4A16Linear\n"
         "from tests.backend.test_cpu_q4_kernels import q4_weight\n"
         "lins = [W4A16Linear(*q4_weight(16, 64)[:2], None, 32, mins=q4_weight(16, 64)[2]) for _ in range(3)]\n"
-        "print(json.dumps([[l.prepack(), l.q4_1_blocks is None, l.int4pack is not None] for l in lins]))\n")
+        "print(json.dumps([[l.prepack(), l.q4_1x8 is None, l.int4pack is not None] for l in lins]))\n")
     env = {**__import__("os").environ, "CXX": str(tmp_path / "no-such-compiler"), kc.MODE_ENV: "auto"}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -202,9 +274,10 @@ def native_served():
 def test_served_native_model_runs_on_the_kernels(native_served):
     _, model = native_served
     linears = [m for m in model.modules() if isinstance(m, W4A16Linear)]
-    assert len(linears) == 120 and all(m.q4_1_blocks is not None for m in linears)
+    assert len(linears) == 120 and all(m.q4_1x8 is not None for m in linears)
     head = model.lm_head_linear
-    assert isinstance(head, Q8Linear) and head.qweight.data_ptr() == model.embed_tokens.qweight.data_ptr()
+    assert isinstance(head, Q8Linear) and head.qs.data_ptr() == model.embed_tokens.qweight.data_ptr()
+    assert model.embed_tokens.interleaved and model.embed_tokens.shape == (49152, 576)
     assert model.prepacked_copy_bytes() == 0 and model.weight_bytes() < 100e6   # no fp32 head copy
 
 
@@ -239,7 +312,7 @@ def test_greedy_with_the_kernels_equals_the_reference_ops(native_served, smol_to
 
     fast = greedy()
     assert all(len(t) == 12 for t in fast)
-    for name in ("q4_1_gemm", "q8_0_gemm", "q4_1_dequant"):
+    for name in ("q4_1x8_gemm", "q8_0x8_gemm", "q4_1x8_dequant", "q8_0x8_dequant"):
         monkeypatch.setattr(kc, name, getattr(ref, name))
     # the reference ops, teacher-forced along the kernels' greedy path: every token the kernels chose is the
     # reference's argmax, or within a near-tie of it (a last-bit difference can flip one int8 rounding of an
