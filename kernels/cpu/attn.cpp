@@ -24,7 +24,7 @@
 
 namespace {
 
-constexpr int64_t SMALL_WORK = 1 << 16;   // flops below which an op runs on the calling thread
+constexpr int64_t SMALL_WORK = 1 << 18;   // flops below which an op runs on the calling thread
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -151,6 +151,18 @@ void check_scale(const std::optional<at::Tensor>& s, const at::Tensor& cache, co
               " must be bfloat16 or float32, got ", s->scalar_type());
 }
 
+// scores of GN query heads (a GQA group's, rows qsh apart) against one key row: GN independent FMA chains
+template <int GN>
+inline void dots(const float* q, int64_t qsh, const float* k, int64_t d, float scale, float* out, int64_t n) {
+  __m256 a[GN];
+  for (int g = 0; g < GN; ++g) a[g] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; i += 8) {
+    const __m256 kk = _mm256_loadu_ps(k + i);
+    for (int g = 0; g < GN; ++g) a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * qsh + i), kk, a[g]);
+  }
+  for (int g = 0; g < GN; ++g) out[g * n] = hsum(a[g]) * scale;
+}
+
 }  // namespace
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -218,11 +230,14 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
         TORCH_CHECK(page >= 0 && page < P, "block_tables[", b, ", ", t / S, "] = ", page, " is outside [0, ", P, ")");
         const int64_t r = (page * S + t % S) * KVH + kvh;
         const float* k = load_row(kc, kind, r, D, scale_at(ks, scale_bf16, r), row.data());
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qh = qg + g * qsh;
-          __m256 a = _mm256_setzero_ps();
-          for (int64_t i = 0; i < D; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), _mm256_loadu_ps(k + i), a);
-          scores[g * n + t] = hsum(a) * scale;
+        for (int64_t g = 0; g < G; g += 4) {
+          float* st = scores.data() + g * n + t;
+          switch (std::min<int64_t>(G - g, 4)) {
+            case 1: dots<1>(qg + g * qsh, qsh, k, D, scale, st, n); break;
+            case 2: dots<2>(qg + g * qsh, qsh, k, D, scale, st, n); break;
+            case 3: dots<3>(qg + g * qsh, qsh, k, D, scale, st, n); break;
+            default: dots<4>(qg + g * qsh, qsh, k, D, scale, st, n); break;
+          }
         }
       }
       for (int64_t g = 0; g < G; ++g) {
