@@ -265,6 +265,7 @@ def main() -> int:
                             "tok_s_wall": round(b * 1000 / wall, 1), "aten_ops_per_step": rows[0]["aten_ops_per_step"],
                             "bytes_read_per_step": read, "read_bandwidth_gb_s": round(bw, 2),
                             "bandwidth_fraction_wall": round(read / (wall / 1000) / 1e9 / bw, 3),
+                            "bandwidth_fraction_cpu": round(read / (cpu / 1000) / 1e9 / bw, 3),   # the step's own CPU time
                             "breakdown_cpu_ms": {k: round(statistics.median(r["breakdown_cpu_ms"][k] for r in rows), 3)
                                                  for k in rows[0]["breakdown_cpu_ms"]}})
     for s in summary:

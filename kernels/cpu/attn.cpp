@@ -151,16 +151,51 @@ void check_scale(const std::optional<at::Tensor>& s, const at::Tensor& cache, co
               " must be bfloat16 or float32, got ", s->scalar_type());
 }
 
-// scores of GN query heads (a GQA group's, rows qsh apart) against one key row: GN independent FMA chains
+// scores of GN query heads (a GQA group's, rows qsh apart) against every key row, two rows at a time:
+// 2 * GN independent FMA chains
 template <int GN>
-inline void dots(const float* q, int64_t qsh, const float* k, int64_t d, float scale, float* out, int64_t n) {
-  __m256 a[GN];
-  for (int g = 0; g < GN; ++g) a[g] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < d; i += 8) {
-    const __m256 kk = _mm256_loadu_ps(k + i);
-    for (int g = 0; g < GN; ++g) a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * qsh + i), kk, a[g]);
+inline void dots(const float* q, int64_t qsh, const float* const* k, int64_t n, int64_t d, float scale, float* out) {
+  int64_t t = 0;
+  for (; t + 2 <= n; t += 2) {
+    __m256 a[GN], c[GN];
+    for (int g = 0; g < GN; ++g) a[g] = c[g] = _mm256_setzero_ps();
+    const float* k0 = k[t];
+    const float* k1 = k[t + 1];
+    for (int64_t i = 0; i < d; i += 8) {
+      const __m256 x0 = _mm256_loadu_ps(k0 + i), x1 = _mm256_loadu_ps(k1 + i);
+      for (int g = 0; g < GN; ++g) {
+        const __m256 qq = _mm256_loadu_ps(q + g * qsh + i);
+        a[g] = _mm256_fmadd_ps(qq, x0, a[g]);
+        c[g] = _mm256_fmadd_ps(qq, x1, c[g]);
+      }
+    }
+    for (int g = 0; g < GN; ++g) {
+      out[g * n + t] = hsum(a[g]) * scale;
+      out[g * n + t + 1] = hsum(c[g]) * scale;
+    }
   }
-  for (int g = 0; g < GN; ++g) out[g * n] = hsum(a[g]) * scale;
+  if (t < n) {
+    __m256 a[GN];
+    for (int g = 0; g < GN; ++g) a[g] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8) {
+      const __m256 x0 = _mm256_loadu_ps(k[t] + i);
+      for (int g = 0; g < GN; ++g) a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * qsh + i), x0, a[g]);
+    }
+    for (int g = 0; g < GN; ++g) out[g * n + t] = hsum(a[g]) * scale;
+  }
+}
+
+// out[d0 : d0 + 8 NV] = sum_t p[t] * v[t][d0 : d0 + 8 NV], in registers
+template <int NV>
+inline void pv(const float* p, const float* const* v, int64_t n, int64_t d0, float* out) {
+  __m256 a[NV];
+  for (int j = 0; j < NV; ++j) a[j] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < n; ++t) {
+    const __m256 w = _mm256_set1_ps(p[t]);
+    const float* r = v[t] + d0;
+    for (int j = 0; j < NV; ++j) a[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 8 * j), a[j]);
+  }
+  for (int j = 0; j < NV; ++j) _mm256_storeu_ps(out + d0 + 8 * j, a[j]);
 }
 
 }  // namespace
@@ -214,8 +249,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   const int64_t grain = work * B < SMALL_WORK ? B * KVH : 1;
 
   at::parallel_for(0, B * KVH, grain, [&](int64_t lo, int64_t hi) {
-    std::vector<float> scores(G * std::max<int64_t>(max_len, 1));
-    std::vector<float> acc(G * D), row(D);
+    const int64_t cap = std::max<int64_t>(max_len, 1);
+    std::vector<float> scores(G * cap);
+    std::vector<float> kbuf(kind == Kind::F32 ? 0 : cap * D), vbuf(kind == Kind::F32 ? 0 : cap * D);
+    std::vector<const float*> krow(cap), vrow(cap);
     for (int64_t task = lo; task < hi; ++task) {
       const int64_t b = task / KVH, kvh = task % KVH, n = lens[b];
       float* o = op + (b * H + kvh * G) * D;
@@ -225,19 +262,20 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
       }
       const int32_t* tb = tables + b * tstride;
       const float* qg = qp + b * qsb + kvh * G * qsh;
-      for (int64_t t = 0; t < n; ++t) {
+      for (int64_t t = 0; t < n; ++t) {   // each row once: a pointer into an fp32 pool, else dequantized
         const int64_t page = tb[t / S];
         TORCH_CHECK(page >= 0 && page < P, "block_tables[", b, ", ", t / S, "] = ", page, " is outside [0, ", P, ")");
         const int64_t r = (page * S + t % S) * KVH + kvh;
-        const float* k = load_row(kc, kind, r, D, scale_at(ks, scale_bf16, r), row.data());
-        for (int64_t g = 0; g < G; g += 4) {
-          float* st = scores.data() + g * n + t;
-          switch (std::min<int64_t>(G - g, 4)) {
-            case 1: dots<1>(qg + g * qsh, qsh, k, D, scale, st, n); break;
-            case 2: dots<2>(qg + g * qsh, qsh, k, D, scale, st, n); break;
-            case 3: dots<3>(qg + g * qsh, qsh, k, D, scale, st, n); break;
-            default: dots<4>(qg + g * qsh, qsh, k, D, scale, st, n); break;
-          }
+        krow[t] = load_row(kc, kind, r, D, scale_at(ks, scale_bf16, r), kbuf.data() + t * D);
+        vrow[t] = load_row(vc, kind, r, D, scale_at(vs, scale_bf16, r), vbuf.data() + t * D);
+      }
+      for (int64_t g = 0; g < G; g += 4) {
+        float* st = scores.data() + g * n;
+        switch (std::min<int64_t>(G - g, 4)) {
+          case 1: dots<1>(qg + g * qsh, qsh, krow.data(), n, D, scale, st); break;
+          case 2: dots<2>(qg + g * qsh, qsh, krow.data(), n, D, scale, st); break;
+          case 3: dots<3>(qg + g * qsh, qsh, krow.data(), n, D, scale, st); break;
+          default: dots<4>(qg + g * qsh, qsh, krow.data(), n, D, scale, st); break;
         }
       }
       for (int64_t g = 0; g < G; ++g) {
@@ -259,20 +297,19 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
         }
         const float inv = 1.0f / sum;
         for (t = 0; t < n; ++t) s[t] *= inv;
-      }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t page = tb[t / S];
-        const int64_t r = (page * S + t % S) * KVH + kvh;
-        const float* v = load_row(vc, kind, r, D, scale_at(vs, scale_bf16, r), row.data());
-        for (int64_t g = 0; g < G; ++g) {
-          const __m256 p = _mm256_set1_ps(scores[g * n + t]);
-          float* a = acc.data() + g * D;
-          for (int64_t i = 0; i < D; i += 8)
-            _mm256_storeu_ps(a + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + i), _mm256_loadu_ps(a + i)));
+        for (int64_t d0 = 0; d0 < D; d0 += 64) {   // p @ V, 64 columns at a time in 8 registers
+          switch (std::min<int64_t>(D - d0, 64) / 8) {
+            case 1: pv<1>(s, vrow.data(), n, d0, o + g * D); break;
+            case 2: pv<2>(s, vrow.data(), n, d0, o + g * D); break;
+            case 3: pv<3>(s, vrow.data(), n, d0, o + g * D); break;
+            case 4: pv<4>(s, vrow.data(), n, d0, o + g * D); break;
+            case 5: pv<5>(s, vrow.data(), n, d0, o + g * D); break;
+            case 6: pv<6>(s, vrow.data(), n, d0, o + g * D); break;
+            case 7: pv<7>(s, vrow.data(), n, d0, o + g * D); break;
+            default: pv<8>(s, vrow.data(), n, d0, o + g * D); break;
+          }
         }
       }
-      for (int64_t g = 0; g < G; ++g) std::memcpy(o + g * D, acc.data() + g * D, D * sizeof(float));
     }
   });
   return out;
