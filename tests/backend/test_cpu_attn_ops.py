@@ -67,6 +67,15 @@ def test_decode_attention_matches_reference_on_every_kv_dtype(ext, dtype, heads,
     assert torch.equal(got[3], torch.zeros(heads, d))         # empty context -> zeros, as the reference
 
 
+def test_decode_attention_of_a_sequence_does_not_depend_on_its_batch(ext):
+    k, v, _, _ = pool(40, 3, 64, torch.float32)
+    q = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(6))
+    bt = torch.arange(32, dtype=torch.int32).view(2, 16)
+    alone = ext.decode_attention(q[:1], k, v, bt[:1], torch.tensor([100], dtype=torch.int32), 0.125)
+    paired = ext.decode_attention(q, k, v, bt, torch.tensor([100, 201], dtype=torch.int32), 0.125)
+    assert torch.equal(alone[0], paired[0])   # the reference pads to the longest context: different bits
+
+
 def test_decode_attention_tolerance_fails_plausible_bugs(ext):
     d, heads, kv_heads, num_pages = 64, 9, 3, 40
     k, v, ks, vs = pool(num_pages, kv_heads, d, FP8)
