@@ -79,13 +79,39 @@ class Timers:
 
     def restore(self) -> None:
         for owner, name, old in reversed(self.undo):
-            if old is None:
+            if name == "step_ops":
+                owner.step_ops = old
+            elif old is None:
                 delattr(owner, name)
             else:
                 setattr(owner, name, old)
 
 
-def _instrument() -> Timers:
+class _TimedOps:
+    """A model's step_ops (kernels.cpu.attn) with each op timed into its part."""
+
+    PARTS = {"decode_attention": "attention", "rope_kv_store_": "rope", "rms_norm": "norms", "add_rms_norm_": "norms"}
+
+    def __init__(self, ops, timers: Timers) -> None:
+        self._ops, self._timers = ops, timers
+
+    def __getattr__(self, name: str):
+        fn = getattr(self._ops, name)
+        part = self.PARTS.get(name)
+        if part is None:
+            return fn
+        total = self._timers.total
+
+        def timed(*args, **kwargs):
+            t = time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                total[part] += time.process_time() - t
+        return timed
+
+
+def _instrument(model=None) -> Timers:
     import kernels
     from backend.engine import engine as engine_mod
     from backend.model import linear, llama
@@ -106,6 +132,9 @@ def _instrument() -> Timers:
     t.wrap(llama.LlamaModel, "compute_logits", "model")
     t.wrap(engine_mod, "sample", "sampling")
     t.wrap(engine_mod.LLMEngine, "step", "step")
+    if getattr(model, "step_ops", None) is not None:   # rope_kv_store_ counts as rope (it includes the KV store)
+        t.undo.append((model, "step_ops", model.step_ops))
+        model.step_ops = _TimedOps(model.step_ops, t)
     return t
 
 
@@ -155,7 +184,7 @@ def worker(args) -> dict:
                 wall.append(time.perf_counter() - w)
                 cpu.append(time.process_time() - c)
             ctx = sum(s.num_computed_tokens for s in eng.scheduler.running)
-            timers = _instrument()
+            timers = _instrument(model)
             try:
                 for _ in range(args.steps):
                     eng.step()
@@ -233,6 +262,7 @@ def main() -> int:
                             "tok_s_wall": round(b * 1000 / wall, 1), "aten_ops_per_step": rows[0]["aten_ops_per_step"],
                             "bytes_read_per_step": read, "read_bandwidth_gb_s": round(bw, 2),
                             "bandwidth_fraction_wall": round(read / (wall / 1000) / 1e9 / bw, 3),
+                            "bandwidth_fraction_cpu": round(read / (cpu / 1000) / 1e9 / bw, 3),   # the step's own CPU time
                             "breakdown_cpu_ms": {k: round(statistics.median(r["breakdown_cpu_ms"][k] for r in rows), 3)
                                                  for k in rows[0]["breakdown_cpu_ms"]}})
     for s in summary:

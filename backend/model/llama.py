@@ -17,6 +17,7 @@ from torch import nn
 
 import kernels
 import kernels.cpu as cpu_kernels
+import kernels.cpu.attn as cpu_step_ops
 from backend.model.config import CheckpointError, ModelConfig, rope_inv_freq
 from backend.model.linear import DenseLinear, Q8Embedding, Q8Linear, W4A16Linear, cpu_prepack_enabled
 
@@ -110,6 +111,34 @@ class Attention(nn.Module):
         out = dec if t == nd else pre if nd == 0 else torch.cat((dec, pre))
         return self.o_proj(out.reshape(t, c.q_size))
 
+    def forward_cpu(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, kv: LayerKV,
+                    meta: AttentionMetadata, ops) -> torch.Tensor:
+        """fp32 on CPU through kernels.cpu.attn's ops: rope + KV store in one pass over the qkv rows, decode
+        attention reading the pool's pages (fp8 pages quantized by kernels.kv_store, dequantized in the op)."""
+        c = self.cfg
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        fp8 = kv.k_scale is not None
+        ops.rope_kv_store_(qkv, positions, rotary.cos, rotary.sin, None if fp8 else kv.k, None if fp8 else kv.v,
+                           meta.slot_mapping, c.num_heads, c.num_kv_heads)
+        if fp8:
+            kv_end = c.q_size + c.kv_size
+            kernels.kv_store(qkv[:, c.q_size:kv_end].view(t, c.num_kv_heads, c.head_dim),
+                             qkv[:, kv_end:].view(t, c.num_kv_heads, c.head_dim),
+                             kv.k, kv.v, meta.slot_mapping, kv.k_scale, kv.v_scale)
+        q = qkv[:, : c.q_size].view(t, c.num_heads, c.head_dim)
+        nd = meta.num_decode
+        if nd:
+            dec = ops.decode_attention(q[:nd], kv.k, kv.v, meta.decode_block_tables, meta.decode_context_lens,
+                                       self.scale, kv.k_scale, kv.v_scale)
+        if t > nd:
+            pre = kernels.paged_prefill_attention(q[nd:].contiguous(), kv.k, kv.v, meta.prefill_block_tables,
+                                                  meta.prefill_cu_seqlens_q, meta.prefill_context_lens,
+                                                  self.scale, kv.k_scale, kv.v_scale,
+                                                  max_seqlen_q=meta.prefill_max_seqlen_q)
+        out = dec if t == nd else pre if nd == 0 else torch.cat((dec, pre))
+        return self.o_proj(out.reshape(t, c.q_size))
+
 
 class MLP(nn.Module):
     """SwiGLU. gate/up either fused in one module (quantized layers) or two (dense: on CPU a fused
@@ -131,8 +160,18 @@ class MLP(nn.Module):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
+    def forward_cpu(self, x: torch.Tensor, ops) -> torch.Tensor:
+        if self.gate_up_proj is None:
+            return self.forward(x)
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+
 
 class DecoderLayer(nn.Module):
+    self_attn: Attention
+    mlp: MLP
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+
     def __init__(self, attn: Attention, mlp: MLP, in_norm: RMSNorm, post_norm: RMSNorm) -> None:
         super().__init__()
         self.self_attn, self.mlp = attn, mlp
@@ -160,6 +199,7 @@ class LlamaModel(nn.Module):
             lm_head = embed.dequantize() if isinstance(embed, Q8Embedding) else embed
         self.lm_head_linear: DenseLinear | Q8Linear = DenseLinear(lm_head)
         self.rotary = Rotary(cfg, device)
+        self.step_ops = None   # kernels.cpu.attn's ops (or their references) once prepack() picks the CPU path
 
     @property
     def dtype(self) -> torch.dtype:
@@ -210,6 +250,8 @@ class LlamaModel(nn.Module):
                 and isinstance(self.lm_head_linear, DenseLinear) and cpu_kernels.enabled()):
             self.lm_head_linear = Q8Linear.tied_to(self.embed_tokens)
             swapped = 1
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            self.step_ops = cpu_step_ops.ops()
         return swapped + sum(m.prepack() for m in self.modules() if isinstance(m, DenseLinear | W4A16Linear))
 
     def linear_weight_bytes(self) -> int:
@@ -222,10 +264,27 @@ class LlamaModel(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         # input_ids, positions: [T]  ->  hidden: [T, hidden_size]
         x = self.embed_tokens.index_select(0, input_ids)
+        if self.step_ops is not None:
+            return self._forward_cpu(x, positions, kv_caches, meta, self.step_ops)
         cos_sin = self.rotary.lookup(positions)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, cos_sin, self.rotary, kv, meta)
         return self.norm(x)
+
+    def _forward_cpu(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV],
+                     meta: AttentionMetadata, ops) -> torch.Tensor:
+        """The same math as forward's layer loop, in fewer ops: x is the residual stream (updated in place); each
+        residual add is fused with the RMSNorm after it (the next layer's input norm, the final norm last)."""
+        layers: list[DecoderLayer] = list(self.layers)   # type: ignore[arg-type]
+        norms = [layer.input_layernorm for layer in layers[1:]] + [self.norm]
+        h = ops.rms_norm(x, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
+        for layer, kv, nxt in zip(layers, kv_caches, norms):
+            a = layer.self_attn.forward_cpu(h, positions, self.rotary, kv, meta, ops)
+            post = layer.post_attention_layernorm
+            ops.add_rms_norm_(a, x, post.weight, post.eps)
+            h = layer.mlp.forward_cpu(a, ops)
+            ops.add_rms_norm_(h, x, nxt.weight, nxt.eps)
+        return h
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

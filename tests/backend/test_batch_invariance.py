@@ -20,8 +20,10 @@ import random
 import pytest
 import torch
 
+import kernels.cpu.attn
 from backend.engine.config import EngineConfig
 from backend.engine.engine import LLMEngine
+from kernels.cpu import attn_reference
 from kernels.paged_decode_attention import paged_decode_attention_reference
 from protocol.page_id import page_hashes
 from tests.backend.engine_steps import generate_together
@@ -70,16 +72,36 @@ DRIFT_BOUND = {"fp32": 1e-3, "fp8_e4m3": 0.5}
 
 
 @pytest.mark.parametrize("kv", KV_DTYPES)
-def test_decode_is_batch_variant_by_roundoff_only(smol_model, kv):
+def test_decode_is_batch_variant_by_roundoff_only_on_the_reference_ops(smol_model, kv):
     torch.set_grad_enabled(False)
     a, b = prompt(5, 40), prompt(6, 90)
-    alone = generate(LLMEngine(smol_model, None, EngineConfig(kv_dtype=kv, num_pages=64)), [a], "t", 8)[0]
-    paired = generate(LLMEngine(smol_model, None, EngineConfig(kv_dtype=kv, num_pages=64)), [a, b], "t", 8)[0]
+    saved = smol_model.step_ops
+    if smol_model.device.type == "cpu":
+        smol_model.step_ops = attn_reference
+    try:
+        alone = generate(LLMEngine(smol_model, None, EngineConfig(kv_dtype=kv, num_pages=64)), [a], "t", 8)[0]
+        paired = generate(LLMEngine(smol_model, None, EngineConfig(kv_dtype=kv, num_pages=64)), [a, b], "t", 8)[0]
+    finally:
+        smol_model.step_ops = saved
     n = next((i for i, (x, y) in enumerate(zip(alone[0], paired[0], strict=True)) if x != y), len(alone[0]) - 1) + 1
     drift = max(abs(x - y) for x, y in zip(alone[1][:n], paired[1][:n], strict=True))
     assert drift > 0, f"{kv}: decoding alone and next to a longer sequence gave bit-identical logprobs " \
                       "(decode became batch-invariant: update docs/QUANTIZATION.md)"
     assert drift < DRIFT_BOUND[kv], f"{kv}: logprobs moved by {drift} with the batch: more than roundoff"
+
+
+@pytest.mark.parametrize("kv", KV_DTYPES)
+def test_decode_next_to_a_longer_sequence_is_bit_identical_on_the_cpu_step_ops(smol_model, kv):
+    # kernels.cpu.attn's decode attention reads each sequence's own context only (the reference pads every
+    # sequence to the batch's longest), and 1 and 2 GEMM rows round alike: the same bits alone and paired
+    torch.set_grad_enabled(False)
+    if smol_model.device.type != "cpu" or not kernels.cpu.attn.enabled():
+        pytest.skip("kernels.cpu.attn is off here (not CPU, or EDGEINFER_CPU_KERNELS=torch)")
+    assert smol_model.step_ops is kernels.cpu.attn._ext()
+    a, b = prompt(5, 40), prompt(6, 90)
+    alone = generate(LLMEngine(smol_model, None, EngineConfig(kv_dtype=kv, num_pages=64)), [a], "t", 8)[0]
+    paired = generate(LLMEngine(smol_model, None, EngineConfig(kv_dtype=kv, num_pages=64)), [a, b], "t", 8)[0]
+    assert alone[:2] == paired[:2]
 
 
 def test_decode_attention_reference_depends_on_the_longest_context_in_the_batch():

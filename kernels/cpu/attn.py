@@ -1,0 +1,75 @@
+"""CPU ops for the decode step between the GEMMs (C++, AVX2/FMA/F16C: kernels/cpu/attn.cpp), built on first use
+as their own extension `edgeinfer_cpu_attn` (the same capability check and EDGEINFER_CPU_KERNELS mode as the
+INT4 kernels in kernels.cpu: auto | ext | torch).
+
+  decode_attention(q [B, H, D] fp32, k_cache, v_cache [P, S, KVH, D] fp32|bf16|fp16|fp8, block_tables [B, W] int32,
+                   context_lens [B] int32, sm_scale, k_scale=None, v_scale=None) -> [B, H, D]
+  rope_kv_store_(qkv [T, (H + 2 KVH) D] fp32, positions [T] int64, cos, sin [max_pos, D], k_cache, v_cache (or
+                 None: rope only), slot_mapping [T] int64, num_heads, num_kv_heads) -> None   (in place)
+  rms_norm(x [T, N], weight [N], eps) -> [T, N]
+  add_rms_norm_(x, residual, weight, eps) -> None      (residual += x; x = rms_norm(residual) * weight)
+  silu_mul(gate_up [T, 2I]) -> [T, I]                  (silu(gate) * up)
+
+Every op has a pure-torch reference with the same signature in kernels.cpu.attn_reference; `ops()` returns
+the extension's ops where enabled() and the references otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+import kernels.cpu as cpu
+from kernels.cpu import attn_reference
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("attn.cpp")
+NAME = "edgeinfer_cpu_attn"
+
+
+@functools.cache
+def _ext() -> Any:
+    reason = cpu.unavailable_reason()
+    if reason is not None:
+        raise cpu.KernelUnavailable(f"edgeinfer CPU attention ops unavailable: {reason}")
+    from torch.utils.cpp_extension import load
+    load(name=NAME, sources=[str(SOURCE)], extra_cflags=cpu.CFLAGS, extra_ldflags=cpu.LDFLAGS,
+         is_python_module=False, verbose=False)
+    return getattr(torch.ops, NAME)
+
+
+@functools.cache
+def _auto_available() -> bool:
+    try:
+        _ext()
+    except (cpu.KernelUnavailable, RuntimeError, OSError) as e:
+        log.warning("%s; the decode step runs on torch ops instead (slower). %s=torch silences this.",
+                    e, cpu.MODE_ENV)
+        return False
+    return True
+
+
+def enabled() -> bool:
+    """Same rule as kernels.cpu.enabled(): torch -> never; ext -> required (raises); auto -> where it builds."""
+    m = cpu.mode()
+    if m == "torch":
+        return False
+    if m == "ext":
+        _ext()
+        return True
+    return _auto_available()
+
+
+def ops() -> Any:
+    """The C++ ops where enabled(), else the pure-torch references (same names and signatures)."""
+    return _ext() if enabled() else reference_ops()
+
+
+def reference_ops() -> ModuleType:
+    return attn_reference

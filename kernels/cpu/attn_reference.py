@@ -1,0 +1,41 @@
+"""Pure-torch references of kernels.cpu.attn's ops, same signatures (the fallback where the extension is
+unavailable, and the oracle of tests/backend/test_cpu_attn_ops.py). They are the model's own torch path:
+kernels.paged_decode_attention_reference, x * cos + rotate_half(x) * sin, kernels.kv_store, F.rms_norm, silu."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.kv_store import kv_store_reference
+from kernels.paged_decode_attention import paged_decode_attention_reference
+
+
+def decode_attention(q, k_cache, v_cache, block_tables, context_lens, sm_scale, k_scale=None, v_scale=None):
+    return paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, sm_scale,
+                                            k_scale, v_scale)
+
+
+def rope_kv_store_(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads) -> None:
+    t, d = qkv.shape[0], cos.shape[1]
+    nh = num_heads + num_kv_heads
+    x = qkv[:, : nh * d].view(t, nh, d)
+    c, s = cos.index_select(0, positions)[:, None, :], sin.index_select(0, positions)[:, None, :]
+    x.copy_(x * c + x.roll(d // 2, -1) * s)
+    if k_cache is not None:
+        k = qkv[:, num_heads * d: nh * d].view(t, num_kv_heads, d)
+        v = qkv[:, nh * d:].view(t, num_kv_heads, d)
+        kv_store_reference(k, v, k_cache, v_cache, slot_mapping)
+
+
+def rms_norm(x, weight, eps):
+    return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
+
+
+def add_rms_norm_(x, residual, weight, eps) -> None:
+    residual.add_(x)
+    x.copy_(torch.nn.functional.rms_norm(residual, weight.shape, weight, eps))
+
+
+def silu_mul(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

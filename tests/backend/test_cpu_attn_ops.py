@@ -1,0 +1,163 @@
+"""kernels.cpu.attn (C++ AVX2): each op against its pure-torch reference (kernels.cpu.attn_reference, the model's
+own torch path) on paged pools of every KV dtype, with tolerances that a plausible bug (a wrong scale, a
+skipped fp8 scale, an off-by-one page, the rotation's halves swapped) fails; bad inputs name their numbers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels.cpu.attn as ka
+from kernels.cpu import attn_reference as ref
+from kernels.kv_store import kv_store_reference
+
+FP8 = torch.float8_e4m3fn
+KV_DTYPES = [torch.float32, torch.bfloat16, torch.float16, FP8]
+PAGE = 16
+
+
+@pytest.fixture(scope="module")
+def ext():
+    return ka._ext()   # builds (or loads the cached build); a missing compiler fails here, loudly
+
+
+def pool(num_pages: int, kv_heads: int, d: int, dtype: torch.dtype, seed: int = 0):
+    """A paged pool filled through the reference kv_store (fp8: real per-token scales), -> (k, v, ks, vs)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (num_pages, PAGE, kv_heads, d)
+    k, v = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    ks = vs = None
+    if dtype == FP8:
+        ks, vs = torch.ones(shape[:3], dtype=torch.bfloat16), torch.ones(shape[:3], dtype=torch.bfloat16)
+    n = num_pages * PAGE
+    src_k = torch.randn(n, kv_heads, d, generator=g) * (1 + torch.rand(n, kv_heads, 1, generator=g) * 3)
+    src_v = torch.randn(n, kv_heads, d, generator=g)
+    kv_store_reference(src_k, src_v, k, v, torch.arange(n), ks, vs)
+    return k, v, ks, vs
+
+
+def tables(lens: list[int], num_pages: int, width: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed)).to(torch.int32)
+    bt = torch.zeros(len(lens), width, dtype=torch.int32)
+    for i in range(len(lens)):
+        bt[i] = perm[(i * width) % num_pages:][:width] if num_pages - (i * width) % num_pages >= width else perm[:width]
+    return bt, torch.tensor(lens, dtype=torch.int32)
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
+
+
+ATTN_TOL = 2e-5   # fp32 summation order and exp's last bits; every bug below is >= 1e-3
+
+
+@pytest.mark.parametrize("dtype", KV_DTYPES)
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
+def test_decode_attention_matches_reference_on_every_kv_dtype(ext, dtype, heads, kv_heads):
+    d, num_pages = 64, 40
+    k, v, ks, vs = pool(num_pages, kv_heads, d, dtype)
+    lens = [1, 17, 160, 0, 300]                               # one token, a partial page, many pages, empty
+    bt, cl = tables(lens, num_pages, 20)
+    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * d, generator=torch.Generator().manual_seed(2))
+    q = qkv[:, : heads * d].view(len(lens), heads, d)          # strided along the batch, as the model passes it
+    got = ext.decode_attention(q, k, v, bt, cl, d ** -0.5, ks, vs)
+    want = ref.decode_attention(q.contiguous(), k, v, bt, cl, d ** -0.5, ks, vs)
+    assert got.shape == want.shape == (len(lens), heads, d)
+    assert rel_err(got, want) < ATTN_TOL
+    assert torch.equal(got[3], torch.zeros(heads, d))         # empty context -> zeros, as the reference
+
+
+def test_decode_attention_of_a_sequence_does_not_depend_on_its_batch(ext):
+    k, v, _, _ = pool(40, 3, 64, torch.float32)
+    q = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(6))
+    bt = torch.arange(32, dtype=torch.int32).view(2, 16)
+    alone = ext.decode_attention(q[:1], k, v, bt[:1], torch.tensor([100], dtype=torch.int32), 0.125)
+    paired = ext.decode_attention(q, k, v, bt, torch.tensor([100, 201], dtype=torch.int32), 0.125)
+    assert torch.equal(alone[0], paired[0])   # the reference pads to the longest context: different bits
+
+
+def test_decode_attention_tolerance_fails_plausible_bugs(ext):
+    d, heads, kv_heads, num_pages = 64, 9, 3, 40
+    k, v, ks, vs = pool(num_pages, kv_heads, d, FP8)
+    bt, cl = tables([33, 150], num_pages, 20)
+    q = torch.randn(2, heads, d, generator=torch.Generator().manual_seed(3)) * 3
+    want = ref.decode_attention(q, k, v, bt, cl, d ** -0.5, ks, vs)
+    assert rel_err(ext.decode_attention(q, k, v, bt, cl, d ** -0.5, ks, vs), want) < ATTN_TOL
+    bugs = {
+        "scale off by 2%": ext.decode_attention(q, k, v, bt, cl, 1.02 * d ** -0.5, ks, vs),
+        "k scales ignored": ext.decode_attention(q, k, v, bt, cl, d ** -0.5, torch.ones_like(ks), vs),
+        "v scales ignored": ext.decode_attention(q, k, v, bt, cl, d ** -0.5, ks, torch.ones_like(vs)),
+        "one token short": ext.decode_attention(q, k, v, bt, cl - 1, d ** -0.5, ks, vs),
+        "pages shifted": ext.decode_attention(q, k, v, bt.roll(1, 1), cl, d ** -0.5, ks, vs),
+    }
+    for name, got in bugs.items():
+        assert rel_err(got, want) > 50 * ATTN_TOL, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rope_kv_store_equals_reference_bit_for_bit(ext, dtype):
+    heads, kv_heads, d, t = 9, 3, 64, 7
+    g = torch.Generator().manual_seed(4)
+    cos, sin = torch.randn(512, d, generator=g), torch.randn(512, d, generator=g)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g)
+    pos = torch.tensor([0, 5, 511, 3, 3, 100, 7])
+    slots = torch.tensor([0, 17, -1, 40, 41, 63, 2])                 # -1: skipped
+    shape = (4, PAGE, kv_heads, d)
+    caches = [torch.full(shape, 0.5).to(dtype) for _ in range(4)]
+    a, b = qkv.clone(), qkv.clone()
+    ext.rope_kv_store_(a, pos, cos, sin, caches[0], caches[1], slots, heads, kv_heads)
+    ref.rope_kv_store_(b, pos, cos, sin, caches[2], caches[3], slots, heads, kv_heads)
+    assert torch.equal(a, b) and not torch.equal(a, qkv)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert torch.equal(a[:, (heads + kv_heads) * d:], qkv[:, (heads + kv_heads) * d:])   # v is not rotated
+    no_cache = qkv.clone()
+    ext.rope_kv_store_(no_cache, pos, cos, sin, None, None, slots, heads, kv_heads)
+    assert torch.equal(no_cache, a)
+    swapped = qkv.clone()                                             # the rotation's halves the wrong way round
+    ext.rope_kv_store_(swapped, pos, cos, -sin, None, None, slots, heads, kv_heads)
+    assert not torch.equal(swapped, a)
+
+
+def test_norms_and_silu_match_reference(ext):
+    g = torch.Generator().manual_seed(5)
+    for rows in (1, 8, 33):
+        x, res = torch.randn(rows, 576, generator=g), torch.randn(rows, 576, generator=g) * 4
+        w = torch.rand(576, generator=g) + 0.5
+        assert rel_err(ext.rms_norm(res, w, 1e-5), ref.rms_norm(res, w, 1e-5)) < 1e-6
+        a, ra, b, rb = x.clone(), res.clone(), x.clone(), res.clone()
+        ext.add_rms_norm_(a, ra, w, 1e-5)
+        ref.add_rms_norm_(b, rb, w, 1e-5)
+        assert torch.equal(ra, rb) and rel_err(a, b) < 1e-6
+        assert rel_err(a, ext.rms_norm(res, w, 1e-5)) > 1e-2          # the residual was added before the norm
+        gu = torch.randn(rows, 2 * 1536, generator=g) * 6
+        assert rel_err(ext.silu_mul(gu), ref.silu_mul(gu)) < 1e-6
+    wrong_eps = ext.rms_norm(torch.full((1, 576), 1e-3), torch.ones(576), 1e-5)
+    assert rel_err(wrong_eps, ref.rms_norm(torch.full((1, 576), 1e-3), torch.ones(576), 1e-6)) > 1e-3
+
+
+def test_bad_inputs_name_the_numbers(ext):
+    k, v, _, _ = pool(4, 3, 64, torch.float32)
+    q = torch.randn(1, 9, 64)
+    bt = torch.zeros(1, 2, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"context_lens\[0\] = 33 is outside \[0, 32\]"):
+        ext.decode_attention(q, k, v, bt, torch.tensor([33], dtype=torch.int32), 0.125)
+    with pytest.raises(RuntimeError, match=r"block_tables\[0, 0\] = 9 is outside \[0, 4\)"):
+        ext.decode_attention(q, k, v, torch.full((1, 2), 9, dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
+                             0.125)
+    with pytest.raises(RuntimeError, match="q heads = 8 must be a multiple of kv_heads = 3"):
+        ext.decode_attention(torch.randn(1, 8, 64), k, v, bt, torch.tensor([3], dtype=torch.int32), 0.125)
+    with pytest.raises(RuntimeError, match="an fp8 cache needs k_scale"):
+        ext.decode_attention(q, k.to(FP8), v.to(FP8), bt, torch.tensor([3], dtype=torch.int32), 0.125)
+    with pytest.raises(RuntimeError, match=r"positions\[0\] = 600 is outside \[0, 512\)"):
+        ext.rope_kv_store_(torch.randn(1, 15 * 64), torch.tensor([600]), torch.randn(512, 64), torch.randn(512, 64),
+                           None, None, torch.tensor([0]), 9, 3)
+    with pytest.raises(RuntimeError, match=r"slot_mapping\[0\] = 64 is outside \[-1, 64\)"):
+        ext.rope_kv_store_(torch.randn(1, 15 * 64), torch.tensor([1]), torch.randn(512, 64), torch.randn(512, 64),
+                           k, v, torch.tensor([64]), 9, 3)
+
+
+def test_mode_torch_gives_the_references(monkeypatch):
+    monkeypatch.setenv("EDGEINFER_CPU_KERNELS", "torch")
+    assert ka.ops() is ref and not ka.enabled()
+    monkeypatch.setenv("EDGEINFER_CPU_KERNELS", "ext")
+    assert ka.ops() is ka._ext() and ka.enabled()
