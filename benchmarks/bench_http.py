@@ -80,7 +80,9 @@ def engine_only(tree: Path, levels: list[int], prompt_len: int, max_tokens: int,
         raise RuntimeError(f"peer_engine in {tree} failed:\n{r.stderr[-3000:]}")
     out = json.loads(r.stdout.strip().splitlines()[-1])
     return {"wall_s": round(time.monotonic() - t, 1),
-            "levels": {str(b["batch"]): {"decode_tok_s": b["decode_tok_s"]} for b in out["batched"]}}
+            "levels": {str(b["batch"]): {"decode_tok_s": b["decode_tok_s"], "prefill_tok_s": b["prefill_tok_s"],
+                                         "first_token_ms": 1000 * b["batch"] * b["pp"] / b["prefill_tok_s"]}
+                       for b in out["batched"]}}
 
 
 def through_http(tree: Path, levels: list[int], prompt_len: int, max_tokens: int, env: dict, log_dir: Path) -> dict:
