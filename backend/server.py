@@ -63,6 +63,7 @@ STATE = web.AppKey("state", BackendState)
 
 
 KEEPALIVE = b"\n"
+encode_lines = msgspec.json.Encoder().encode_lines     # one NDJSON line per chunk, each ending in b"\n"
 
 
 def _error(status: int, message: str, kind: str | None = None, headers: dict[str, str] | None = None) -> web.Response:
@@ -112,10 +113,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
                 await ext.before_generate(request.app, req)
         resp = web.StreamResponse(headers={"content-type": "application/x-ndjson", "x-node-id": st.node_id})
         await resp.prepare(request)
-        gen = engine.stream(req, st.keepalive_s)
+        gen = engine.stream_batches(req, st.keepalive_s)
         try:
-            async for chunk in gen:
-                await resp.write(KEEPALIVE if chunk is None else encode(chunk) + b"\n")
+            async for batch in gen:       # every chunk the engine delivered so far: one write
+                await resp.write(KEEPALIVE if batch is None else encode_lines(batch))
         except RequestError as e:
             await resp.write(encode(StreamChunk(req.request_id, finish_reason="error", error=str(e),
                                                 error_code=e.code)) + b"\n")

@@ -15,7 +15,7 @@ from aiohttp.http_exceptions import ContentEncodingError
 from gateway.admission import Lease
 from gateway.config import TenantConfig
 from gateway.errors import APIError, bad_value, from_validation_error
-from gateway.generation import Run, Target, merged, runs_open
+from gateway.generation import Run, Target, merged, more_ready, runs_open
 from gateway.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -282,46 +282,58 @@ async def _stream(job: Job, runs: list[Run], tally: Tally, include_usage: bool, 
     started: set[int] = set()
     offsets = {r.index: 0 for r in runs}
     tool_streams = {r.index: ToolStream() for r in runs} if job.tools is not None else {}
+    held: list[bytes] = []      # events not written yet: the next chunk is already buffered (one write for all)
     try:
         async for run, chunk, t in merged(runs):
             if chunk.token_ids:
                 latency.observe(run.index, t)
             if chunk.error is not None or chunk.finish_reason in ("abort", "error"):
-                await resp.write(_error_event(f"generation failed on the backend: {chunk.error or chunk.finish_reason}",
-                                              "backend_error"))
-                await resp.write(_DONE)
+                held += (_error_event(f"generation failed on the backend: {chunk.error or chunk.finish_reason}",
+                                      "backend_error"), _DONE)
+                await resp.write(b"".join(held))
                 return resp
             tally.add(run, chunk)
-            if not chunk.text and chunk.finish_reason is None and not chunk.logprobs:
-                continue
-            out: ChatCompletionChunk | Completion
-            if chat:
-                role = None if run.index in started else "assistant"
-                if tool_streams:
-                    content, calls, reason = tool_streams[run.index].step(chunk.text, chunk.finish_reason)
-                    delta = Delta(role=role, content=content, tool_calls=calls)
-                else:
-                    delta, reason = Delta(role=role, content=chunk.text), chunk.finish_reason
-                started.add(run.index)
-                chat_lp = model.chat_logprobs(chunk.logprobs) if chunk.logprobs else None
-                out = ChatCompletionChunk(job.id, "chat.completion.chunk", job.created, model.name,
-                                          [ChatChunkChoice(run.index, delta, chat_lp, reason)])
-            else:
-                lp = model.completion_logprobs(chunk.logprobs, offsets[run.index]) if chunk.logprobs else None
-                offsets[run.index] += len(chunk.text)
-                out = Completion(job.id, "text_completion", job.created, model.name,
-                                 [CompletionChoice(run.index, chunk.text, lp, chunk.finish_reason)])
-            await resp.write(b"data: " + encode(out) + b"\n\n")
+            if chunk.text or chunk.finish_reason is not None or chunk.logprobs:
+                held.append(_event(job, run, chunk, chat, started, offsets, tool_streams))
+            last = chunk.finish_reason is not None and len(runs) == 1     # written with the usage and [DONE]
+            if held and not last and not more_ready(runs):
+                await resp.write(b"".join(held))
+                held.clear()
     except UpstreamBroken as e:
-        await resp.write(_error_event(f"backend stream failed: {e}", "upstream_failed"))
-        await resp.write(_DONE)
+        held += (_error_event(f"backend stream failed: {e}", "upstream_failed"), _DONE)
+        await resp.write(b"".join(held))
         return resp
     if include_usage:
         cls = ChatCompletionChunk if chat else Completion
         obj = "chat.completion.chunk" if chat else "text_completion"
-        await resp.write(b"data: " + encode(cls(job.id, obj, job.created, model.name, [], tally.usage())) + b"\n\n")
-    await resp.write(_DONE)
+        held.append(b"data: " + encode(cls(job.id, obj, job.created, model.name, [], tally.usage())) + b"\n\n")
+    held.append(_DONE)
+    await resp.write(b"".join(held))
     return resp
+
+
+def _event(job: Job, run: Run, chunk: StreamChunk, chat: bool, started: set[int], offsets: dict[int, int],
+           tool_streams: dict[int, ToolStream]) -> bytes:
+    """One SSE event for a chunk carrying text, logprobs or the finish reason."""
+    model = job.model
+    out: ChatCompletionChunk | Completion
+    if chat:
+        role = None if run.index in started else "assistant"
+        if tool_streams:
+            content, calls, reason = tool_streams[run.index].step(chunk.text, chunk.finish_reason)
+            delta = Delta(role=role, content=content, tool_calls=calls)
+        else:
+            delta, reason = Delta(role=role, content=chunk.text), chunk.finish_reason
+        started.add(run.index)
+        chat_lp = model.chat_logprobs(chunk.logprobs) if chunk.logprobs else None
+        out = ChatCompletionChunk(job.id, "chat.completion.chunk", job.created, model.name,
+                                  [ChatChunkChoice(run.index, delta, chat_lp, reason)])
+    else:
+        lp = model.completion_logprobs(chunk.logprobs, offsets[run.index]) if chunk.logprobs else None
+        offsets[run.index] += len(chunk.text)
+        out = Completion(job.id, "text_completion", job.created, model.name,
+                         [CompletionChoice(run.index, chunk.text, lp, chunk.finish_reason)])
+    return b"data: " + encode(out) + b"\n\n"
 
 
 class _Latency:

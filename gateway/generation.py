@@ -125,6 +125,12 @@ async def _chunks(run: Run) -> AsyncIterator[StreamChunk]:
     raise UpstreamBroken(f"node {run.stream.node.node_id} closed the stream without a final chunk")
 
 
+def more_ready(runs: list[Run]) -> bool:
+    """The next chunk of a single run is already buffered: a relay can hold its write and send both at once.
+    (Several runs are merged through a queue: always False.)"""
+    return len(runs) == 1 and runs[0].stream is not None and runs[0].stream.ready()
+
+
 async def merged(runs: list[Run]) -> AsyncIterator[tuple[Run, StreamChunk, float]]:
     """(run, chunk, arrival time) in arrival order; UpstreamBroken propagates."""
     if len(runs) == 1:

@@ -249,6 +249,14 @@ class Response:
                 raise ConnectionDropped("connection closed mid-body", got_bytes=True)
             await conn.wait(deadline)
 
+    def has_line(self) -> bool:
+        """A whole line other than empty (keepalive) ones, or the end, is already here: reading the next
+        NDJSON chunk would not wait."""
+        conn = self.conn
+        body = conn.body
+        start = len(body) - len(body.lstrip(b"\n")) if body[:1] == b"\n" else 0   # keepalive lines: skipped
+        return body.find(b"\n", start) >= 0 or conn.state == _DONE
+
     async def read(self, deadline: float | None, limit: int = 1 << 20) -> bytes:
         conn = self.conn
         while conn.state != _DONE:

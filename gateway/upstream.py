@@ -81,6 +81,10 @@ class UpstreamStream:
             self.finished = True
         return chunk
 
+    def ready(self) -> bool:
+        """next() would return without waiting (the backend sent faster than we relayed)."""
+        return not self.finished and self._resp.has_line()
+
     def close(self) -> None:
         """Release the connection; abort on the backend if the stream did not end normally."""
         if self.finished:

@@ -146,13 +146,30 @@ class LLMEngine:
 
     async def stream(self, req: GenerateRequest, keepalive_s: float | None = None
                      ) -> AsyncGenerator[StreamChunk | None, None]:
-        """generate(), plus a None each time `keepalive_s` passed without a chunk for this request while the
-        engine completed a step since the last chunk or None: the request waits on a node that is working
-        (queued or prefilling), not on a stuck one. Cancelling the iterator aborts."""
+        """stream_batches() one chunk at a time (None: a keepalive)."""
+        batches = self.stream_batches(req, keepalive_s)
+        try:
+            async for batch in batches:
+                if batch is None:
+                    yield None
+                    continue
+                for chunk in batch:
+                    yield chunk
+        finally:
+            await batches.aclose()
+
+    async def stream_batches(self, req: GenerateRequest, keepalive_s: float | None = None
+                             ) -> AsyncGenerator[list[StreamChunk] | None, None]:
+        """The request's chunks, every chunk already delivered in one list (a reader that lags gets its
+        backlog at once: one write, not one per token); the last chunk carries finish_reason and usage.
+        A None each time `keepalive_s` passed without a chunk for this request while the engine completed a
+        step since the last chunk or None: the request waits on a node that is working (queued or
+        prefilling), not on a stuck one. One timer per stream, re-armed when it fires, not one per chunk.
+        Cancelling the iterator aborts."""
         self.validate(req)
         matcher = await self._matcher(req)
         loop = asyncio.get_running_loop()
-        q: asyncio.Queue[StreamChunk] = asyncio.Queue()
+        q: asyncio.Queue[StreamChunk | None] = asyncio.Queue()
 
         def emit(chunk: StreamChunk) -> None:      # engine thread: delivered in one batch per step (_flush)
             self._outbox.append((loop, q, chunk))
@@ -163,26 +180,27 @@ class LLMEngine:
         self.backlog.submitted += len(seq.prompt_ids)
         self._cmds.put(("add", seq))
         finished = False
-        seen_steps = self.steps
+        beat = _Keepalive(loop, q, keepalive_s, self) if keepalive_s is not None else None
         try:
             while True:
-                if keepalive_s is None or not q.empty():
-                    chunk = await q.get()
-                else:
-                    try:
-                        async with asyncio.timeout(keepalive_s):
-                            chunk = await q.get()
-                    except TimeoutError:
-                        if self.steps != seen_steps:
-                            seen_steps = self.steps
-                            yield None
-                        continue
-                seen_steps = self.steps
-                yield chunk
-                if chunk.finish_reason is not None:
-                    finished = True
+                item = q.get_nowait() if not q.empty() else await q.get()
+                batch = [item] if item is not None else []
+                while not q.empty():
+                    item = q.get_nowait()
+                    if item is not None:
+                        batch.append(item)
+                if beat is not None:
+                    beat.saw_output()
+                if not batch:
+                    yield None
+                    continue
+                finished = batch[-1].finish_reason is not None
+                yield batch
+                if finished:
                     return
         finally:
+            if beat is not None:
+                beat.cancel()
             if not finished:
                 self.abort(req.request_id)
 
@@ -453,6 +471,39 @@ def _grammar_done(seq: Sequence, tok: int) -> bool:
     if not m.consume_token(tok):
         raise SamplingError(f"request {seq.request_id}: token {tok} broke the grammar: {m.get_error()}")
     return m.is_stopped()
+
+
+class _Keepalive:
+    """Puts a None (keepalive) into a stream's queue after `every_s` without output, if the engine stepped
+    since the stream's last output: one loop timer per stream, moved only when it fires."""
+
+    __slots__ = ("loop", "q", "every_s", "engine", "last", "seen_steps", "handle")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, q: asyncio.Queue, every_s: float, engine: LLMEngine) -> None:
+        self.loop, self.q, self.every_s, self.engine = loop, q, every_s, engine
+        self.last = loop.time()
+        self.seen_steps = engine.steps
+        self.handle = loop.call_at(self.last + every_s, self._fire)
+
+    def saw_output(self) -> None:
+        """The stream passed on a chunk or a keepalive: the silence starts again."""
+        self.last = self.loop.time()
+        self.seen_steps = self.engine.steps
+
+    def _fire(self) -> None:
+        now = self.loop.time()
+        due = self.last + self.every_s
+        if now < due:
+            self.handle = self.loop.call_at(due, self._fire)
+            return
+        if self.engine.steps != self.seen_steps:
+            self.seen_steps = self.engine.steps
+            self.q.put_nowait(None)
+        self.last = now
+        self.handle = self.loop.call_at(now + self.every_s, self._fire)
+
+    def cancel(self) -> None:
+        self.handle.cancel()
 
 
 def _deliver(items: list) -> None:

@@ -39,11 +39,11 @@ WRONG = [
 
 
 class Recorder:
-    """Delegates to the engine's stream (what the server's generate calls)/abort and remembers every call."""
+    """Delegates to the engine's stream_batches (what the server's generate calls)/abort and remembers every call."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.calls: list[str] = []
-        gen, abort = engine.stream, engine.abort
+        gen, abort = engine.stream_batches, engine.abort
 
         def stream(req, keepalive_s=None):
             self.calls.append(f"generate:{req.request_id}")
@@ -53,7 +53,7 @@ class Recorder:
             self.calls.append(f"abort:{request_id}")
             return abort(request_id)
 
-        engine.stream = stream              # type: ignore[method-assign]
+        engine.stream_batches = stream      # type: ignore[method-assign]
         engine.abort = record_abort         # type: ignore[method-assign]
 
 

@@ -37,6 +37,7 @@ class StubBehaviour:
     drop_before_first: bool = False      # close the connection before any chunk
     fail_after_tokens: int = -1          # close the connection after this many tokens
     error_chunk: tuple[int, str] | None = None  # first chunk is an error (code, message)
+    burst: bool = False                  # every chunk in one write at the end (a relay that fell behind)
     ready: bool = True
     phrase: str = PHRASE
 
@@ -93,6 +94,7 @@ class StubBackend:
         cached = self.cached_tokens(req.cache_namespace, req.prompt_token_ids)
         text_so_far = ""
         produced = 0
+        held: list[bytes] = []
         finish = "length"
         try:
             if b.first_token_delay_s:
@@ -121,12 +123,17 @@ class StubBackend:
                     lps = [TokenLogprob(tid, -0.25, top)]
                 if b.token_delay_s:
                     await asyncio.sleep(b.token_delay_s)
-                await resp.write(encode(StreamChunk(req.request_id, [tid], ch, lps)) + b"\n")
+                line = encode(StreamChunk(req.request_id, [tid], ch, lps)) + b"\n"
+                if b.burst:
+                    held.append(line)
+                else:
+                    await resp.write(line)
                 produced += 1
             with self.lock:
                 self.history.setdefault(req.cache_namespace, []).append(list(req.prompt_token_ids))
             usage = Usage(len(req.prompt_token_ids), produced, cached)
-            await resp.write(encode(StreamChunk(req.request_id, finish_reason=finish, usage=usage)) + b"\n")
+            await resp.write(b"".join(held) + encode(StreamChunk(req.request_id, finish_reason=finish, usage=usage))
+                             + b"\n")
             self.completed.append(req.request_id)
         except (ConnectionResetError, asyncio.CancelledError):
             self.disconnects.append(req.request_id)
