@@ -20,6 +20,14 @@ Priority classes. Strict (0 first), with aging: a request's class improves by on
 priority_aging_steps steps it has waited, so a low class is delayed, never starved. Within a class no
 tenant starves either: a backlogged tenant's counter stays put while the others' grow.
 
+Preemption for fairness (fair_preemption). VTC alone only reorders admission: a tenant arriving while another
+holds every batch slot waits for one of its requests to finish. Here, when every slot is held and the next
+waiting request (in the order above) belongs to a tenant below its slot share, max_num_seqs * weight / (sum of
+the backlogged tenants' weights), a tenant that keeps at least its share after losing one slot and whose
+(class, counter) is larger gives up its running sequence with the least KV computed (recompute: the output so
+far is kept, the tokens are recomputed exactly, and the full pages stay in the prefix cache). One per step; a
+request is preempted for fairness at most max_fair_preemptions times, so every request finishes.
+
 Preemption (out of KV pages). The victim is the newest running sequence of the tenant most over its share:
 the lowest class (largest number), then the largest counter. A tenant's cap (TenantSpec.max_running_pages)
 bounds the pages its running sequences hold: it waits (admission) or preempts its own newest sequence
@@ -27,6 +35,8 @@ bounds the pages its running sequences hold: it waits (admission) or preempts it
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 from backend.engine.block_manager import BlockManager
 from backend.engine.config import EngineConfig
@@ -40,6 +50,7 @@ class FairScheduler(Scheduler):
         self.counters: dict[str, float] = {}
         self.steps = 0
         self._last_left = 0.0
+        self.num_fair_preemptions = 0
 
     # ------------------------------------------------------------ counters
     def _tenants(self) -> set[str]:
@@ -85,6 +96,48 @@ class FairScheduler(Scheduler):
                 best, victim = key, s
         return None if victim is seq else victim
 
+    def _capped(self, seq: Sequence) -> bool:
+        """Admitting seq would take its tenant past its running page cap (a tenant with nothing running never is)."""
+        cap = seq.tenant.max_running_pages
+        held = self._tenant_pages(seq.tenant.id)
+        return bool(cap and held and held + self.blocks.pages_needed(seq.num_tokens + 1) > cap)
+
+    def _slot_shares(self) -> dict[str, float]:
+        """Each backlogged tenant's share of the batch slots: max_num_seqs * weight / sum of their weights."""
+        weights = {s.tenant.id: s.tenant.weight for s in (*self.waiting, *self.running)}
+        total = sum(weights.values())
+        return {t: self.cfg.max_num_seqs * w / total for t, w in weights.items()}
+
+    def _preempt_for_fairness(self, batch: ScheduledBatch) -> None:
+        """All slots held: the first waiting request (class, counter) of a tenant below its slot share takes
+        a slot from a tenant that keeps at least its share and has no smaller (class, counter)."""
+        if not self.cfg.fair_preemption or len(self.running) < self.cfg.max_num_seqs:
+            return
+        share = self._slot_shares()
+        held = Counter(s.tenant.id for s in self.running)
+        under = {s.tenant.id for s in self.waiting if held[s.tenant.id] < share[s.tenant.id]}
+        wait = self._next_waiting({s.tenant.id for s in self.waiting} - under)
+        while wait is not None and self._capped(wait):
+            under.discard(wait.tenant.id)
+            wait = self._next_waiting({s.tenant.id for s in self.waiting} - under)
+        if wait is None:
+            return
+        best: tuple | None = None
+        victim: Sequence | None = None
+        for s in self.running:
+            t = s.tenant.id
+            key = (s.tenant.priority, self.counters.get(t, 0.0))
+            if held[t] - 1 < share[t] or key < self._key(wait) \
+                    or s.num_fair_preemptions >= self.cfg.max_fair_preemptions:
+                continue
+            rank = (*key, -s.num_computed_tokens)
+            if best is None or rank > best:
+                best, victim = rank, s
+        if victim is not None:
+            victim.num_fair_preemptions += 1
+            self.num_fair_preemptions += 1
+            self._preempt(victim, batch)
+
     def _over_cap(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch, protected: set[int]) -> bool:
         """Keep seq's tenant within its page cap for seq to hold num_tokens, preempting the tenant's own newest
         other sequences; True if it cannot be done."""
@@ -117,6 +170,7 @@ class FairScheduler(Scheduler):
         budget = self.cfg.max_num_batched_tokens
         scheduled: set[int] = set()
         wp, wd = self.cfg.prefill_token_weight, self.cfg.decode_token_weight
+        self._preempt_for_fairness(batch)
         for seq in sorted((s for s in self.running if not s.is_prefilling), key=self._key):
             if seq not in self.running:      # preempted while making room for another
                 continue
@@ -142,9 +196,7 @@ class FairScheduler(Scheduler):
                     budget -= n
                 continue
             assert wait is not None
-            cap = wait.tenant.max_running_pages
-            held = self._tenant_pages(wait.tenant.id)
-            if cap and held and held + self.blocks.pages_needed(wait.num_tokens + 1) > cap:
+            if self._capped(wait):
                 capped.add(wait.tenant.id)
                 continue
             if not self._admit(wait, budget, batch):
@@ -157,13 +209,15 @@ class FairScheduler(Scheduler):
         return batch
 
     def _next_waiting(self, skip: set[str]) -> Sequence | None:
-        """The oldest waiting request of the tenant with the smallest (class, counter), tenants in skip aside."""
+        """The oldest waiting request of the tenant with the smallest (class, counter), on a tie the tenant with
+        the fewest running sequences per unit of weight; tenants in skip aside."""
+        held = Counter(s.tenant.id for s in self.running)
         best: tuple | None = None
         pick: Sequence | None = None
         for i, s in enumerate(self.waiting):
             if s.tenant.id in skip:
                 continue
-            key = (*self._key(s), i)
+            key = (*self._key(s), held[s.tenant.id] / s.tenant.weight, i)
             if best is None or key < best:
                 best, pick = key, s
         return pick
