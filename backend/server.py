@@ -285,6 +285,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--decode-token-weight", type=float, default=2.0, help="fair scheduler: cost of a decode token")
     p.add_argument("--priority-aging-steps", type=int, default=256,
                    help="fair scheduler: a waiting request's priority class improves by one per this many steps")
+    p.add_argument("--no-fair-preemption", action="store_true",
+                   help="fair scheduler: never preempt a tenant over its slot share to admit one under it")
+    p.add_argument("--no-prefill-isolation", action="store_true",
+                   help="fair scheduler: let over-share tenants' prefill share a step with an under-share first token")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
     p.add_argument("--redis-url", default=os.environ.get("EDGEINFER_REDIS_URL"))
     p.add_argument("--redis-cluster", action="store_true")
@@ -365,7 +369,8 @@ def build_state(args: argparse.Namespace) -> BackendState:
                        cache_seed=args.cache_seed.encode(), enable_prefix_cache=not args.no_prefix_cache,
                        scheduler=args.scheduler, cache_eviction=args.cache_eviction,
                        prefill_token_weight=args.prefill_token_weight, decode_token_weight=args.decode_token_weight,
-                       priority_aging_steps=args.priority_aging_steps,
+                       priority_aging_steps=args.priority_aging_steps, fair_preemption=not args.no_fair_preemption,
+                       prefill_isolation=not args.no_prefill_isolation,
                        cuda_graphs=not args.no_cuda_graphs)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     engine = load_engine(model_dir, cfg, dtype=dtype, device=args.device, model_name=args.model_name)

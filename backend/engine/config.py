@@ -26,6 +26,7 @@ class EngineConfig:
     priority_aging_steps: int = 256         # a waiting request's priority class improves by 1 per this many steps
     fair_preemption: bool = True            # fair: preempt a tenant over its slot share to admit one under it
     max_fair_preemptions: int = 1           # fair: a request is preempted for fairness at most this many times
+    prefill_isolation: bool = True          # fair: no over-share prefill in a step with an under-share first token
     cache_eviction: str = "fair"            # fair: evict cached pages of the tenant most over its share first | lru
     cuda_graphs: bool = True                # decode steps replay CUDA graphs (CUDA + Triton only; cuda_graphs.py)
 

@@ -28,6 +28,10 @@ the backlogged tenants' weights), a tenant that keeps at least its share after l
 far is kept, the tokens are recomputed exactly, and the full pages stay in the prefix cache). One per step; a
 request is preempted for fairness at most max_fair_preemptions times, so every request finishes.
 
+Prefill isolation (prefill_isolation). A step that computes the first token of a tenant within its slot share
+gives no prefill tokens to tenants over their share (their decodes still run): the latency of that first
+token is not inflated by the flooding tenant's prompts. They get the budget at the next step.
+
 Preemption (out of KV pages). The victim is the newest running sequence of the tenant most over its share:
 the lowest class (largest number), then the largest counter. A tenant's cap (TenantSpec.max_running_pages)
 bounds the pages its running sequences hold: it waits (admission) or preempts its own newest sequence
@@ -81,6 +85,10 @@ class FairScheduler(Scheduler):
     def _key(self, seq: Sequence) -> tuple[int, float]:
         return self._class(seq), self.counters.get(seq.tenant.id, 0.0)
 
+    def _order(self, seq: Sequence) -> tuple[int, float, float]:
+        """_key; on a tie, the tenant with the fewest running sequences per unit of weight first."""
+        return *self._key(seq), self._held(seq.tenant.id) / seq.tenant.weight
+
     # ------------------------------------------------------------ caps and victims
     def _tenant_pages(self, tenant: str) -> int:
         return sum(len(s.block_table) for s in self.running if s.tenant.id == tenant)
@@ -95,6 +103,9 @@ class FairScheduler(Scheduler):
             if best is None or key > best:
                 best, victim = key, s
         return None if victim is seq else victim
+
+    def _held(self, tenant: str) -> int:
+        return sum(1 for s in self.running if s.tenant.id == tenant)
 
     def _capped(self, seq: Sequence) -> bool:
         """Admitting seq would take its tenant past its running page cap (a tenant with nothing running never is)."""
@@ -181,12 +192,20 @@ class FairScheduler(Scheduler):
         pending = [s for s in self.running if s.is_prefilling]
         capped: set[str] = set()
         admitting = True
+        share = self._slot_shares() if self.cfg.prefill_isolation else {}
+        isolating = False
         while budget > 0:
-            run = min(pending, key=self._key, default=None)
+            if not isolating and any(not s.output_ids and s.tenant.id in share and
+                                     self._held(s.tenant.id) <= share[s.tenant.id] for s, _ in batch.prefills):
+                isolating = True             # a first token of a tenant within its share: no over-share prefill
+                over = {t for t in share if self._held(t) > share[t]}
+                pending = [s for s in pending if s.tenant.id not in over]
+                capped |= over
+            run = min(pending, key=self._order, default=None)
             wait = self._next_waiting(capped) if admitting and len(self.running) < self.cfg.max_num_seqs else None
             if run is None and wait is None:
                 break
-            if run is not None and (wait is None or self._key(run) <= self._key(wait)):
+            if run is not None and (wait is None or self._order(run) <= self._order(wait)):
                 pending.remove(run)
                 if run not in self.running:
                     continue
@@ -217,7 +236,7 @@ class FairScheduler(Scheduler):
         for i, s in enumerate(self.waiting):
             if s.tenant.id in skip:
                 continue
-            key = (*self._key(s), held[s.tenant.id] / s.tenant.weight, i)
+            key = (*self._key(s), held[s.tenant.id] / s.tenant.weight, i)     # _order without a scan per request
             if best is None or key < best:
                 best, pick = key, s
         return pick

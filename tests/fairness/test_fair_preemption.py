@@ -98,3 +98,25 @@ def test_capped_tenant_does_not_preempt():
     sim.add(seq(capped, prompt_len=20, max_new=4))   # 2 pages held + 2 more > 3
     for _ in range(10):
         assert not sim.step().preempted
+
+
+@pytest.mark.parametrize("isolation", [True, False])
+def test_first_token_of_an_under_share_tenant_is_not_slowed_by_the_flood_prefill(isolation):
+    """A holds the 4 slots, 3 decoding and 1 long prompt mid-prefill, when B's short prompt arrives (and takes a
+    slot by preemption): with prefill_isolation B's step carries A's decodes and B's prefill only (A's chunk
+    waits one step, then goes on); without it A's chunk fills the rest of the step's budget."""
+    sim = Sim(max_num_seqs=4, max_num_batched_tokens=64, prefill_isolation=isolation)
+    for _ in range(3):
+        sim.add(seq(A, prompt_len=16, max_new=50))
+    long = sim.add(seq(A, prompt_len=400, max_new=8))
+    for _ in range(2):
+        sim.step()
+    assert long.is_prefilling and len(sim.sched.running) == 4
+    b = sim.add(seq(B, prompt_len=20, max_new=4))
+    batch = sim.step()
+    prefill = {s.tenant.id: n for s, n in batch.prefills}
+    assert prefill.get("b") == 20 and len(b.output_ids) == 1 and len(batch.decodes) == 2
+    assert prefill.get("a", 0) == (0 if isolation else 64 - 2 - 20)
+    computed = long.num_computed_tokens
+    sim.step()
+    assert long.num_computed_tokens > computed                     # A's prefill goes on at the next step
