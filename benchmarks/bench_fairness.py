@@ -1,7 +1,8 @@
 """Tenant fairness through the real gateway + backend: a flooding tenant A at 8x the concurrency of tenant B.
 
-For each scheduler (--scheduler fifo, then fair; --cache-eviction lru with fifo, fair with fair) one backend
-process (SmolLM2-135M on CPU) and one gateway process on loopback are started, then two phases run:
+For each mode (--modes: scheduler:eviction[:backend flag...]; by default fifo/lru, fair/fair without
+preemption for fairness nor prefill isolation (plain VTC), and fair/fair) one backend process (SmolLM2-135M on
+CPU) and one gateway process on loopback are started, then two phases run:
 
 - solo:  B alone, `--b-clients` streaming clients for `--seconds`;
 - flood: A with 8 x b-clients clients plus the same B clients, for `--seconds`.

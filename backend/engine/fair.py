@@ -28,9 +28,12 @@ the backlogged tenants' weights), a tenant that keeps at least its share after l
 far is kept, the tokens are recomputed exactly, and the full pages stay in the prefix cache). One per step; a
 request is preempted for fairness at most max_fair_preemptions times, so every request finishes.
 
-Prefill isolation (prefill_isolation). A step that computes the first token of a tenant within its slot share
-gives no prefill tokens to tenants over their share (their decodes still run): the latency of that first
-token is not inflated by the flooding tenant's prompts. They get the budget at the next step.
+Prefill isolation (prefill_isolation). Once a step has given prefill tokens to a request still waiting for its
+first token, of a tenant within its slot share, the rest of that step's prefill budget goes to no other
+tenant whose (class, counter) is larger, nor to one over (or that an admission would take over) its share;
+their decodes still run, their prefill waits for the next step. The first token of the tenant served least is
+not delayed by the flooding tenant's prompts (in the step time); prefill batching across tenants is what it
+costs. No starvation: the shielded tenant's counter grows with what it is served, and order is by counter.
 
 Preemption (out of KV pages). The victim is the newest running sequence of the tenant most over its share:
 the lowest class (largest number), then the largest counter. A tenant's cap (TenantSpec.max_running_pages)
@@ -192,17 +195,23 @@ class FairScheduler(Scheduler):
         pending = [s for s in self.running if s.is_prefilling]
         capped: set[str] = set()
         admitting = True
-        share = self._slot_shares() if self.cfg.prefill_isolation else {}
-        isolating = False
+        share = self._slot_shares()
+        shield: tuple[str, tuple[int, float]] | None = None    # the first token this step isolates: tenant, key
+        counters = dict(self.counters)                         # as the prefill share of the step starts
+
+        def key0(s: Sequence) -> tuple[int, float]:
+            return self._class(s), counters.get(s.tenant.id, 0.0)
+
+        def shut(s: Sequence, admit: int) -> bool:
+            """Isolation: s's tenant has a larger key than the shielded one, or is (would go) over its share."""
+            if shield is None or s.tenant.id == shield[0]:
+                return False
+            return key0(s) > shield[1] or self._held(s.tenant.id) + admit > share[s.tenant.id]
+
         while budget > 0:
-            if not isolating and any(not s.output_ids and s.tenant.id in share and
-                                     self._held(s.tenant.id) <= share[s.tenant.id] for s, _ in batch.prefills):
-                isolating = True             # a first token of a tenant within its share: no over-share prefill
-                over = {t for t in share if self._held(t) > share[t]}
-                pending = [s for s in pending if s.tenant.id not in over]
-                capped |= over
-            run = min(pending, key=self._order, default=None)
-            wait = self._next_waiting(capped) if admitting and len(self.running) < self.cfg.max_num_seqs else None
+            run = min((s for s in pending if not shut(s, 0)), key=self._order, default=None)
+            wait = self._next_waiting(capped, lambda s: shut(s, 1)) \
+                if admitting and len(self.running) < self.cfg.max_num_seqs else None
             if run is None and wait is None:
                 break
             if run is not None and (wait is None or self._order(run) <= self._order(wait)):
@@ -210,31 +219,34 @@ class FairScheduler(Scheduler):
                 if run not in self.running:
                     continue
                 n = self._schedule_chunk(run, budget, batch, scheduled)
-                if n:
-                    self._charge(run, n, wp)
-                    budget -= n
-                continue
-            assert wait is not None
-            if self._capped(wait):
-                capped.add(wait.tenant.id)
-                continue
-            if not self._admit(wait, budget, batch):
-                admitting = False            # out of pages: nobody jumps the queue past it
-                continue
-            self.waiting.remove(wait)
-            n = self._add_prefill(wait, min(wait.num_uncomputed, budget), batch, scheduled)
-            self._charge(wait, n, wp)
+                if not n:
+                    continue
+            else:
+                assert wait is not None
+                if self._capped(wait):
+                    capped.add(wait.tenant.id)
+                    continue
+                if not self._admit(wait, budget, batch):
+                    admitting = False            # out of pages: nobody jumps the queue past it
+                    continue
+                self.waiting.remove(wait)
+                run = wait
+                n = self._add_prefill(wait, min(wait.num_uncomputed, budget), batch, scheduled)
+            self._charge(run, n, wp)
             budget -= n
+            if shield is None and self.cfg.prefill_isolation and not run.output_ids \
+                    and self._held(run.tenant.id) <= share[run.tenant.id]:
+                shield = run.tenant.id, key0(run)
         return batch
 
-    def _next_waiting(self, skip: set[str]) -> Sequence | None:
+    def _next_waiting(self, skip: set[str], shut=None) -> Sequence | None:
         """The oldest waiting request of the tenant with the smallest (class, counter), on a tie the tenant with
-        the fewest running sequences per unit of weight; tenants in skip aside."""
+        the fewest running sequences per unit of weight; tenants in skip and requests shut(s) aside."""
         held = Counter(s.tenant.id for s in self.running)
         best: tuple | None = None
         pick: Sequence | None = None
         for i, s in enumerate(self.waiting):
-            if s.tenant.id in skip:
+            if s.tenant.id in skip or (shut is not None and shut(s)):
                 continue
             key = (*self._key(s), held[s.tenant.id] / s.tenant.weight, i)     # _order without a scan per request
             if best is None or key < best:
