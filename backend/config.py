@@ -33,6 +33,8 @@ class BackendConfig:
     prefill_token_weight: float
     decode_token_weight: float
     priority_aging_steps: int
+    no_fair_preemption: bool
+    no_prefill_isolation: bool
     no_cuda_graphs: bool
     redis_url: str | None
     redis_cluster: bool
@@ -65,4 +67,6 @@ class BackendConfig:
                             scheduler=self.scheduler, cache_eviction=self.cache_eviction,
                             prefill_token_weight=self.prefill_token_weight,
                             decode_token_weight=self.decode_token_weight,
-                            priority_aging_steps=self.priority_aging_steps, cuda_graphs=not self.no_cuda_graphs)
+                            priority_aging_steps=self.priority_aging_steps,
+                            fair_preemption=not self.no_fair_preemption,
+                            prefill_isolation=not self.no_prefill_isolation, cuda_graphs=not self.no_cuda_graphs)

@@ -287,6 +287,10 @@ def parse_args(argv: list[str] | None) -> BackendConfig:
     p.add_argument("--decode-token-weight", type=float, default=2.0, help="fair scheduler: cost of a decode token")
     p.add_argument("--priority-aging-steps", type=int, default=256,
                    help="fair scheduler: a waiting request's priority class improves by one per this many steps")
+    p.add_argument("--no-fair-preemption", action="store_true",
+                   help="fair scheduler: never preempt a tenant over its slot share to admit one under it")
+    p.add_argument("--no-prefill-isolation", action="store_true",
+                   help="fair scheduler: let over-share tenants' prefill share a step with an under-share first token")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
     p.add_argument("--redis-url", default=os.environ.get("EDGEINFER_REDIS_URL"))
     p.add_argument("--redis-cluster", action="store_true")

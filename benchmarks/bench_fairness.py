@@ -1,7 +1,8 @@
 """Tenant fairness through the real gateway + backend: a flooding tenant A at 8x the concurrency of tenant B.
 
-For each scheduler (--scheduler fifo, then fair; --cache-eviction lru with fifo, fair with fair) one backend
-process (SmolLM2-135M on CPU) and one gateway process on loopback are started, then two phases run:
+For each mode (--modes: scheduler:eviction[:backend flag...]; by default fifo/lru, fair/fair without
+preemption for fairness nor prefill isolation (plain VTC), and fair/fair) one backend process (SmolLM2-135M on
+CPU) and one gateway process on loopback are started, then two phases run:
 
 - solo:  B alone, `--b-clients` streaming clients for `--seconds`;
 - flood: A with 8 x b-clients clients plus the same B clients, for `--seconds`.
@@ -124,19 +125,21 @@ async def phase(gw: str, model: str, args, a_clients: int) -> dict:
     return out
 
 
-def run_mode(scheduler: str, eviction: str, model_dir: Path, args, env: dict, log_dir: Path) -> dict:
+def run_mode(mode: str, model_dir: Path, args, env: dict, log_dir: Path) -> dict:
     import requests
 
     from gateway.config import hash_key
 
+    scheduler, eviction, *flags = mode.split(":")
     procs = Procs(log_dir)
     try:
         port = _free_port()
         be = procs.start(f"backend-{scheduler}", [
             sys.executable, "-m", "backend.server", "--model", str(model_dir), "--port", str(port),
             "--node-id", f"fair-{scheduler}", "--num-pages", str(args.num_pages), "--max-num-seqs",
-            str(args.max_num_seqs), "--store-tier", "none", "--scheduler", scheduler, "--cache-eviction", eviction,
-            "--log-level", "WARNING"], env)
+            str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--store-tier",
+            "none", "--scheduler", scheduler, "--cache-eviction", eviction, "--log-level", "WARNING",
+            *(f"--{f}" for f in flags)], env)
         url = f"http://127.0.0.1:{port}"
         _wait_http(url + "/ready", be, 180)
         model = requests.get(url + "/internal/info", headers={"authorization": f"Bearer {env['EDGEINFER_INTERNAL_SECRET']}"},
@@ -155,7 +158,7 @@ def run_mode(scheduler: str, eviction: str, model_dir: Path, args, env: dict, lo
         flood = asyncio.run(phase(gw_url, model, args, 8 * args.b_clients))
         p99 = lambda ph: ph["b"]["ttft"]["p99"]  # noqa: E731
         p50 = lambda ph: ph["b"]["ttft"]["p50"]  # noqa: E731
-        return {"scheduler": scheduler, "cache_eviction": eviction, "model": model, "solo": solo, "flood": flood,
+        return {"mode": mode, "scheduler": scheduler, "cache_eviction": eviction, "model": model, "solo": solo, "flood": flood,
                 "b_ttft_p99_flood_over_solo": round(p99(flood) / p99(solo), 2) if p99(solo) and p99(flood) else None,
                 "b_ttft_p50_flood_over_solo": round(p50(flood) / p50(solo), 2) if p50(solo) and p50(flood) else None,
                 "b_tokens_per_s_flood_over_solo": round(flood["b"]["tokens_per_s"] / max(solo["b"]["tokens_per_s"],
@@ -175,7 +178,9 @@ def main() -> int:
     p.add_argument("--num-pages", type=int, default=160)
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--request-timeout", type=float, default=300.0)
-    p.add_argument("--modes", default="fifo:lru,fair:fair", help="scheduler:eviction pairs to compare")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="the backend's per-step token budget")
+    p.add_argument("--modes", default="fifo:lru,fair:fair:no-fair-preemption:no-prefill-isolation,fair:fair",
+                   help="scheduler:eviction[:backend flag without --...] per mode, comma-separated")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_fairness.json"))
     args = p.parse_args()
     if not 1 <= args.b_clients <= 8 or args.seconds > 120:
@@ -191,18 +196,20 @@ def main() -> int:
     env = {**os.environ, "EDGEINFER_CACHE_SEED": SEED, "EDGEINFER_INTERNAL_SECRET": os.urandom(16).hex(),
            "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     t0 = time.monotonic()
+    load0 = os.getloadavg()
     modes = []
     try:
-        for pair in args.modes.split(","):
-            scheduler, eviction = pair.split(":")
-            modes.append(run_mode(scheduler, eviction, model_dir, args, env, log_dir))
+        for mode in args.modes.split(","):
+            modes.append(run_mode(mode, model_dir, args, env, log_dir))
     finally:
         signal.alarm(0)
     result = {"bench": "bench_fairness", "host": platform.node(), "cpus": os.cpu_count(),
               "shared_machine": "2 CPU cores shared with other jobs: absolute times are noisy, compare ratios",
+              "loadavg_1_5_15_at_start": [round(x, 2) for x in load0],
               "loadavg_1_5_15_at_end": [round(x, 2) for x in os.getloadavg()],
               "b_clients": args.b_clients, "a_clients": 8 * args.b_clients, "seconds_per_phase": args.seconds,
               "max_tokens": args.max_tokens, "num_pages": args.num_pages, "max_num_seqs": args.max_num_seqs,
+              "max_num_batched_tokens": args.max_num_batched_tokens,
               "wall_s": round(time.monotonic() - t0, 1), "modes": modes,
               "command": " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])}
     out = Path(args.out)

@@ -25,6 +25,9 @@ class EngineConfig:
     prefill_token_weight: float = 1.0       # VTC cost of a prefill token
     decode_token_weight: float = 2.0        # VTC cost of a decode token (the paper's w_q = 2 w_p)
     priority_aging_steps: int = 256         # a waiting request's priority class improves by 1 per this many steps
+    fair_preemption: bool = True            # fair: preempt a tenant over its slot share to admit one under it
+    max_fair_preemptions: int = 1           # fair: a request is preempted for fairness at most this many times
+    prefill_isolation: bool = True          # fair: no over-share prefill in a step with an under-share first token
     cache_eviction: str = "fair"            # fair: evict cached pages of the tenant most over its share first | lru
     cuda_graphs: bool = True                # decode steps replay CUDA graphs (CUDA + Triton only; cuda_graphs.py)
 
@@ -43,6 +46,8 @@ class EngineConfig:
             v = getattr(self, name)
             if not v > 0 or v == float("inf"):
                 raise ValueError(f"{name}={v!r} is invalid: expected a finite number > 0")
+        if self.max_fair_preemptions < 0:
+            raise ValueError(f"max_fair_preemptions={self.max_fair_preemptions!r} is invalid: expected >= 0")
         if self.priority_aging_steps < 1:
             raise ValueError(f"priority_aging_steps={self.priority_aging_steps!r} is invalid: expected >= 1")
 

@@ -20,6 +20,21 @@ Priority classes. Strict (0 first), with aging: a request's class improves by on
 priority_aging_steps steps it has waited, so a low class is delayed, never starved. Within a class no
 tenant starves either: a backlogged tenant's counter stays put while the others' grow.
 
+Preemption for fairness (fair_preemption). VTC alone only reorders admission: a tenant arriving while another
+holds every batch slot waits for one of its requests to finish. Here, when every slot is held and the next
+waiting request (in the order above) belongs to a tenant below its slot share, max_num_seqs * weight / (sum of
+the backlogged tenants' weights), a tenant that keeps at least its share after losing one slot and whose
+(class, counter) is larger gives up its running sequence with the least KV computed (recompute: the output so
+far is kept, the tokens are recomputed exactly, and the full pages stay in the prefix cache). One per step; a
+request is preempted for fairness at most max_fair_preemptions times, so every request finishes.
+
+Prefill isolation (prefill_isolation). Once a step has given prefill tokens to a request still waiting for its
+first token, of a tenant within its slot share, the rest of that step's prefill budget goes to no other
+tenant whose (class, counter) is larger, nor to one over (or that an admission would take over) its share;
+their decodes still run, their prefill waits for the next step. The first token of the tenant served least is
+not delayed by the flooding tenant's prompts (in the step time); prefill batching across tenants is what it
+costs. No starvation: the shielded tenant's counter grows with what it is served, and order is by counter.
+
 Preemption (out of KV pages). The victim is the newest running sequence of the tenant most over its share:
 the lowest class (largest number), then the largest counter. A tenant's cap (TenantSpec.max_running_pages)
 bounds the pages its running sequences hold: it waits (admission) or preempts its own newest sequence
@@ -27,6 +42,8 @@ bounds the pages its running sequences hold: it waits (admission) or preempts it
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 from backend.engine.block_manager import BlockManager
 from backend.engine.config import EngineConfig
@@ -40,6 +57,7 @@ class FairScheduler(Scheduler):
         self.counters: dict[str, float] = {}
         self.steps = 0
         self._last_left = 0.0
+        self.num_fair_preemptions = 0
 
     # ------------------------------------------------------------ counters
     def _tenants(self) -> set[str]:
@@ -70,6 +88,10 @@ class FairScheduler(Scheduler):
     def _key(self, seq: Sequence) -> tuple[int, float]:
         return self._class(seq), self.counters.get(seq.tenant.id, 0.0)
 
+    def _order(self, seq: Sequence) -> tuple[int, float, float]:
+        """_key; on a tie, the tenant with the fewest running sequences per unit of weight first."""
+        return *self._key(seq), self._held(seq.tenant.id) / seq.tenant.weight
+
     # ------------------------------------------------------------ caps and victims
     def _tenant_pages(self, tenant: str) -> int:
         return sum(len(s.block_table) for s in self.running if s.tenant.id == tenant)
@@ -84,6 +106,51 @@ class FairScheduler(Scheduler):
             if best is None or key > best:
                 best, victim = key, s
         return None if victim is seq else victim
+
+    def _held(self, tenant: str) -> int:
+        return sum(1 for s in self.running if s.tenant.id == tenant)
+
+    def _capped(self, seq: Sequence) -> bool:
+        """Admitting seq would take its tenant past its running page cap (a tenant with nothing running never is)."""
+        cap = seq.tenant.max_running_pages
+        held = self._tenant_pages(seq.tenant.id)
+        return bool(cap and held and held + self.blocks.pages_needed(seq.num_tokens + 1) > cap)
+
+    def _slot_shares(self) -> dict[str, float]:
+        """Each backlogged tenant's share of the batch slots: max_num_seqs * weight / sum of their weights."""
+        weights = {s.tenant.id: s.tenant.weight for s in (*self.waiting, *self.running)}
+        total = sum(weights.values())
+        return {t: self.cfg.max_num_seqs * w / total for t, w in weights.items()}
+
+    def _preempt_for_fairness(self, batch: ScheduledBatch) -> None:
+        """All slots held: the first waiting request (class, counter) of a tenant below its slot share takes
+        a slot from a tenant that keeps at least its share and has no smaller (class, counter)."""
+        if not self.cfg.fair_preemption or len(self.running) < self.cfg.max_num_seqs:
+            return
+        share = self._slot_shares()
+        held = Counter(s.tenant.id for s in self.running)
+        under = {s.tenant.id for s in self.waiting if held[s.tenant.id] < share[s.tenant.id]}
+        wait = self._next_waiting({s.tenant.id for s in self.waiting} - under)
+        while wait is not None and self._capped(wait):
+            under.discard(wait.tenant.id)
+            wait = self._next_waiting({s.tenant.id for s in self.waiting} - under)
+        if wait is None:
+            return
+        best: tuple | None = None
+        victim: Sequence | None = None
+        for s in self.running:
+            t = s.tenant.id
+            key = (s.tenant.priority, self.counters.get(t, 0.0))
+            if held[t] - 1 < share[t] or key < self._key(wait) \
+                    or s.num_fair_preemptions >= self.cfg.max_fair_preemptions:
+                continue
+            rank = (*key, -s.num_computed_tokens)
+            if best is None or rank > best:
+                best, victim = rank, s
+        if victim is not None:
+            victim.num_fair_preemptions += 1
+            self.num_fair_preemptions += 1
+            self._preempt(victim, batch)
 
     def _over_cap(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch, protected: set[int]) -> bool:
         """Keep seq's tenant within its page cap for seq to hold num_tokens, preempting the tenant's own newest
@@ -117,6 +184,7 @@ class FairScheduler(Scheduler):
         budget = self.cfg.max_num_batched_tokens
         scheduled: set[int] = set()
         wp, wd = self.cfg.prefill_token_weight, self.cfg.decode_token_weight
+        self._preempt_for_fairness(batch)
         for seq in sorted((s for s in self.running if not s.is_prefilling), key=self._key):
             if seq not in self.running:      # preempted while making room for another
                 continue
@@ -127,43 +195,60 @@ class FairScheduler(Scheduler):
         pending = [s for s in self.running if s.is_prefilling]
         capped: set[str] = set()
         admitting = True
+        share = self._slot_shares()
+        shield: tuple[str, tuple[int, float]] | None = None    # the first token this step isolates: tenant, key
+        counters = dict(self.counters)                         # as the prefill share of the step starts
+
+        def key0(s: Sequence) -> tuple[int, float]:
+            return self._class(s), counters.get(s.tenant.id, 0.0)
+
+        def shut(s: Sequence, admit: int) -> bool:
+            """Isolation: s's tenant has a larger key than the shielded one, or is (would go) over its share."""
+            if shield is None or s.tenant.id == shield[0]:
+                return False
+            return key0(s) > shield[1] or self._held(s.tenant.id) + admit > share[s.tenant.id]
+
         while budget > 0:
-            run = min(pending, key=self._key, default=None)
-            wait = self._next_waiting(capped) if admitting and len(self.running) < self.cfg.max_num_seqs else None
+            run = min((s for s in pending if not shut(s, 0)), key=self._order, default=None)
+            wait = self._next_waiting(capped, lambda s: shut(s, 1)) \
+                if admitting and len(self.running) < self.cfg.max_num_seqs else None
             if run is None and wait is None:
                 break
-            if run is not None and (wait is None or self._key(run) <= self._key(wait)):
+            if run is not None and (wait is None or self._order(run) <= self._order(wait)):
                 pending.remove(run)
                 if run not in self.running:
                     continue
                 n = self._schedule_chunk(run, budget, batch, scheduled)
-                if n:
-                    self._charge(run, n, wp)
-                    budget -= n
-                continue
-            assert wait is not None
-            cap = wait.tenant.max_running_pages
-            held = self._tenant_pages(wait.tenant.id)
-            if cap and held and held + self.blocks.pages_needed(wait.num_tokens + 1) > cap:
-                capped.add(wait.tenant.id)
-                continue
-            if not self._admit(wait, budget, batch):
-                admitting = False            # out of pages: nobody jumps the queue past it
-                continue
-            self.waiting.remove(wait)
-            n = self._add_prefill(wait, min(wait.num_uncomputed, budget), batch, scheduled)
-            self._charge(wait, n, wp)
+                if not n:
+                    continue
+            else:
+                assert wait is not None
+                if self._capped(wait):
+                    capped.add(wait.tenant.id)
+                    continue
+                if not self._admit(wait, budget, batch):
+                    admitting = False            # out of pages: nobody jumps the queue past it
+                    continue
+                self.waiting.remove(wait)
+                run = wait
+                n = self._add_prefill(wait, min(wait.num_uncomputed, budget), batch, scheduled)
+            self._charge(run, n, wp)
             budget -= n
+            if shield is None and self.cfg.prefill_isolation and not run.output_ids \
+                    and self._held(run.tenant.id) <= share[run.tenant.id]:
+                shield = run.tenant.id, key0(run)
         return batch
 
-    def _next_waiting(self, skip: set[str]) -> Sequence | None:
-        """The oldest waiting request of the tenant with the smallest (class, counter), tenants in skip aside."""
+    def _next_waiting(self, skip: set[str], shut=None) -> Sequence | None:
+        """The oldest waiting request of the tenant with the smallest (class, counter), on a tie the tenant with
+        the fewest running sequences per unit of weight; tenants in skip and requests shut(s) aside."""
+        held = Counter(s.tenant.id for s in self.running)
         best: tuple | None = None
         pick: Sequence | None = None
         for i, s in enumerate(self.waiting):
-            if s.tenant.id in skip:
+            if s.tenant.id in skip or (shut is not None and shut(s)):
                 continue
-            key = (*self._key(s), i)
+            key = (*self._key(s), held[s.tenant.id] / s.tenant.weight, i)     # _order without a scan per request
             if best is None or key < best:
                 best, pick = key, s
         return pick

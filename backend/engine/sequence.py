@@ -54,6 +54,7 @@ class Sequence:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.num_preemptions = 0
+        self.num_fair_preemptions = 0                       # of those, preempted to admit an under-share tenant
         self.admitted_once = False
         self.generator: torch.Generator | None = None       # for seeded sampling
         self.stop_checker: StopChecker | None = None        # set by the engine (stop strings, detokenizer)

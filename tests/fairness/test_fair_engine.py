@@ -135,3 +135,32 @@ def test_per_tenant_metrics(smol_model, smol_tokenizer):
         assert val("edgeinfer_backend_tenant_virtual_tokens", {"model": "m", "tenant": t}) > 0
     assert val("edgeinfer_backend_tenant_cached_pages", {"model": "m", "tenant": "x"}) == eng.blocks.held["x"] == 4
     assert val("edgeinfer_backend_tenant_cached_pages", {"model": "m", "tenant": "y"}) is None   # retains nothing
+
+
+def test_greedy_outputs_equal_solo_when_preempted_for_fairness(smol_model, smol_tokenizer, solo):
+    """A fills both slots and has answered a few tokens when B arrives: one of A's sequences is preempted
+    mid-answer for B (fair_preemption), recomputed later; every output still equals its solo run."""
+    eng = LLMEngine(smol_model, smol_tokenizer, EngineConfig(max_num_seqs=2, max_num_batched_tokens=64,
+                                                             scheduler="fair", enable_prefix_cache=False))
+    outs: dict[str, list[int]] = {}
+    ps = prompts(3)
+
+    def submit(prompt: list[int], tenant: TenantSpec) -> str:
+        seq = eng._make_seq(request(prompt, tenant, 12), lambda chunk, out=outs.setdefault(
+            f"{tenant.id}{len(outs)}", []): out.extend(chunk.token_ids))
+        eng._seqs[seq.request_id] = seq
+        eng.scheduler.add(seq)
+        return seq.request_id
+
+    a = [eng._seqs[submit(p, TenantSpec("a"))] for p in ps[:2]]
+    for _ in range(4):
+        eng.step()
+    answered = [len(s.output_ids) for s in a]
+    submit(ps[2], TenantSpec("b"))
+    eng.step()
+    assert eng.scheduler.num_fair_preemptions == 1
+    victim = next(s for s in a if s.num_fair_preemptions)
+    assert answered[a.index(victim)] >= 2 and victim.num_computed_tokens == 0
+    while eng.scheduler.has_work:
+        eng.step()
+    assert list(outs.values()) == solo[:3]
