@@ -90,17 +90,28 @@ def test_decode_is_batch_variant_by_roundoff_only_on_the_reference_ops(smol_mode
     assert drift < DRIFT_BOUND[kv], f"{kv}: logprobs moved by {drift} with the batch: more than roundoff"
 
 
+@pytest.fixture(scope="module")
+def native_model():
+    from backend.model.gguf_import import ensure_native_default_model
+    from backend.model.llama import load_model
+
+    return load_model(ensure_native_default_model())
+
+
 @pytest.mark.parametrize("kv", KV_DTYPES)
-def test_decode_next_to_a_longer_sequence_is_bit_identical_on_the_cpu_step_ops(smol_model, kv):
-    # kernels.cpu.attn's decode attention reads each sequence's own context only (the reference pads every
-    # sequence to the batch's longest), and 1 and 2 GEMM rows round alike: the same bits alone and paired
+def test_decode_next_to_a_longer_sequence_is_bit_identical_on_the_cpu_step_ops(native_model, kv):
+    # The served default (native INT4): every GEMM is kernels.cpu's x8 int8-dot kernel, which computes each
+    # activation row alone (its own int8 quantization, the same summation order at any row count), the norms
+    # are per row, and kernels.cpu.attn's decode attention reads each sequence's own context only (the
+    # reference pads every sequence to the batch's longest): the same bits alone and paired. (The fp32 model's
+    # dense GEMMs are oneDNN's, which round 1 and 2 rows differently on this CPU: no such claim there.)
     torch.set_grad_enabled(False)
-    if smol_model.device.type != "cpu" or not kernels.cpu.attn.enabled():
+    if native_model.device.type != "cpu" or not kernels.cpu.attn.enabled():
         pytest.skip("kernels.cpu.attn is off here (not CPU, or EDGEINFER_CPU_KERNELS=torch)")
-    assert smol_model.step_ops is kernels.cpu.attn._ext()
+    assert native_model.step_ops is kernels.cpu.attn._ext()
     a, b = prompt(5, 40), prompt(6, 90)
-    alone = generate(LLMEngine(smol_model, None, EngineConfig(kv_dtype=kv, num_pages=64)), [a], "t", 8)[0]
-    paired = generate(LLMEngine(smol_model, None, EngineConfig(kv_dtype=kv, num_pages=64)), [a, b], "t", 8)[0]
+    alone = generate(LLMEngine(native_model, None, EngineConfig(kv_dtype=kv, num_pages=64)), [a], "t", 8)[0]
+    paired = generate(LLMEngine(native_model, None, EngineConfig(kv_dtype=kv, num_pages=64)), [a, b], "t", 8)[0]
     assert alone[:2] == paired[:2]
 
 
