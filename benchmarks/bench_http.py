@@ -90,7 +90,7 @@ def through_http(tree: Path, levels: list[int], prompt_len: int, max_tokens: int
 
     port = free_port()
     spec = ServerSpec("edgeinfer", [sys.executable, "-m", "ops.cli", "serve", "--port", str(port)],
-                      {**env, "PYTHONPATH": str(tree)}, port, "/ready", DEMO_API_KEY)
+                      {**env, "PYTHONPATH": str(tree)}, port, "/ready", DEMO_API_KEY, cwd=tree)
     rnd = random.Random(0)
     out: dict = {"levels": {}}
     t = time.monotonic()

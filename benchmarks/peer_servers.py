@@ -32,6 +32,7 @@ class ServerSpec:
     notes: dict = field(default_factory=dict)
     text_prompts: bool = False                  # the server takes no token-id prompts: send the decoded text
     extra_body: dict = field(default_factory=dict)
+    cwd: Path | None = None   # where it starts: `python -m` imports the cwd's packages before PYTHONPATH's
 
     @property
     def url(self) -> str:
@@ -116,7 +117,7 @@ class Running:
     def __enter__(self) -> Running:
         t0 = time.monotonic()
         log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.spec.cmd, cwd=ROOT, env=self.spec.env, stdout=log,
+        self.proc = subprocess.Popen(self.spec.cmd, cwd=self.spec.cwd or ROOT, env=self.spec.env, stdout=log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         self.rss = RssWatch(self.proc.pid)
