@@ -9,16 +9,15 @@ from __future__ import annotations
 import asyncio
 import socket
 
-import aiohttp
 import msgspec
 import pytest
-from aiohttp import web
 
 from backend.engine.config import EngineConfig
 from backend.engine.engine import LLMEngine
 from backend.metrics import BackendMetrics
-from backend.server import BackendState, make_app
+from backend.server import BackendState
 from protocol.wire import StreamChunk
+from tests.backend.inproc import serve
 
 SECRET = "gateway-internal-secret-0123456789"
 OPERATOR_KEY = "operator-key-for-auth-tests"
@@ -64,14 +63,8 @@ async def backend(smol_model, smol_tokenizer):
     st = BackendState(engine=engine, metrics=metrics, node_id="n-auth", operator_key=OPERATOR_KEY,
                       internal_secret=SECRET)
     rec = Recorder(engine)
-    runner = web.AppRunner(make_app(st), handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as http:
+    async with serve(st) as http:
         yield st, http, rec
-    await runner.cleanup()
 
 
 def body(rid: str, max_tokens: int = 4, **sp) -> dict:

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import asyncio
 
-import aiohttp
 import msgspec
 import pytest
-from aiohttp import web
 
 from backend.engine.config import EngineConfig
 from backend.engine.engine import LLMEngine
 from backend.metrics import BackendMetrics
-from backend.server import BackendState, make_app
+from backend.server import BackendState
 from protocol.wire import StreamChunk
+from tests.backend.inproc import serve
 
 OPERATOR_KEY = "op-secret"
 
@@ -24,14 +23,8 @@ async def backend(smol_model, smol_tokenizer):
     metrics = BackendMetrics("smol")
     engine.observers.append(metrics)
     st = BackendState(engine=engine, metrics=metrics, node_id="n-test", operator_key=OPERATOR_KEY)
-    runner = web.AppRunner(make_app(st), handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as http:
+    async with serve(st) as http:
         yield st, http
-    await runner.cleanup()
 
 
 def body(rid: str, ids: list[int], **sp) -> dict:
@@ -106,33 +99,25 @@ async def test_start_drained_node_takes_only_the_operator_canary(smol_model, smo
     engine = LLMEngine(smol_model, smol_tokenizer, EngineConfig(num_pages=64))
     st = BackendState(engine=engine, metrics=BackendMetrics("smol"), node_id="n-new", operator_key=OPERATOR_KEY,
                       state="draining")
-    runner = web.AppRunner(make_app(st), handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
     op = {"authorization": f"Bearer {OPERATOR_KEY}"}
-    try:
-        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as http:
-            async with http.get("/ready") as r:
-                assert r.status == 503                       # routers skip it
-            async with http.post("/internal/generate", json=body("routed", [1, 2, 3], max_tokens=2)) as r:
-                assert r.status == 503
-            async with http.post("/internal/generate", json=body("routed", [1, 2, 3], max_tokens=2),
-                                 headers={"authorization": "Bearer tenant-key"}) as r:
-                assert r.status == 503
-            async with http.post("/internal/generate", json=body("canary", [1, 2, 3], max_tokens=2,
-                                                                   ignore_eos=True), headers=op) as r:
-                assert r.status == 200
-                chunks = [msgspec.json.decode(line, type=StreamChunk) async for line in r.content]
-            assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 2
-            async with http.post("/admin/undrain", headers=op) as r:
-                assert r.status == 200
-            async with http.post("/internal/generate", json=body("routed-2", [1, 2, 3], max_tokens=1)) as r:
-                assert r.status == 200
-                await r.read()
-    finally:
-        await runner.cleanup()
+    async with serve(st) as http:
+        async with http.get("/ready") as r:
+            assert r.status == 503                       # routers skip it
+        async with http.post("/internal/generate", json=body("routed", [1, 2, 3], max_tokens=2)) as r:
+            assert r.status == 503
+        async with http.post("/internal/generate", json=body("routed", [1, 2, 3], max_tokens=2),
+                             headers={"authorization": "Bearer tenant-key"}) as r:
+            assert r.status == 503
+        async with http.post("/internal/generate", json=body("canary", [1, 2, 3], max_tokens=2,
+                                                               ignore_eos=True), headers=op) as r:
+            assert r.status == 200
+            chunks = [msgspec.json.decode(line, type=StreamChunk) async for line in r.content]
+        assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 2
+        async with http.post("/admin/undrain", headers=op) as r:
+            assert r.status == 200
+        async with http.post("/internal/generate", json=body("routed-2", [1, 2, 3], max_tokens=1)) as r:
+            assert r.status == 200
+            await r.read()
 
 
 def test_start_drained_needs_an_operator_key(monkeypatch, capsys):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import aiohttp
 import msgspec
 import pytest
 from aiohttp import web
@@ -14,8 +13,9 @@ from aiohttp import web
 from backend.engine.config import EngineConfig
 from backend.engine.engine import LLMEngine
 from backend.metrics import BackendMetrics
-from backend.server import BackendState, make_app
+from backend.server import BackendState
 from protocol.wire import GenerateRequest, SamplingParams, StreamChunk
+from tests.backend.inproc import serve
 
 PROMPT = list(range(100, 140))
 
@@ -29,14 +29,8 @@ def request(rid: str, max_tokens: int) -> GenerateRequest:
 async def backend(smol_model, smol_tokenizer):
     engine = LLMEngine(smol_model, smol_tokenizer, EngineConfig(num_pages=128))
     st = BackendState(engine=engine, metrics=BackendMetrics("smol"), node_id="n-batches")
-    runner = web.AppRunner(make_app(st), handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as http:
+    async with serve(st) as http:
         yield st, http
-    await runner.cleanup()
 
 
 @pytest.fixture
