@@ -252,3 +252,8 @@ def x8_isa(isa: int = -1) -> int:
     on 256-bit vectors, 3 on 512-bit vectors: two x8 groups at once), the best this CPU has by default; `isa >= 0` selects min(isa, best) for the process.
     Every level computes the same integer block dots and the same float ops: bit-identical outputs."""
     return int(_ops().x8_isa(isa))
+
+
+def x8_z_min_rows(rows: int = -1) -> int:
+    """The fewest activation rows at which level 3 (512-bit) runs; fewer rows use level 2. `rows >= 0` sets it."""
+    return int(_ops().x8_z_min_rows(rows))

@@ -557,6 +557,8 @@ int detect_isa() {
 }
 const int BEST_ISA = detect_isa();
 int g_isa = BEST_ISA;
+int64_t g_z_min_rows = 4;   // level 3 only from this many activation rows (below: level 2; measured in the engine,
+                            // 1 and 2 rows ran slower on 512-bit than on 256-bit vectors, docs/notes/speed32.md)
 
 template <typename Tile>
 void over_tiles(int64_t M, Tile tile) {   // full tiles of X8_TILE activation rows, then the rest
@@ -591,7 +593,7 @@ at::Tensor q4_1x8_gemm(const at::Tensor& x, const at::Tensor& w, int64_t n) {
   const Q8Rows y = quantize_rows(x.data_ptr<float>(), M, K);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  const int isa = g_isa;
+  const int isa = g_isa == 3 && M < g_z_min_rows ? 2 : g_isa;
   if (isa == 3) {   // pairs of groups
     const int64_t P = (G + 1) / 2;
     at::parallel_for(0, P, std::max<int64_t>(1, P / (4 * at::get_num_threads())), [&](int64_t p0, int64_t p1) {
@@ -635,7 +637,7 @@ at::Tensor q8_0x8_gemm(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   const int8_t* wp = qs.data_ptr<int8_t>();
   const uint8_t* dp = reinterpret_cast<const uint8_t*>(d.data_ptr<at::Half>());
   float* op = out.data_ptr<float>();
-  const int isa = g_isa;
+  const int isa = g_isa == 3 && M < g_z_min_rows ? 2 : g_isa;
   if (isa == 3) {   // pairs of groups, on the activations offset to unsigned
     std::vector<uint8_t> yu(M * K);
     for (int64_t i = 0; i < M * K; ++i) yu[i] = static_cast<uint8_t>(y.q[i]) ^ 0x80;
@@ -744,6 +746,11 @@ int64_t x8_isa(int64_t isa) {
   return g_isa;
 }
 
+int64_t x8_z_min_rows(int64_t rows) {   // rows < 0: leave it; returns the one in use
+  if (rows >= 0) g_z_min_rows = rows;
+  return g_z_min_rows;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(edgeinfer_cpu, m) {
@@ -757,4 +764,5 @@ TORCH_LIBRARY(edgeinfer_cpu, m) {
   m.def("q4_1x8_dequant", &q4_1x8_dequant);
   m.def("q8_0x8_dequant", &q8_0x8_dequant);
   m.def("x8_isa", &x8_isa);
+  m.def("x8_z_min_rows", &x8_z_min_rows);
 }

@@ -133,12 +133,15 @@ def _best_isa_by_cpuinfo() -> int:
 
 @pytest.fixture
 def isa_levels():
-    """The x8 GEMMs' instruction-set levels this CPU runs (0 AVX2 .. its best), restored to the best after."""
-    best = kc.x8_isa()
+    """The x8 GEMMs' instruction-set levels this CPU runs (0 AVX2 .. its best), restored to the best after; the
+    512-bit level from one row on (by default it starts at x8_z_min_rows() rows)."""
+    best, zmin = kc.x8_isa(), kc.x8_z_min_rows()
+    kc.x8_z_min_rows(1)
     try:
         yield list(range(best + 1))
     finally:
         kc.x8_isa(best)
+        kc.x8_z_min_rows(zmin)
 
 
 def test_x8_isa_defaults_to_the_best_this_cpu_has(isa_levels):
