@@ -8,7 +8,9 @@ Methods, each through the module the engine uses:
   ext        W4A16Linear (Q4_1 mins form) on kernels.cpu's interleaved (x8) layout: int8 dots below
              DENSE_MIN_ROWS, dequantize into a scratch buffer + GEMM from it; the head: Q8Linear (x8 Q8_0 x Q8
              int8 dots below HEAD_DENSE_MIN_ROWS, chunked dequantize + GEMM from it)
-  ext_int    the x8 int8-dot kernel forced at every row count (to place the threshold)
+  ext_int    the x8 int8-dot kernel forced at every row count (to place the threshold), on the best instruction
+             set this CPU has (kernels.cpu.x8_isa: AVX-VNNI / AVX512-VNNI where present)
+  x8_avx2    the same x8 kernel on its AVX2 (maddubs) level, the pre-VNNI code: bit-identical outputs
   ext_dense  x8 dequantize + GEMM forced at every row count
   old_int    the previous plain-layout int8-dot kernel (q4_1_gemm / q8_0_gemm: one weight row at a time)
   torch_int4 W4A16Linear prepacked for torch._weight_int4pack_mm_for_cpu (the old default)
@@ -46,6 +48,30 @@ def q4_layer(n: int, k: int, mode: str) -> W4A16Linear:
     return lin
 
 
+class on_avx2:   # noqa: N801
+    """fn on the x8 kernels' AVX2 level: the timing loop selects it around the (timed) call."""
+
+    isa = 0
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)
+
+
+def timed_at_isa(fn, x: torch.Tensor) -> float:
+    isa = getattr(fn, "isa", None)
+    if isa is None:
+        return timed(fn, x)
+    best = kc.x8_isa()
+    kc.x8_isa(isa)
+    try:
+        return timed(fn, x)
+    finally:
+        kc.x8_isa(best)
+
+
 def methods(name: str, n: int, k: int) -> dict:
     g = torch.Generator().manual_seed(7)
     if name == "head":
@@ -57,6 +83,7 @@ def methods(name: str, n: int, k: int) -> dict:
         qs, d = head.qs, head.d
         nbytes = head.weight_bytes()
         return {"ext": (head, nbytes), "ext_int": (lambda x: kc.q8_0x8_gemm(x, qs, d, n), nbytes),
+                "x8_avx2": (on_avx2(lambda x: kc.q8_0x8_gemm(x, qs, d, n)), nbytes),
                 "ext_dense": (lambda x: torch.cat([x @ kc.q8_0x8_dequant(qs, d, r, kc.scratch(min(HEAD_CHUNK, n - r),
                                                                                              k)).t()
                                                    for r in range(0, n, HEAD_CHUNK)], dim=1), nbytes),
@@ -71,6 +98,7 @@ def methods(name: str, n: int, k: int) -> dict:
     nbytes = packed.numel()
     return {"ext": (ext, nbytes),
             "ext_int": (lambda x: kc.q4_1x8_gemm(x, packed, n), nbytes),
+            "x8_avx2": (on_avx2(lambda x: kc.q4_1x8_gemm(x, packed, n)), nbytes),
             "ext_dense": (lambda x: x @ kc.q4_1x8_dequant(packed, n, kc.scratch(n, k)).t(), nbytes),
             "old_int": (lambda x: kc.q4_1_gemm(x, blocks), nbytes),
             "torch_int4": (old, old.int4pack.numel() + old.scales_and_zeros.numel() * 2),  # type: ignore[union-attr]
@@ -111,10 +139,10 @@ def main() -> int:
                 times: dict[str, list[float]] = {key: [] for key in ms}
                 reps = a.reps if m * n <= 64 * 3072 else max(3, a.reps // 2)
                 for fn, _ in ms.values():
-                    fn(x)                                                       # warm
+                    timed_at_isa(fn, x)                                         # warm
                 for _ in range(reps):                                           # interleaved round-robin
                     for key, (fn, _) in ms.items():
-                        times[key].append(timed(fn, x))
+                        times[key].append(timed_at_isa(fn, x))
                 row = {"layer": name, "n": n, "k": k, "rows": m}
                 for key, (_, nbytes) in ms.items():
                     t = statistics.median(times[key])
@@ -125,10 +153,12 @@ def main() -> int:
                 row["ext_speedup_vs_torch_int4" if "torch_int4_ms" in row else "ext_speedup_vs_fp32"] = \
                     round(base / row["ext_ms"], 2)
                 row["x8_speedup_vs_old_int"] = round(row["old_int_ms"] / row["ext_int_ms"], 2)
+                row["isa_speedup_vs_avx2"] = round(row["x8_avx2_ms"] / row["ext_int_ms"], 2)
                 row["x8_int_over_dense"] = round(row["ext_dense_ms"] / row["ext_int_ms"], 2)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     result = {"threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+              "x8_isa": kc.ISA_NAMES[kc.x8_isa()],
               "load_avg_before": load_before, "load_avg_after": os.getloadavg(), "reps": a.reps,
               "command": "python benchmarks/bench_cpu_kernels.py " + " ".join(sys.argv[1:]), "rows": rows}
     a.out.parent.mkdir(parents=True, exist_ok=True)

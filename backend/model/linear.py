@@ -212,11 +212,14 @@ class W4A16Linear(nn.Module):
         dtype = x.dtype
         if self.q4_1x8 is not None:
             n, k = self._shape
-            x2 = x.reshape(-1, k).to(torch.float32).contiguous()            # [rows, in] -> [rows, out]
+            flat = x.dim() == 2 and dtype == torch.float32 and x.is_contiguous()   # the CPU step's rows: as they are
+            x2 = x if flat else x.reshape(-1, k).to(torch.float32).contiguous()  # [rows, in] -> [rows, out]
             if x2.shape[0] < DENSE_MIN_ROWS:
                 y = cpu_kernels.q4_1x8_gemm(x2, self.q4_1x8, n)
             else:
                 y = x2 @ cpu_kernels.q4_1x8_dequant(self.q4_1x8, n, cpu_kernels.scratch(n, k)).t()
+            if flat and self.bias is None:
+                return y
             y = y.reshape(*x.shape[:-1], n)
         elif self.int4pack is not None:
             assert self.scales_and_zeros is not None   # set together with int4pack

@@ -242,3 +242,18 @@ def q4_1x8_dequant(packed: torch.Tensor, n: int, out: torch.Tensor) -> torch.Ten
 
 def q8_0x8_dequant(qs: torch.Tensor, d: torch.Tensor, row0: int, out: torch.Tensor) -> torch.Tensor:
     return _ops().q8_0x8_dequant(qs, d, row0, out)
+
+
+ISA_NAMES = ("avx2", "avx-vnni", "avx512-vnni-256", "avx512-vnni-512")
+
+
+def x8_isa(isa: int = -1) -> int:
+    """The instruction set the x8 GEMMs use (an index into ISA_NAMES: 0 AVX2 maddubs, 1 AVX-VNNI, 2 AVX512-VNNI
+    on 256-bit vectors, 3 on 512-bit vectors: two x8 groups at once), the best this CPU has by default; `isa >= 0` selects min(isa, best) for the process.
+    Every level computes the same integer block dots and the same float ops: bit-identical outputs."""
+    return int(_ops().x8_isa(isa))
+
+
+def x8_z_min_rows(rows: int = -1) -> int:
+    """The fewest activation rows at which level 3 (512-bit) runs; fewer rows use level 2. `rows >= 0` sets it."""
+    return int(_ops().x8_z_min_rows(rows))

@@ -268,6 +268,14 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
         const int64_t r = (page * S + t % S) * KVH + kvh;
         krow[t] = load_row(kc, kind, r, D, scale_at(ks, scale_bf16, r), kbuf.data() + t * D);
         vrow[t] = load_row(vc, kind, r, D, scale_at(vs, scale_bf16, r), vbuf.data() + t * D);
+        if (kind == Kind::F32) {   // rows straight from the pool: start their reads now (the scores read them next)
+          const char* kp = reinterpret_cast<const char*>(krow[t]);
+          const char* vp = reinterpret_cast<const char*>(vrow[t]);
+          for (int64_t o = 0; o < D * 4; o += 64) {
+            _mm_prefetch(kp + o, _MM_HINT_T1);
+            _mm_prefetch(vp + o, _MM_HINT_T1);
+          }
+        }
       }
       for (int64_t g = 0; g < G; g += 4) {
         float* st = scores.data() + g * n;

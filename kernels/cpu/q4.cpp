@@ -373,6 +373,193 @@ inline void q8_0x8_tile(const int8_t* wg, const uint8_t* dg, int64_t nb, const Q
   for (int t = 0; t < T; ++t) store8(out + (m0 + t) * N + n0, acc[t], N - n0);
 }
 
+// ---- the same tiles on VNNI (vpdpbusd: u8 x s8 products, 4 per int32 lane, summed into int32 exactly). The
+// integer block dot of each (activation row, weight row) is the same int32 as the AVX2 tiles' maddubs/madd
+// chains (those never saturate, see above), and every float op after it is the same op in the same order, so
+// the outputs are bit for bit the AVX2 kernels'. Built twice: VEX AVX-VNNI (Alder Lake+, Zen 5) and EVEX
+// AVX512-VNNI/VL (Ice Lake+, Zen 4+; 32 vector registers); picked at run time (isa()).
+#define EDGEINFER_VNNI_TILES(NAME, TARGET, DPBUSD)                                                              \
+  template <int T>                                                                                              \
+  __attribute__((target(TARGET))) inline void q4_1x8_tile_##NAME(const uint8_t* wg, int64_t nb, const Q8Rows& y, \
+                                                                 int64_t m0, float* out, int64_t N, int64_t n0) { \
+    const __m256i lo = _mm256_set1_epi8(0x0F);                                                                  \
+    __m256 acc[T];                                                                                              \
+    for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();                                                   \
+    for (int64_t b = 0; b < nb; ++b) {                                                                          \
+      const uint8_t* w = wg + b * Q4X8_BYTES;                                                                   \
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));                  \
+      const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16)));             \
+      __m256i q[8];                                                                                             \
+      for (int j = 0; j < 4; ++j) {                                                                             \
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 + 32 * j));              \
+        q[j] = _mm256_and_si256(raw, lo);                                                                       \
+        q[j + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo);                                             \
+      }                                                                                                         \
+      for (int t = 0; t < T; ++t) {                                                                             \
+        const int64_t r = (m0 + t) * nb + b;                                                                    \
+        const int8_t* qy = y.q.data() + r * QK;                                                                 \
+        __m256i s0 = DPBUSD(_mm256_setzero_si256(), q[0], bcast4(qy));                                          \
+        __m256i s1 = DPBUSD(_mm256_setzero_si256(), q[4], bcast4(qy + 16));                                     \
+        for (int j = 1; j < 4; ++j) {                                                                           \
+          s0 = DPBUSD(s0, q[j], bcast4(qy + 4 * j));                                                            \
+          s1 = DPBUSD(s1, q[j + 4], bcast4(qy + 16 + 4 * j));                                                   \
+        }                                                                                                       \
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));                                        \
+        acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(y.d[r])), dot, acc[t]);                      \
+        acc[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(y.s[r]), acc[t]);                                           \
+      }                                                                                                         \
+    }                                                                                                           \
+    for (int t = 0; t < T; ++t) store8(out + (m0 + t) * N + n0, acc[t], N - n0);                               \
+  }                                                                                                             \
+  template <int T>                                                                                              \
+  __attribute__((target(TARGET))) inline void q8_0x8_tile_##NAME(const int8_t* wg, const uint8_t* dg, int64_t nb, \
+                                                                 const Q8Rows& y, int64_t m0, float* out,       \
+                                                                 int64_t N, int64_t n0) {                       \
+    __m256 acc[T];                                                                                              \
+    for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();                                                   \
+    for (int64_t b = 0; b < nb; ++b) {                                                                          \
+      const int8_t* w = wg + b * Q8X8_BYTES;                                                                    \
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dg + b * 16)));        \
+      __m256i q[8], a[8];                                                                                       \
+      for (int c = 0; c < 8; ++c) {                                                                             \
+        q[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c));                                \
+        a[c] = _mm256_sign_epi8(q[c], q[c]);                                                                    \
+      }                                                                                                         \
+      for (int t = 0; t < T; ++t) {                                                                             \
+        const int64_t r = (m0 + t) * nb + b;                                                                    \
+        const int8_t* qy = y.q.data() + r * QK;                                                                 \
+        __m256i s0 = DPBUSD(_mm256_setzero_si256(), a[0], _mm256_sign_epi8(bcast4(qy), q[0]));                  \
+        __m256i s1 = DPBUSD(_mm256_setzero_si256(), a[1], _mm256_sign_epi8(bcast4(qy + 4), q[1]));              \
+        for (int c = 2; c < 8; c += 2) {                                                                        \
+          s0 = DPBUSD(s0, a[c], _mm256_sign_epi8(bcast4(qy + 4 * c), q[c]));                                    \
+          s1 = DPBUSD(s1, a[c + 1], _mm256_sign_epi8(bcast4(qy + 4 * c + 4), q[c + 1]));                        \
+        }                                                                                                       \
+        acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(y.d[r])),                                     \
+                                 _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), acc[t]);                         \
+      }                                                                                                         \
+    }                                                                                                           \
+    for (int t = 0; t < T; ++t) store8(out + (m0 + t) * N + n0, acc[t], N - n0);                               \
+  }
+
+EDGEINFER_VNNI_TILES(avxvnni, "avx2,fma,f16c,avxvnni", _mm256_dpbusd_avx_epi32)
+EDGEINFER_VNNI_TILES(avx512vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni", _mm256_dpbusd_epi32)
+#undef EDGEINFER_VNNI_TILES
+
+// ---- AVX512-VNNI on 512-bit vectors: TWO x8 groups (16 weight rows) per instruction, the low 256 bits group g,
+// the high group g + 1, the activation's 4 bytes broadcast to all 16 lanes. Q4: as above. Q8 x Q8 (AVX-512 has no
+// vpsignb): the activations offset to unsigned, u = q + 128 (q ^ 0x80), dot = sum(u * w) - 128 * sum(w), the
+// correction from the weights once per block and tile; all exact int32, so again bit for bit the AVX2 kernels'.
+#define EDGEINFER_Z "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni"
+
+__attribute__((target(EDGEINFER_Z))) inline __m512i pair_load(const void* a, const void* b) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
+}
+
+__attribute__((target(EDGEINFER_Z))) inline __m512 pair_f16(const uint8_t* a, const uint8_t* b) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a)))),
+                            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b))), 1);
+}
+
+__attribute__((target(EDGEINFER_Z))) inline __m512i bcast4z(const void* p) {
+  int32_t v;
+  __builtin_memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+__attribute__((target(EDGEINFER_Z))) inline void store16(float* o, __m512 v, int64_t valid) {
+  if (valid >= 16) _mm512_storeu_ps(o, v);
+  else _mm512_mask_storeu_ps(o, static_cast<__mmask16>((1u << valid) - 1), v);
+}
+
+template <int T>
+__attribute__((target(EDGEINFER_Z))) inline void q4_1x8_pair_z(const uint8_t* wg0, const uint8_t* wg1, int64_t nb,
+                                                               const Q8Rows& y, int64_t m0, float* out, int64_t N,
+                                                               int64_t n0) {
+  const __m512i lo = _mm512_set1_epi8(0x0F);
+  __m512 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* w0 = wg0 + b * Q4X8_BYTES;
+    const uint8_t* w1 = wg1 + b * Q4X8_BYTES;
+    const __m512 dw = pair_f16(w0, w1), mw = pair_f16(w0 + 16, w1 + 16);
+    __m512i q[8];
+    for (int j = 0; j < 4; ++j) {
+      const __m512i raw = pair_load(w0 + 32 + 32 * j, w1 + 32 + 32 * j);
+      q[j] = _mm512_and_si512(raw, lo);
+      q[j + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), lo);
+    }
+    for (int t = 0; t < T; ++t) {
+      const int64_t r = (m0 + t) * nb + b;
+      const int8_t* qy = y.q.data() + r * QK;
+      __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[0], bcast4z(qy));
+      __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[4], bcast4z(qy + 16));
+      for (int j = 1; j < 4; ++j) {
+        s0 = _mm512_dpbusd_epi32(s0, q[j], bcast4z(qy + 4 * j));
+        s1 = _mm512_dpbusd_epi32(s1, q[j + 4], bcast4z(qy + 16 + 4 * j));
+      }
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+      acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(y.d[r])), dot, acc[t]);
+      acc[t] = _mm512_fmadd_ps(mw, _mm512_set1_ps(y.s[r]), acc[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) store16(out + (m0 + t) * N + n0, acc[t], N - n0);
+}
+
+// yu: the activations' int8 q ^ 0x80 (= q + 128 as uint8), [M, K]
+template <int T>
+__attribute__((target(EDGEINFER_Z))) inline void q8_0x8_pair_z(const int8_t* wg0, const int8_t* wg1,
+                                                               const uint8_t* dg0, const uint8_t* dg1, int64_t nb,
+                                                               const uint8_t* yu, const Q8Rows& y, int64_t m0,
+                                                               float* out, int64_t N, int64_t n0) {
+  const __m512i off = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* w0 = wg0 + b * Q8X8_BYTES;
+    const int8_t* w1 = wg1 + b * Q8X8_BYTES;
+    const __m512 dw = pair_f16(dg0 + b * 16, dg1 + b * 16);
+    __m512i q[8];
+    __m512i c0 = _mm512_setzero_si512(), c1 = _mm512_setzero_si512();
+    for (int c = 0; c < 8; c += 2) {
+      q[c] = pair_load(w0 + 32 * c, w1 + 32 * c);
+      q[c + 1] = pair_load(w0 + 32 * c + 32, w1 + 32 * c + 32);
+      c0 = _mm512_dpbusd_epi32(c0, off, q[c]);
+      c1 = _mm512_dpbusd_epi32(c1, off, q[c + 1]);
+    }
+    const __m512i corr = _mm512_add_epi32(c0, c1);   // 128 * sum(w) per weight row
+    for (int t = 0; t < T; ++t) {
+      const int64_t r = (m0 + t) * nb + b;
+      const uint8_t* u = yu + r * QK;
+      __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), bcast4z(u), q[0]);
+      __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), bcast4z(u + 4), q[1]);
+      for (int c = 2; c < 8; c += 2) {
+        s0 = _mm512_dpbusd_epi32(s0, bcast4z(u + 4 * c), q[c]);
+        s1 = _mm512_dpbusd_epi32(s1, bcast4z(u + 4 * c + 4), q[c + 1]);
+      }
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(s0, s1), corr));
+      acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(y.d[r])), dot, acc[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) store16(out + (m0 + t) * N + n0, acc[t], N - n0);
+}
+
+// the instruction set of the x8 GEMMs: 0 = AVX2 (maddubs), 1 = AVX-VNNI (256-bit), 2 = AVX512-VNNI/VL on 256-bit
+// vectors, 3 = AVX512-VNNI on 512-bit vectors (pairs of groups; an odd last group on level 2); the best this CPU
+// has unless x8_isa() chose a lower one (the tests compare them all)
+int detect_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq"))
+    return 3;
+  if (__builtin_cpu_supports("avxvnni")) return 1;
+  return 0;
+}
+const int BEST_ISA = detect_isa();
+int g_isa = BEST_ISA;
+int64_t g_z_min_rows = 4;   // level 3 only from this many activation rows (below: level 2; measured in the engine,
+                            // 1 and 2 rows ran slower on 512-bit than on 256-bit vectors, docs/notes/speed32.md)
+
 template <typename Tile>
 void over_tiles(int64_t M, Tile tile) {   // full tiles of X8_TILE activation rows, then the rest
   int64_t m0 = 0;
@@ -406,10 +593,30 @@ at::Tensor q4_1x8_gemm(const at::Tensor& x, const at::Tensor& w, int64_t n) {
   const Q8Rows y = quantize_rows(x.data_ptr<float>(), M, K);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
+  const int isa = g_isa == 3 && M < g_z_min_rows ? 2 : g_isa;
+  if (isa == 3) {   // pairs of groups
+    const int64_t P = (G + 1) / 2;
+    at::parallel_for(0, P, std::max<int64_t>(1, P / (4 * at::get_num_threads())), [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t g = 2 * p;
+        over_tiles(M, [&](auto t, int64_t m0) {
+          constexpr int T = decltype(t)::value;
+          const uint8_t* wg = wp + g * nb * Q4X8_BYTES;
+          if (g + 1 < G) q4_1x8_pair_z<T>(wg, wg + nb * Q4X8_BYTES, nb, y, m0, op, n, g * X8);
+          else q4_1x8_tile_avx512vnni<T>(wg, nb, y, m0, op, n, g * X8);
+        });
+      }
+    });
+    return out;
+  }
   at::parallel_for(0, G, std::max<int64_t>(1, G / (4 * at::get_num_threads())), [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
       over_tiles(M, [&](auto t, int64_t m0) {
-        q4_1x8_tile<decltype(t)::value>(wp + g * nb * Q4X8_BYTES, nb, y, m0, op, n, g * X8);
+        constexpr int T = decltype(t)::value;
+        const uint8_t* wg = wp + g * nb * Q4X8_BYTES;
+        if (isa >= 2) q4_1x8_tile_avx512vnni<T>(wg, nb, y, m0, op, n, g * X8);
+        else if (isa == 1) q4_1x8_tile_avxvnni<T>(wg, nb, y, m0, op, n, g * X8);
+        else q4_1x8_tile<T>(wg, nb, y, m0, op, n, g * X8);
       });
   });
   return out;
@@ -430,10 +637,35 @@ at::Tensor q8_0x8_gemm(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   const int8_t* wp = qs.data_ptr<int8_t>();
   const uint8_t* dp = reinterpret_cast<const uint8_t*>(d.data_ptr<at::Half>());
   float* op = out.data_ptr<float>();
+  const int isa = g_isa == 3 && M < g_z_min_rows ? 2 : g_isa;
+  if (isa == 3) {   // pairs of groups, on the activations offset to unsigned
+    std::vector<uint8_t> yu(M * K);
+    for (int64_t i = 0; i < M * K; ++i) yu[i] = static_cast<uint8_t>(y.q[i]) ^ 0x80;
+    const int64_t P = (G + 1) / 2;
+    at::parallel_for(0, P, std::max<int64_t>(1, P / (4 * at::get_num_threads())), [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t g = 2 * p;
+        over_tiles(M, [&](auto t, int64_t m0) {
+          constexpr int T = decltype(t)::value;
+          const int8_t* wg = wp + g * nb * Q8X8_BYTES;
+          const uint8_t* dg = dp + g * nb * 16;
+          if (g + 1 < G)
+            q8_0x8_pair_z<T>(wg, wg + nb * Q8X8_BYTES, dg, dg + nb * 16, nb, yu.data(), y, m0, op, n, g * X8);
+          else q8_0x8_tile_avx512vnni<T>(wg, dg, nb, y, m0, op, n, g * X8);
+        });
+      }
+    });
+    return out;
+  }
   at::parallel_for(0, G, std::max<int64_t>(1, G / (4 * at::get_num_threads())), [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
       over_tiles(M, [&](auto t, int64_t m0) {
-        q8_0x8_tile<decltype(t)::value>(wp + g * nb * Q8X8_BYTES, dp + g * nb * 16, nb, y, m0, op, n, g * X8);
+        constexpr int T = decltype(t)::value;
+        const int8_t* wg = wp + g * nb * Q8X8_BYTES;
+        const uint8_t* dg = dp + g * nb * 16;
+        if (isa >= 2) q8_0x8_tile_avx512vnni<T>(wg, dg, nb, y, m0, op, n, g * X8);
+        else if (isa == 1) q8_0x8_tile_avxvnni<T>(wg, dg, nb, y, m0, op, n, g * X8);
+        else q8_0x8_tile<T>(wg, dg, nb, y, m0, op, n, g * X8);
       });
   });
   return out;
@@ -507,6 +739,18 @@ at::Tensor q8_0x8_dequant(const at::Tensor& qs, const at::Tensor& d, int64_t row
   return out;
 }
 
+// isa < 0: leave it; else use min(isa, the best this CPU has). Returns the one in use (0 AVX2, 1 AVX-VNNI,
+// 2 AVX512-VNNI 256-bit, 3 AVX512-VNNI 512-bit)
+int64_t x8_isa(int64_t isa) {
+  if (isa >= 0) g_isa = static_cast<int>(std::min<int64_t>(isa, BEST_ISA));
+  return g_isa;
+}
+
+int64_t x8_z_min_rows(int64_t rows) {   // rows < 0: leave it; returns the one in use
+  if (rows >= 0) g_z_min_rows = rows;
+  return g_z_min_rows;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(edgeinfer_cpu, m) {
@@ -519,4 +763,6 @@ TORCH_LIBRARY(edgeinfer_cpu, m) {
   m.def("q8_0x8_gemm", &q8_0x8_gemm);
   m.def("q4_1x8_dequant", &q4_1x8_dequant);
   m.def("q8_0x8_dequant", &q8_0x8_dequant);
+  m.def("x8_isa", &x8_isa);
+  m.def("x8_z_min_rows", &x8_z_min_rows);
 }

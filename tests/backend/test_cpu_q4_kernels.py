@@ -124,6 +124,61 @@ def test_q8_0x8_gemm_matches_reference_and_the_plain_kernel(m, n, k):
     assert torch.equal(ref.q8_0x8_dequant(qs, d, r0, torch.empty(n - r0, k)), plain)
 
 
+def _best_isa_by_cpuinfo() -> int:
+    flags = kc._cpu_flags()
+    if {"avx512_vnni", "avx512vl", "avx512bw", "avx512dq"} <= flags:
+        return 3
+    return 1 if "avx_vnni" in flags else 0
+
+
+@pytest.fixture
+def isa_levels():
+    """The x8 GEMMs' instruction-set levels this CPU runs (0 AVX2 .. its best), restored to the best after; the
+    512-bit level from one row on (by default it starts at x8_z_min_rows() rows)."""
+    best, zmin = kc.x8_isa(), kc.x8_z_min_rows()
+    kc.x8_z_min_rows(1)
+    try:
+        yield list(range(best + 1))
+    finally:
+        kc.x8_isa(best)
+        kc.x8_z_min_rows(zmin)
+
+
+def test_x8_isa_defaults_to_the_best_this_cpu_has(isa_levels):
+    assert isa_levels[-1] == _best_isa_by_cpuinfo()
+    assert kc.x8_isa(0) == 0 and kc.x8_isa(99) == isa_levels[-1] and kc.x8_isa() == isa_levels[-1]
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 32])
+@pytest.mark.parametrize("n,k", [(1, 32), (8, 64), (67, 96), (130, 576), (136, 576)])
+def test_x8_gemms_on_every_isa_level_are_the_avx2_kernels_bit_for_bit(isa_levels, m, n, k):
+    """VNNI (256-bit, and 512-bit on pairs of groups, the Q8 head through the unsigned-offset dot) computes the
+    same int32 block dots and the same float ops as the AVX2 maddubs kernels: equal outputs, not merely close.
+    Extremes included: Q4 nibbles all 15 against activations of +-127 (the AVX2 int16 sums' limit), Q8 weights
+    of -128 and +127 against +-127; n odd groups (the 512-bit path's single last group) and padded columns."""
+    g = torch.Generator().manual_seed(7)
+    qweight, scales, mins = q4_weight(n, k, seed=5)
+    qweight[0] = 0xFF
+    blocks = kc.pack_q4_1(qweight, scales, mins, 32)
+    packed = kc.pack_q4_1x8(blocks)
+    q8 = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    q8[0, :32] = -128
+    q8[-1, :32] = 127
+    s8 = (torch.rand(n, k // 32, generator=g) * 0.01).half()
+    qs, d = kc.pack_q8_0x8(q8, s8)
+    x = activations(m, k)
+    x[0, :32] = torch.where(torch.arange(32) % 2 == 0, 3.0, -3.0)   # a block quantized to exactly +-127
+    outs4, outs8 = [], []
+    for level in isa_levels:
+        assert kc.x8_isa(level) == level
+        outs4.append(kc.q4_1x8_gemm(x, packed, n))
+        outs8.append(kc.q8_0x8_gemm(x, qs, d, n))
+    assert close(outs4[0], ref.q4_1x8_gemm(x, packed, n)) and close(outs8[0], ref.q8_0x8_gemm(x, qs, d, n))
+    for level in isa_levels[1:]:
+        assert torch.equal(outs4[level], outs4[0]), f"q4_1x8 at level {kc.ISA_NAMES[level]}"
+        assert torch.equal(outs8[level], outs8[0]), f"q8_0x8 at level {kc.ISA_NAMES[level]}"
+
+
 def test_interleaved_embedding_looks_up_the_same_rows():
     g = torch.Generator().manual_seed(6)
     qweight = torch.randint(-128, 128, (67, 96), dtype=torch.int8, generator=g)
