@@ -35,6 +35,8 @@ class BackendConfig:
     priority_aging_steps: int
     no_fair_preemption: bool
     no_prefill_isolation: bool
+    contended_step_tokens: int   # 0: no cap
+    contended_window_s: float
     no_cuda_graphs: bool
     redis_url: str | None
     redis_cluster: bool
@@ -69,4 +71,6 @@ class BackendConfig:
                             decode_token_weight=self.decode_token_weight,
                             priority_aging_steps=self.priority_aging_steps,
                             fair_preemption=not self.no_fair_preemption,
-                            prefill_isolation=not self.no_prefill_isolation, cuda_graphs=not self.no_cuda_graphs)
+                            prefill_isolation=not self.no_prefill_isolation,
+                            contended_step_tokens=self.contended_step_tokens,
+                            contended_window_s=self.contended_window_s, cuda_graphs=not self.no_cuda_graphs)

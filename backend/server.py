@@ -291,6 +291,13 @@ def parse_args(argv: list[str] | None) -> BackendConfig:
                    help="fair scheduler: never preempt a tenant over its slot share to admit one under it")
     p.add_argument("--no-prefill-isolation", action="store_true",
                    help="fair scheduler: let over-share tenants' prefill share a step with an under-share first token")
+    p.add_argument("--contended-step-tokens", type=int, default=64,
+                   help="fair scheduler: while more than one tenant is active, a step computes at most this many "
+                        "prefill tokens (the step a newly arrived request waits on stays short); 0: no cap, the "
+                        "step takes --max-num-batched-tokens")
+    p.add_argument("--contended-window-s", type=float, default=1.0,
+                   help="fair scheduler: a tenant counts as active for the step cap this long after its last "
+                        "request left (a closed-loop client between two requests)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
     p.add_argument("--redis-url", default=os.environ.get("EDGEINFER_REDIS_URL"))
     p.add_argument("--redis-cluster", action="store_true")
@@ -320,6 +327,10 @@ def parse_args(argv: list[str] | None) -> BackendConfig:
         v = getattr(args, name)
         if not (v >= 0 and v != float("inf")):
             p.error(f"--{name.replace('_', '-')} {v!r}: expected a finite number of seconds >= 0 (0: off)")
+    if args.contended_step_tokens < 0:
+        p.error(f"--contended-step-tokens {args.contended_step_tokens}: expected >= 0 (0: no cap)")
+    if not (0 <= args.contended_window_s < float("inf")):
+        p.error(f"--contended-window-s {args.contended_window_s!r}: expected a finite number of seconds >= 0")
     if args.start_drained and not args.operator_key:
         p.error("--start-drained needs --operator-key (or EDGEINFER_OPERATOR_KEY): without it the node could "
                 "never be undrained")

@@ -1,20 +1,25 @@
 """Tenant fairness through the real gateway + backend: a flooding tenant A at 8x the concurrency of tenant B.
 
-For each mode (--modes: scheduler:eviction[:backend flag...]; by default fifo/lru, fair/fair without
-preemption for fairness nor prefill isolation (plain VTC), and fair/fair) one backend process (SmolLM2-135M on
-CPU) and one gateway process on loopback are started, then two phases run:
+For each mode (--modes: scheduler:eviction[:backend flag[=value]...]; by default fifo/lru, plain VTC (fair
+without preemption for fairness, prefill isolation nor the contended step cap), fair with preemption and
+isolation but no contended cap (docs/notes/fair2.md), and fair with the backend defaults (contended step cap
+on, docs/notes/fair3.md)) one backend process (SmolLM2-135M on CPU) and one gateway process on loopback are
+started, one untimed B request warms B's shared prefix and the engine, then two phases run:
 
 - solo:  B alone, `--b-clients` streaming clients for `--seconds`;
 - flood: A with 8 x b-clients clients plus the same B clients, for `--seconds`.
 
+The first `--drop-first` requests of every client are left out of the TTFT figures, in both phases and every
+mode (a client's first request opens its connection, and in the flood phase all clients start at once).
+
 B's requests share a long system prompt (its hot prefix); A's prompts are unique and long, so under LRU A's
-flood evicts B's prefix from the small KV pool (`--num-pages`). Reports per phase: B's TTFT p50/p99
+flood evicts B's prefix from the small KV pool (`--num-pages`). Reports per phase: B's TTFT p50/p90/p99
 (client side), B's completion tokens/s, B's prefix-cache hit rate (usage cached_tokens / prompt_tokens), A's
-tokens/s; and B's flood/solo TTFT p99 ratio per scheduler (the goal: <= 1.5 with fair).
+TTFT and tokens/s; per mode B's flood/solo TTFT ratios at p50, p90 and p99 (the goal: p99 <= 1.5 with fair).
 
 Bounded: phases end at --seconds (in-flight requests get --drain-seconds), the whole run is killed at
 --max-seconds. The machine these numbers come from is shared (2 cores, other jobs running): absolute times
-are noisy; compare the ratios measured side by side in one run.
+are noisy; compare the ratios measured side by side in one run, and read the load averages (per mode).
 
   python benchmarks/bench_fairness.py [--b-clients 2] [--seconds 25] [--max-tokens 16]
 
@@ -50,14 +55,15 @@ WORDS = ("river stone window garden signal copper lantern harbor meadow violet e
          "tunnel marble falcon thunder ribbon cactus glacier pepper saddle velvet").split()
 
 
-async def client(tenant: str, i: int, gw: str, model: str, args, stats: dict, stop_at: float) -> None:
+async def client(tenant: str, i: int, gw: str, model: str, args, stats: dict, stop_at: float,
+                 turns: int | None = None) -> None:
     import aiohttp
 
     rng = random.Random(hash((tenant, i)) & 0xFFFF)
     headers = {"authorization": f"Bearer {KEYS[tenant]}"}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.request_timeout)) as s:
         turn = 0
-        while time.monotonic() < stop_at:
+        while time.monotonic() < stop_at and (turns is None or turn < turns):
             turn += 1
             if tenant == "b":
                 msgs = [{"role": "system", "content": B_SYSTEM},
@@ -93,7 +99,10 @@ async def client(tenant: str, i: int, gw: str, model: str, args, stats: dict, st
             if first is None or usage is None:
                 stats["failed"] += 1
                 continue
-            stats["ttft"].append(first)
+            if turn > args.drop_first:
+                stats["ttft"].append(first)
+            else:
+                stats["dropped"] += 1
             stats["tokens"] += usage["completion_tokens"]
             stats["prompt_tokens"] += usage["prompt_tokens"]
             stats["cached_tokens"] += (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
@@ -101,7 +110,15 @@ async def client(tenant: str, i: int, gw: str, model: str, args, stats: dict, st
 
 
 def _new_stats() -> dict:
-    return {"completed": 0, "failed": 0, "tokens": 0, "prompt_tokens": 0, "cached_tokens": 0, "ttft": []}
+    return {"completed": 0, "failed": 0, "dropped": 0, "tokens": 0, "prompt_tokens": 0, "cached_tokens": 0, "ttft": []}
+
+
+async def warm_up(gw: str, model: str, args) -> None:
+    """One untimed B request: B's shared system prompt is in the prefix cache before the solo phase starts."""
+    stats = _new_stats()
+    await client("b", -1, gw, model, args, stats, time.monotonic() + args.request_timeout, turns=1)
+    if stats["completed"] != 1:
+        raise RuntimeError("the warm-up request failed")
 
 
 async def phase(gw: str, model: str, args, a_clients: int) -> dict:
@@ -119,7 +136,8 @@ async def phase(gw: str, model: str, args, a_clients: int) -> dict:
     for name, st in stats.items():
         if name == "a" and not a_clients:
             continue
-        out[name] = {"completed": st["completed"], "failed": st["failed"], "ttft": _summary(st["ttft"]),
+        out[name] = {"completed": st["completed"], "failed": st["failed"], "ttft_dropped": st["dropped"],
+                     "ttft": _summary(st["ttft"]),
                      "tokens_per_s": round(st["tokens"] / wall, 2),
                      "prefix_hit_rate": round(st["cached_tokens"] / max(st["prompt_tokens"], 1), 3)}
     return out
@@ -139,7 +157,7 @@ def run_mode(mode: str, model_dir: Path, args, env: dict, log_dir: Path) -> dict
             "--node-id", f"fair-{scheduler}", "--num-pages", str(args.num_pages), "--max-num-seqs",
             str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--store-tier",
             "none", "--scheduler", scheduler, "--cache-eviction", eviction, "--log-level", "WARNING",
-            *(f"--{f}" for f in flags)], env)
+            *(a for f in flags for a in f"--{f}".split("=", 1))], env)
         url = f"http://127.0.0.1:{port}"
         _wait_http(url + "/ready", be, 180)
         model = requests.get(url + "/internal/info", headers={"authorization": f"Bearer {env['EDGEINFER_INTERNAL_SECRET']}"},
@@ -154,13 +172,20 @@ def run_mode(mode: str, model_dir: Path, args, env: dict, log_dir: Path) -> dict
         gw = procs.start(f"gateway-{scheduler}", [sys.executable, "-m", "ops.cli", "gateway", "--config", str(cfg)], env)
         gw_url = f"http://127.0.0.1:{gw_port}"
         _wait_http(gw_url + "/ready", gw, 60)
+        load0 = os.getloadavg()
+        asyncio.run(warm_up(gw_url, model, args))
         solo = asyncio.run(phase(gw_url, model, args, 0))
         flood = asyncio.run(phase(gw_url, model, args, 8 * args.b_clients))
-        p99 = lambda ph: ph["b"]["ttft"]["p99"]  # noqa: E731
-        p50 = lambda ph: ph["b"]["ttft"]["p50"]  # noqa: E731
-        return {"mode": mode, "scheduler": scheduler, "cache_eviction": eviction, "model": model, "solo": solo, "flood": flood,
-                "b_ttft_p99_flood_over_solo": round(p99(flood) / p99(solo), 2) if p99(solo) and p99(flood) else None,
-                "b_ttft_p50_flood_over_solo": round(p50(flood) / p50(solo), 2) if p50(solo) and p50(flood) else None,
+
+        def ratio(q: str) -> float | None:
+            a, b = flood["b"]["ttft"][q], solo["b"]["ttft"][q]
+            return round(a / b, 2) if a and b else None
+
+        return {"mode": mode, "scheduler": scheduler, "cache_eviction": eviction, "model": model,
+                "loadavg_1_5_15": {"start": [round(x, 2) for x in load0],
+                                   "end": [round(x, 2) for x in os.getloadavg()]},
+                "solo": solo, "flood": flood,
+                **{f"b_ttft_{q}_flood_over_solo": ratio(q) for q in ("p50", "p90", "p99")},
                 "b_tokens_per_s_flood_over_solo": round(flood["b"]["tokens_per_s"] / max(solo["b"]["tokens_per_s"],
                                                                                          1e-9), 2)}
     finally:
@@ -179,8 +204,11 @@ def main() -> int:
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="the backend's per-step token budget")
-    p.add_argument("--modes", default="fifo:lru,fair:fair:no-fair-preemption:no-prefill-isolation,fair:fair",
-                   help="scheduler:eviction[:backend flag without --...] per mode, comma-separated")
+    p.add_argument("--drop-first", type=int, default=1,
+                   help="requests per client left out of the TTFT figures (both phases, every mode)")
+    p.add_argument("--modes", default="fifo:lru,fair:fair:no-fair-preemption:no-prefill-isolation:contended-step-tokens=0,"
+                                      "fair:fair:contended-step-tokens=0,fair:fair",
+                   help="scheduler:eviction[:backend flag[=value] without --...] per mode, comma-separated")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_fairness.json"))
     args = p.parse_args()
     if not 1 <= args.b_clients <= 8 or args.seconds > 120:
@@ -209,7 +237,8 @@ def main() -> int:
               "loadavg_1_5_15_at_end": [round(x, 2) for x in os.getloadavg()],
               "b_clients": args.b_clients, "a_clients": 8 * args.b_clients, "seconds_per_phase": args.seconds,
               "max_tokens": args.max_tokens, "num_pages": args.num_pages, "max_num_seqs": args.max_num_seqs,
-              "max_num_batched_tokens": args.max_num_batched_tokens,
+              "max_num_batched_tokens": args.max_num_batched_tokens, "ttft_drop_first_per_client": args.drop_first,
+              "warm_up": "one untimed B request before the solo phase",
               "wall_s": round(time.monotonic() - t0, 1), "modes": modes,
               "command": " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])}
     out = Path(args.out)

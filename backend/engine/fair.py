@@ -35,6 +35,16 @@ their decodes still run, their prefill waits for the next step. The first token 
 not delayed by the flooding tenant's prompts (in the step time); prefill batching across tenants is what it
 costs. No starvation: the shielded tenant's counter grows with what it is served, and order is by counter.
 
+Contended step budget (contended_step_tokens, contended_window_s). No scheduler can interrupt a forward pass:
+a request arriving while a step runs waits for it to end, and a step with a full prefill budget (512 tokens)
+is the longest there is. While more than one tenant is active (backlogged, or its last request left less than
+contended_window_s ago, so a closed-loop client between two requests still counts) a step computes at most
+contended_step_tokens prefill tokens, whoever they go to: the step in flight when another tenant's request
+arrives stays short. Decodes are not capped (one token per running sequence). With one tenant active (and
+none within the window) the step takes max_num_batched_tokens as before: nothing changes for a lone tenant.
+Costs prefill batching (each step's fixed cost is paid per contended_step_tokens, not per full budget); never
+starves: every step with prefill work gives at least one token.
+
 Preemption (out of KV pages). The victim is the newest running sequence of the tenant most over its share:
 the lowest class (largest number), then the largest counter. A tenant's cap (TenantSpec.max_running_pages)
 bounds the pages its running sequences hold: it waits (admission) or preempts its own newest sequence
@@ -43,6 +53,7 @@ bounds the pages its running sequences hold: it waits (admission) or preempts it
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 from backend.engine.block_manager import BlockManager
@@ -58,6 +69,9 @@ class FairScheduler(Scheduler):
         self.steps = 0
         self._last_left = 0.0
         self.num_fair_preemptions = 0
+        self.num_contended_steps = 0      # steps whose prefill budget the contended cap lowered
+        self.clock = time.monotonic       # for the contended window (tests substitute their own)
+        self._left_at: dict[str, float] = {}    # tenant -> when its last request left (within the window)
 
     # ------------------------------------------------------------ counters
     def _tenants(self) -> set[str]:
@@ -81,6 +95,17 @@ class FairScheduler(Scheduler):
         t = seq.tenant.id
         if t not in self._tenants():
             self._last_left = self.counters.get(t, 0.0)
+            self._left_at[t] = self.clock()
+
+    def active_tenants(self) -> set[str]:
+        """Backlogged tenants, and those whose last request left at most contended_window_s ago."""
+        now, window = self.clock(), self.cfg.contended_window_s
+        for t in [t for t, at in self._left_at.items() if now - at > window]:
+            del self._left_at[t]
+        return self._tenants() | set(self._left_at)
+
+    def contended(self) -> bool:
+        return len(self.active_tenants()) > 1
 
     def _class(self, seq: Sequence) -> int:
         return max(0, seq.tenant.priority - (self.steps - seq.enqueued_step) // self.cfg.priority_aging_steps)
@@ -191,6 +216,10 @@ class FairScheduler(Scheduler):
             if self._schedule_decode(seq, batch, scheduled):
                 self._charge(seq, 1, wd)
                 budget -= 1
+        cap = self.cfg.contended_step_tokens
+        if cap and budget > cap and self.contended():
+            budget = cap            # contended: the prefill share of the step is capped
+            self.num_contended_steps += 1
         # prefill chunks and admissions draw on the rest of the budget in (class, counter) order
         pending = [s for s in self.running if s.is_prefilling]
         capped: set[str] = set()

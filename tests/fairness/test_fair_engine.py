@@ -164,3 +164,42 @@ def test_greedy_outputs_equal_solo_when_preempted_for_fairness(smol_model, smol_
     while eng.scheduler.has_work:
         eng.step()
     assert list(outs.values()) == solo[:3]
+
+
+def test_greedy_outputs_equal_solo_under_the_contended_step_cap(smol_model, smol_tokenizer, solo):
+    """Two tenants with a 16-token contended cap (prompts of 5-70 tokens are chunked into many small prefill
+    steps, A's and B's interleaved): every greedy output equals its solo run; the cap acted (steps were capped,
+    none gave more than 16 prefill tokens), and once A is alone past the window its steps take the full budget."""
+    eng = LLMEngine(smol_model, smol_tokenizer, EngineConfig(max_num_batched_tokens=256, contended_step_tokens=16,
+                                                             contended_window_s=0.0, scheduler="fair",
+                                                             enable_prefix_cache=False))
+    outs: dict[int, list[int]] = {}
+    sizes: list[int] = []
+    ps = prompts(6)
+
+    def submit(i: int, tenant: TenantSpec) -> None:
+        seq = eng._make_seq(request(ps[i], tenant, 12), lambda chunk, out=outs.setdefault(i, []):
+                            out.extend(chunk.token_ids))
+        eng._seqs[seq.request_id] = seq
+        eng.scheduler.add(seq)
+
+    class Sizes(EngineObserver):
+        def on_step(self, engine, batch, dt: float) -> None:
+            sizes.append(sum(n for _, n in batch.prefills))
+
+    eng.observers.append(Sizes())
+
+    def run() -> None:
+        while eng.scheduler.has_work:
+            eng.step()
+
+    for i in range(4):
+        submit(i, TenantSpec("a") if i % 2 else TenantSpec("b"))
+    run()
+    assert eng.scheduler.num_contended_steps > 0 and max(sizes) == 16     # type: ignore[attr-defined]
+    sizes.clear()
+    for i in (4, 5):
+        submit(i, TenantSpec("a"))                                          # alone (window 0): uncapped
+    run()
+    assert max(sizes) == len(ps[4]) + len(ps[5]) > 16
+    assert [outs[i] for i in range(6)] == solo

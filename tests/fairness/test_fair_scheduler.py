@@ -139,7 +139,7 @@ def test_running_page_cap_holds_and_a_sole_sequence_ends_at_it():
 
 
 def test_page_cap_does_not_limit_other_tenants():
-    sim = Sim(max_num_seqs=8)
+    sim = Sim(max_num_seqs=8, contended_step_tokens=0)     # one step admits all five (100 tokens): no step cap
     for _ in range(4):
         sim.add(seq(TenantSpec("c", max_running_pages=2), prompt_len=20, max_new=4))
         sim.add(seq(B, prompt_len=20, max_new=4))
