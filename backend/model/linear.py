@@ -20,7 +20,7 @@ DENSE_MIN_ROWS = 1 << 30  # from this many rows kernels.cpu would dequantize to 
                           # benchmarks/bench_cpu_kernels.py, docs/notes/batched.md), so in effect never
 HEAD_DENSE_MIN_ROWS = 1 << 30  # the same for the Q8_0 head (x8 int8 dots vs chunked dequantize + GEMM)
 HEAD_CHUNK = 4096
-HEAD_EXACT_CHANNELS = 4   # activation channels a Q8Linear head keeps out of its int8 quantization (docs/notes/ppl.md)
+HEAD_EXACT_CHANNELS = 2   # activation channels a Q8Linear head keeps out of its int8 quantization (docs/notes/ppl.md)
 
 
 def cpu_prepack_enabled() -> bool:

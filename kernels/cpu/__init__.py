@@ -234,10 +234,11 @@ def q8_0x8_rows(qs: torch.Tensor, d: torch.Tensor, rows: torch.Tensor | None = N
 def q8_0x8_columns(qs: torch.Tensor, d: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """Columns idx [C] of a pack_q8_0x8 table, dequantized exactly (int8 * fp16 scale is exact in fp32), in
     q8_0x8_gemm_exact's layout [G, C, 8] (padded rows: zeros)."""
-    g = qs.shape[0]
-    q, s = q8_0x8_rows(qs, d, torch.arange(g * X8))                                    # [G * 8, K], [G * 8, K/32]
-    w = q[:, idx].float() * s[:, idx // BLOCK].float()                                  # [G * 8, C]
-    return w.reshape(g, X8, -1).transpose(1, 2).contiguous()
+    g, nb = qs.shape[0], qs.shape[1] // 256
+    b, c, j = idx // BLOCK, idx % BLOCK // 4, idx % 4                                   # k = 32 b + 4 c + j
+    q = qs.view(g, nb, 8, X8, 4)[:, b, c, :, j]                                         # [C, G, 8]: only those bytes
+    s = d.view(g, nb, X8)[:, b, :]                                                      # [G, C, 8]
+    return (q.permute(1, 0, 2).float() * s.float()).contiguous()
 
 
 def q8_0x8_gemm_exact(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, n: int, idx: torch.Tensor,
