@@ -20,6 +20,7 @@ DENSE_MIN_ROWS = 1 << 30  # from this many rows kernels.cpu would dequantize to 
                           # benchmarks/bench_cpu_kernels.py, docs/notes/batched.md), so in effect never
 HEAD_DENSE_MIN_ROWS = 1 << 30  # the same for the Q8_0 head (x8 int8 dots vs chunked dequantize + GEMM)
 HEAD_CHUNK = 4096
+HEAD_EXACT_CHANNELS = 2   # activation channels a Q8Linear head keeps out of its int8 quantization (docs/notes/ppl.md)
 
 
 def cpu_prepack_enabled() -> bool:
@@ -293,18 +294,35 @@ class Q8Embedding(nn.Module):
 class Q8Linear(nn.Module):
     """y = x @ W.T for a GGUF Q8_0 table on kernels.cpu's int8 dots, held in its x8 layout (qs, d: 8 rows
     interleaved, kernels.cpu.pack_q8_0x8), with the activations quantized to int8 per 32 (llama.cpp's Q8_0 x
-    Q8_1): the tied head of a Q8_0 embedding, sharing its (interleaved) buffers: a quarter of the fp32 copy's
+    Q8_1) except the few channels keep_exact() names (fp32 against exact weight columns): the tied head of a Q8_0 embedding, sharing its (interleaved) buffers: a quarter of the fp32 copy's
     bytes read per step, no copy held. From HEAD_DENSE_MIN_ROWS rows it dequantizes HEAD_CHUNK rows at a time
     into a scratch buffer and runs fp32 GEMMs instead."""
 
     qs: torch.Tensor
     d: torch.Tensor
+    exact_idx: torch.Tensor | None
+    exact_w: torch.Tensor | None
 
     def __init__(self, qs: torch.Tensor, d: torch.Tensor, out_features: int) -> None:
         super().__init__()
         self.register_buffer("qs", qs)
         self.register_buffer("d", d)
         self._n = out_features
+        # buffers (counted in the model's weight_bytes): the channels kept out of the int8 activations
+        # (keep_exact) and their exact fp32 weight columns [ceil(n/8), C, 8]; None: plain int8 activations
+        self.register_buffer("exact_idx", None)
+        self.register_buffer("exact_w", None)
+
+    def keep_exact(self, channels: torch.Tensor | None) -> None:
+        """Take these activation channels out of the int8 quantization: they are zeroed before it (so an outlier
+        no longer sets its block's scale) and added back in fp32 against the table's exactly dequantized
+        columns (C * out * 4 bytes held). None: back to plain int8 activations."""
+        if channels is None or channels.numel() == 0:
+            self.exact_idx = self.exact_w = None
+            return
+        idx = channels.to(torch.int64).sort().values.contiguous()
+        self.exact_w = cpu_kernels.q8_0x8_columns(self.qs, self.d, idx)
+        self.exact_idx = idx
 
     @classmethod
     def from_plain(cls, qweight: torch.Tensor, scales: torch.Tensor) -> Q8Linear:
@@ -325,14 +343,19 @@ class Q8Linear(nn.Module):
         return False            # holds no copy beyond its (shared) buffers, counted by the model once
 
     def weight_bytes(self) -> int:
-        return self.qs.numel() + self.d.numel() * self.d.element_size()
+        extra = 0 if self.exact_w is None else self.exact_w.numel() * 4
+        return self.qs.numel() + self.d.numel() * self.d.element_size() + extra
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out] fp32
         n, k = self._n, self.qs.shape[1] // 256 * 32
         x2 = x.reshape(-1, k).to(torch.float32).contiguous()
         if x2.shape[0] < HEAD_DENSE_MIN_ROWS:
-            y = cpu_kernels.q8_0x8_gemm(x2, self.qs, self.d, n)
+            if self.exact_idx is not None:
+                assert self.exact_w is not None   # set together
+                y = cpu_kernels.q8_0x8_gemm_exact(x2, self.qs, self.d, n, self.exact_idx, self.exact_w)
+            else:
+                y = cpu_kernels.q8_0x8_gemm(x2, self.qs, self.d, n)
         else:   # dequantize a chunk of rows into the scratch buffer, fp32 GEMM, next chunk
             y = torch.empty(x2.shape[0], n)
             for r in range(0, n, HEAD_CHUNK):

@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+import backend.model.linear as linear_mod
 import kernels
 import kernels.cpu as cpu_kernels
 import kernels.cpu.attn as cpu_step_ops
@@ -252,7 +253,22 @@ class LlamaModel(nn.Module):
             swapped = 1
         if self.device.type == "cpu" and self.dtype == torch.float32:
             self.step_ops = cpu_step_ops.ops()
-        return swapped + sum(m.prepack() for m in self.modules() if isinstance(m, DenseLinear | W4A16Linear))
+        packed = swapped + sum(m.prepack() for m in self.modules() if isinstance(m, DenseLinear | W4A16Linear))
+        head = self.lm_head_linear
+        if swapped and isinstance(head, Q8Linear) and linear_mod.HEAD_EXACT_CHANNELS:
+            head.keep_exact(self.head_outlier_channels(linear_mod.HEAD_EXACT_CHANNELS))
+        return packed
+
+    def head_outlier_channels(self, num: int, tokens: int = 64) -> torch.Tensor:
+        """The `num` channels of the head's input (the final norm's output) with the largest mean |x| over one
+        teacher-forced forward of `tokens` pseudo-random token ids (seed 0; no text): this model's fixed
+        outlier dimensions, which dominate the int8 scale of their blocks (docs/notes/ppl.md)."""
+        from backend.quant.calib import paged_prefill  # the engine's paged KV pool; imported late (a cycle)
+
+        ids = torch.randint(0, self.cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
+        with torch.inference_mode():
+            h = paged_prefill(self, [ids.tolist()], "auto")
+        return h.float().abs().mean(0).topk(min(num, h.shape[1])).indices
 
     def linear_weight_bytes(self) -> int:
         """Bytes of the decoder layers' linears (the lm_head is not one of them)."""

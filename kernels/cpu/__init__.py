@@ -10,6 +10,9 @@ Ops (every one has a pure-torch reference with the same signature in kernels.cpu
   q8_0_dequant(qweight, scales, out [N, K] fp32) -> out
   q4_1x8_gemm(x, packed [ceil(N/8), K/32*160] uint8, n) -> [M, n] fp32               (8 weight rows interleaved)
   q8_0x8_gemm(x, qs [ceil(N/8), K/32*256] int8, d [ceil(N/8), K/32*8] fp16, n) -> [M, n] fp32
+  q8_0x8_gemm_exact(x, qs, d, n, idx [C] int64, wo [ceil(N/8), C, 8] fp32) -> [M, n] fp32
+      (the channels idx zeroed before the int8 quantization and added back in fp32 against the exact weight
+       columns wo = q8_0x8_columns(qs, d, idx): outlier channels no longer coarsen their blocks' scale)
   q4_1x8_dequant(packed, n, out [n, K] fp32) -> out
   q8_0x8_dequant(qs, d, row0, out [rows, K] fp32) -> out                               (rows row0 .. row0+rows)
 
@@ -226,6 +229,21 @@ def q8_0x8_rows(qs: torch.Tensor, d: torch.Tensor, rows: torch.Tensor | None = N
     q = qs.view(g, nb, 8, X8, 4)[gi, :, :, li, :]                                       # [len, nb, c, 4]
     s = d.view(g, nb, X8)[gi, :, li]                                                    # [len, nb]
     return q.reshape(rows.shape[0], nb * BLOCK), s
+
+
+def q8_0x8_columns(qs: torch.Tensor, d: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Columns idx [C] of a pack_q8_0x8 table, dequantized exactly (int8 * fp16 scale is exact in fp32), in
+    q8_0x8_gemm_exact's layout [G, C, 8] (padded rows: zeros)."""
+    g, nb = qs.shape[0], qs.shape[1] // 256
+    b, c, j = idx // BLOCK, idx % BLOCK // 4, idx % 4                                   # k = 32 b + 4 c + j
+    q = qs.view(g, nb, 8, X8, 4)[:, b, c, :, j]                                         # [C, G, 8]: only those bytes
+    s = d.view(g, nb, X8)[:, b, :]                                                      # [G, C, 8]
+    return (q.permute(1, 0, 2).float() * s.float()).contiguous()
+
+
+def q8_0x8_gemm_exact(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, n: int, idx: torch.Tensor,
+                      wo: torch.Tensor) -> torch.Tensor:
+    return _ops().q8_0x8_gemm_exact(x, qs, d, n, idx, wo)
 
 
 def q4_1x8_gemm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:

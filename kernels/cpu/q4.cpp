@@ -20,6 +20,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <tuple>
 #include <vector>
@@ -345,6 +346,14 @@ inline void q4_1x8_tile(const uint8_t* wg, int64_t nb, const Q8Rows& y, int64_t 
   for (int t = 0; t < T; ++t) store8(out + (m0 + t) * N + n0, acc[t], N - n0);
 }
 
+// Activation channels kept out of the int8 quantization (zeroed before it) and added back exactly in the tile's
+// epilogue: out[m, n] += sum_c xo[m, c] * wo[n, c], wo held per group of 8 weight rows as [G, C, 8] fp32.
+struct ExactCols {
+  const float* xo = nullptr;   // [M, C]: x[:, idx]
+  const float* wo = nullptr;   // [G, C, 8]
+  int64_t C = 0;
+};
+
 template <int T>
 inline void q8_0x8_tile(const int8_t* wg, const uint8_t* dg, int64_t nb, const Q8Rows& y, int64_t m0, float* out,
                         int64_t N, int64_t n0) {
@@ -371,6 +380,21 @@ inline void q8_0x8_tile(const int8_t* wg, const uint8_t* dg, int64_t nb, const Q
     }
   }
   for (int t = 0; t < T; ++t) store8(out + (m0 + t) * N + n0, acc[t], N - n0);
+}
+
+// The exact channels' epilogue, after any ISA level's tiles: out[m, n] = fma(xo[m, c], wo[n, c], out[m, n]) for
+// c in order, one rounding each (the stored tile sum is the accumulator, so the bits do not depend on the level).
+void add_exact_cols(float* out, int64_t M, int64_t N, const ExactCols& ex) {
+  if (ex.C == 0) return;
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t n = 0; n < N; ++n) {
+        float a = out[m * N + n];
+        for (int64_t c = 0; c < ex.C; ++c)
+          a = std::fma(ex.xo[m * ex.C + c], ex.wo[((n / X8) * ex.C + c) * X8 + n % X8], a);
+        out[m * N + n] = a;
+      }
+  });
 }
 
 // ---- the same tiles on VNNI (vpdpbusd: u8 x s8 products, 4 per int32 lane, summed into int32 exactly). The
@@ -622,18 +646,20 @@ at::Tensor q4_1x8_gemm(const at::Tensor& x, const at::Tensor& w, int64_t n) {
   return out;
 }
 
-at::Tensor q8_0x8_gemm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, int64_t n) {
-  check_x8(qs, n, Q8X8_BYTES, at::kChar, "q8_0x8_gemm", "qs");
-  const int64_t G = qs.size(0), nb = qs.size(1) / Q8X8_BYTES, K = nb * QK;
+void check_q8x8(const at::Tensor& qs, const at::Tensor& d, int64_t n, const char* op) {
+  check_x8(qs, n, Q8X8_BYTES, at::kChar, op, "qs");
+  const int64_t G = qs.size(0), nb = qs.size(1) / Q8X8_BYTES;
   TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() && d.dim() == 2 && d.size(0) == G &&
                   d.size(1) == nb * X8,
-              "q8_0x8_gemm: d must be contiguous fp16 [", G, ", ", nb * X8, "], got ", d.scalar_type(), " ",
-              d.sizes());
-  check_x(x, K, "q8_0x8_gemm");
-  const int64_t M = x.size(0);
-  at::Tensor out = at::empty({M, n}, x.options());
+              op, ": d must be contiguous fp16 [", G, ", ", nb * X8, "], got ", d.scalar_type(), " ", d.sizes());
+}
+
+at::Tensor q8_0x8_run(const float* x, int64_t M, const at::Tensor& qs, const at::Tensor& d, int64_t n,
+                      const ExactCols& ex, const at::TensorOptions& opts) {
+  const int64_t G = qs.size(0), nb = qs.size(1) / Q8X8_BYTES, K = nb * QK;
+  at::Tensor out = at::empty({M, n}, opts);
   if (M == 0 || n == 0) return out;
-  const Q8Rows y = quantize_rows(x.data_ptr<float>(), M, K);
+  const Q8Rows y = quantize_rows(x, M, K);
   const int8_t* wp = qs.data_ptr<int8_t>();
   const uint8_t* dp = reinterpret_cast<const uint8_t*>(d.data_ptr<at::Half>());
   float* op = out.data_ptr<float>();
@@ -655,6 +681,7 @@ at::Tensor q8_0x8_gemm(const at::Tensor& x, const at::Tensor& qs, const at::Tens
         });
       }
     });
+    add_exact_cols(op, M, n, ex);
     return out;
   }
   at::parallel_for(0, G, std::max<int64_t>(1, G / (4 * at::get_num_threads())), [&](int64_t g0, int64_t g1) {
@@ -668,7 +695,41 @@ at::Tensor q8_0x8_gemm(const at::Tensor& x, const at::Tensor& qs, const at::Tens
         else q8_0x8_tile<T>(wg, dg, nb, y, m0, op, n, g * X8);
       });
   });
+  add_exact_cols(op, M, n, ex);
   return out;
+}
+
+at::Tensor q8_0x8_gemm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, int64_t n) {
+  check_q8x8(qs, d, n, "q8_0x8_gemm");
+  check_x(x, qs.size(1) / Q8X8_BYTES * QK, "q8_0x8_gemm");
+  return q8_0x8_run(x.data_ptr<float>(), x.size(0), qs, d, n, ExactCols{}, x.options());
+}
+
+// q8_0x8_gemm with the activation channels idx [C] taken out of the int8 quantization (zeroed before it) and
+// added back in fp32 against wo [G, C, 8] (the exact fp32 weight columns, from q8_0x8_columns).
+at::Tensor q8_0x8_gemm_exact(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, int64_t n,
+                             const at::Tensor& idx, const at::Tensor& wo) {
+  check_q8x8(qs, d, n, "q8_0x8_gemm_exact");
+  const int64_t K = qs.size(1) / Q8X8_BYTES * QK;
+  check_x(x, K, "q8_0x8_gemm_exact");
+  const int64_t C = idx.numel(), M = x.size(0);
+  TORCH_CHECK(idx.scalar_type() == at::kLong && idx.dim() == 1 && idx.is_contiguous(),
+              "q8_0x8_gemm_exact: idx must be a contiguous int64 [C] tensor, got ", idx.scalar_type(), " ", idx.sizes());
+  TORCH_CHECK(wo.scalar_type() == at::kFloat && wo.is_contiguous() && wo.dim() == 3 && wo.size(0) == qs.size(0) &&
+                  wo.size(1) == C && wo.size(2) == X8,
+              "q8_0x8_gemm_exact: wo must be contiguous fp32 [", qs.size(0), ", ", C, ", 8], got ", wo.scalar_type(),
+              " ", wo.sizes());
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t c = 0; c < C; ++c)
+    TORCH_CHECK(ip[c] >= 0 && ip[c] < K, "q8_0x8_gemm_exact: channel ", ip[c], " out of [0, ", K, ")");
+  const float* xp = x.data_ptr<float>();
+  std::vector<float> xz(xp, xp + M * K), xo(M * C);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < C; ++c) {
+      xo[m * C + c] = xp[m * K + ip[c]];
+      xz[m * K + ip[c]] = 0.f;
+    }
+  return q8_0x8_run(xz.data(), M, qs, d, n, ExactCols{xo.data(), wo.data_ptr<float>(), C}, x.options());
 }
 
 // q4_1x8 -> fp32 [n, K] (gguf's values, as q4_1_dequant)
@@ -761,6 +822,7 @@ TORCH_LIBRARY(edgeinfer_cpu, m) {
   m.def("q8_0_dequant", &q8_0_dequant);
   m.def("q4_1x8_gemm", &q4_1x8_gemm);
   m.def("q8_0x8_gemm", &q8_0x8_gemm);
+  m.def("q8_0x8_gemm_exact", &q8_0x8_gemm_exact);
   m.def("q4_1x8_dequant", &q4_1x8_dequant);
   m.def("q8_0x8_dequant", &q8_0x8_dequant);
   m.def("x8_isa", &x8_isa);

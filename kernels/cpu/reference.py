@@ -68,6 +68,14 @@ def q8_0x8_gemm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, n: int) -> t
     return q8_0_gemm(x, *q8_0x8_rows(qs, d, n=n))
 
 
+def q8_0x8_gemm_exact(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, n: int, idx: torch.Tensor,
+                      wo: torch.Tensor) -> torch.Tensor:
+    xz = x.clone()
+    xz[:, idx] = 0.0
+    exact = x[:, idx].double() @ wo.transpose(1, 2).reshape(-1, idx.numel())[:n].double().t()   # [M, n]
+    return (q8_0x8_gemm(xz, qs, d, n).double() + exact).float()
+
+
 def q4_1x8_dequant(packed: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
     return q4_1_dequant(unpack_q4_1x8(packed, n), out)
 

@@ -201,6 +201,52 @@ def test_pack_and_dequant_are_gguf_values_bit_for_bit(group):
     assert torch.equal(ref.q4_1_dequant(blocks, torch.empty(37, 192)), want)
 
 
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("n,k", SHAPES + [(960, 576)])
+def test_q8_0x8_gemm_exact_matches_reference_and_beats_int8_on_outlier_channels(m, n, k):
+    """Channels taken out of the int8 quantization: the kernel equals its reference (zeroed before quantizing,
+    added back in float64 against the exact columns), the columns are the table's values bit for bit, and with
+    outlier channels the result is several times nearer the fp32 product than plain int8 activations."""
+    g = torch.Generator().manual_seed(6)
+    qweight = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    scales = (torch.rand(n, k // 32, generator=g) * 0.01).half()
+    qs, d = kc.pack_q8_0x8(qweight, scales)
+    w = (qweight.float().reshape(n, -1, 32) * scales.float()[..., None]).reshape(n, k)
+    idx = torch.tensor(sorted({0, k // 2 + 1, k - 1}), dtype=torch.int64)
+    cols = kc.q8_0x8_columns(qs, d, idx)
+    assert cols.shape == ((n + 7) // 8, idx.numel(), 8)
+    assert torch.equal(cols.transpose(1, 2).reshape(-1, idx.numel())[:n], w[:, idx])
+    x = torch.randn(m, k, generator=g)
+    x[:, idx] *= 40.0                                                  # outliers on exactly those channels
+    got = kc.q8_0x8_gemm_exact(x, qs, d, n, idx, cols)
+    assert got.shape == (m, n) and close(got, ref.q8_0x8_gemm_exact(x, qs, d, n, idx, cols))
+    dense = x @ w.t()
+    err_exact = float((got - dense).norm() / dense.norm())
+    err_int8 = float((kc.q8_0x8_gemm(x, qs, d, n) - dense).norm() / dense.norm())
+    assert err_exact < err_int8 / 3, (err_exact, err_int8)
+    assert torch.equal(kc.q8_0x8_gemm_exact(x, qs, d, n, idx[:0], cols[:, :0].contiguous()),
+                       kc.q8_0x8_gemm(x, qs, d, n))                   # no channels: the plain op
+    with pytest.raises(RuntimeError, match="out of"):
+        kc.q8_0x8_gemm_exact(x, qs, d, n, torch.tensor([k]), kc.q8_0x8_columns(qs, d, torch.tensor([0])))
+
+
+def test_q8_linear_keep_exact_switches_the_head_between_both_ops():
+    g = torch.Generator().manual_seed(7)
+    qweight = torch.randint(-127, 128, (130, 96), dtype=torch.int8, generator=g)
+    scales = (torch.rand(130, 3, generator=g) * 0.01).half()
+    head = Q8Linear.from_plain(qweight, scales)
+    plain_bytes = head.weight_bytes()
+    x = activations(5, 96)
+    idx = torch.tensor([70, 5])
+    head.keep_exact(idx)
+    assert head.exact_idx.tolist() == [5, 70] and head.weight_bytes() == plain_bytes + 17 * 2 * 8 * 4
+    assert "exact_w" in dict(head.named_buffers())                   # counted by the model's weight_bytes
+    assert close(head(x), ref.q8_0x8_gemm_exact(x, head.qs, head.d, 130, head.exact_idx, head.exact_w))
+    head.keep_exact(None)
+    assert head.exact_idx is None and head.weight_bytes() == plain_bytes
+    assert torch.equal(head(x), kc.q8_0x8_gemm(x, head.qs, head.d, 130))
+
+
 @pytest.mark.parametrize("m", [1, 3, 16, 40])
 def test_q8_linear_head_on_both_sides_of_its_dense_threshold(monkeypatch, m):
     monkeypatch.setattr("backend.model.linear.HEAD_CHUNK", 48)              # several chunks, a short last one
@@ -337,6 +383,43 @@ def test_served_native_model_runs_on_the_kernels(native_served):
 
 
 @pytest.mark.slow
+def test_served_head_keeps_its_outlier_channels_exact_and_moves_nearer_the_oracle(native_served, smol_dir,
+                                                                                   smol_tokenizer):
+    """The served head takes the model's largest-|x| channels of its input out of the int8 quantization
+    (docs/notes/ppl.md): on 512 held-out tokens its log-probabilities are nearer the GGUF's dequantized fp32
+    model (mean KL) than with int8 activations on every channel, and those channels are also the largest on
+    that text's final hidden states."""
+    from backend.model.llama import load_model
+    from backend.quant.calib import eval_text, paged_prefill, token_chunks
+
+    _, served = native_served
+    head = served.lm_head_linear
+    from backend.model.linear import HEAD_EXACT_CHANNELS
+
+    assert HEAD_EXACT_CHANNELS > 0 and isinstance(head, Q8Linear) and head.exact_idx is not None
+    assert head.exact_idx.numel() == HEAD_EXACT_CHANNELS
+    oracle = load_model(smol_dir, prepack=False)
+    ids = token_chunks(smol_tokenizer.encode(eval_text()[0]), 1, 512)[0]
+    want = torch.log_softmax(oracle.compute_logits(paged_prefill(oracle, [ids], "fp32", 16)), -1)
+    hidden = paged_prefill(served, [ids], "fp32", 16)
+    top = set(hidden.abs().mean(0).topk(2 * HEAD_EXACT_CHANNELS).indices.tolist())
+    assert set(head.exact_idx.tolist()) <= top, (head.exact_idx, top)
+
+    def kl() -> float:
+        got = torch.log_softmax(served.compute_logits(hidden), -1)
+        return float((want.exp() * (want - got)).sum(-1).mean())
+
+    idx = head.exact_idx
+    kl_exact = kl()
+    try:
+        head.keep_exact(None)
+        kl_int8 = kl()
+    finally:
+        head.keep_exact(idx)
+    assert kl_exact < 0.85 * kl_int8, (kl_exact, kl_int8)
+
+
+@pytest.mark.slow
 def test_greedy_with_the_kernels_equals_the_reference_ops(native_served, smol_tokenizer, monkeypatch):
     from backend.engine.config import EngineConfig
     from backend.engine.engine import LLMEngine
@@ -367,7 +450,7 @@ def test_greedy_with_the_kernels_equals_the_reference_ops(native_served, smol_to
 
     fast = greedy()
     assert all(len(t) == 12 for t in fast)
-    for name in ("q4_1x8_gemm", "q8_0x8_gemm", "q4_1x8_dequant", "q8_0x8_dequant"):
+    for name in ("q4_1x8_gemm", "q8_0x8_gemm", "q8_0x8_gemm_exact", "q4_1x8_dequant", "q8_0x8_dequant"):
         monkeypatch.setattr(kc, name, getattr(ref, name))
     # the reference ops, teacher-forced along the kernels' greedy path: every token the kernels chose is the
     # reference's argmax, or within a near-tie of it (a last-bit difference can flip one int8 rounding of an
