@@ -19,7 +19,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import itertools  # noqa: E402
-import json  # noqa: E402
 import platform  # noqa: E402
 import random  # noqa: E402
 import statistics  # noqa: E402
@@ -31,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_fairness import B_SYSTEM, WORDS  # noqa: E402
+from benchmarks.result_file import run_stamp, write_result  # noqa: E402
 
 _ids = itertools.count()
 
@@ -120,14 +120,8 @@ def main() -> int:
               "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "requests": args.requests,
               "max_tokens": args.max_tokens, "max_num_seqs": args.max_num_seqs,
               "max_num_batched_tokens": args.max_num_batched_tokens, "reps": args.reps, "caps": res,
-              "loadavg_1_5_15_at_start": [round(x, 2) for x in load0],
-              "loadavg_1_5_15_at_end": [round(x, 2) for x in os.getloadavg()],
-              "wall_s": round(time.monotonic() - t0, 1),
-              "command": " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+              **run_stamp(t0, load0)}
+    write_result(result, args.out)
     return 0
 
 

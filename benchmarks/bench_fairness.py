@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_load import Procs, _free_port, _summary, _wait_http  # noqa: E402
+from benchmarks.result_file import run_stamp, write_result  # noqa: E402
 
 KEYS = {"a": "sk-bench-fair-a", "b": "sk-bench-fair-b"}
 SEED = "bench-fairness-seed"
@@ -233,18 +234,12 @@ def main() -> int:
         signal.alarm(0)
     result = {"bench": "bench_fairness", "host": platform.node(), "cpus": os.cpu_count(),
               "shared_machine": "2 CPU cores shared with other jobs: absolute times are noisy, compare ratios",
-              "loadavg_1_5_15_at_start": [round(x, 2) for x in load0],
-              "loadavg_1_5_15_at_end": [round(x, 2) for x in os.getloadavg()],
               "b_clients": args.b_clients, "a_clients": 8 * args.b_clients, "seconds_per_phase": args.seconds,
               "max_tokens": args.max_tokens, "num_pages": args.num_pages, "max_num_seqs": args.max_num_seqs,
               "max_num_batched_tokens": args.max_num_batched_tokens, "ttft_drop_first_per_client": args.drop_first,
               "warm_up": "one untimed B request before the solo phase",
-              "wall_s": round(time.monotonic() - t0, 1), "modes": modes,
-              "command": " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+              "modes": modes, **run_stamp(t0, load0)}
+    write_result(result, args.out)
     return 0 if all(m["solo"]["b"]["failed"] == m["flood"]["b"]["failed"] == 0 for m in modes) else 1
 
 

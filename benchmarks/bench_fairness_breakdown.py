@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import os
 import platform
 import random
@@ -33,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_fairness import B_SYSTEM, WORDS  # noqa: E402
+from benchmarks.result_file import run_stamp, write_result  # noqa: E402
 
 _ids = itertools.count()
 
@@ -174,14 +174,8 @@ def main() -> int:
     load0 = os.getloadavg()
     modes = [run_mode(m, args) for m in args.modes.split(",")]
     result = {"bench": "bench_fairness_breakdown", "host": platform.node(), "cpus": os.cpu_count(),
-              "loadavg_1_5_15_at_start": [round(x, 2) for x in load0],
-              "loadavg_1_5_15_at_end": [round(x, 2) for x in os.getloadavg()],
-              "wall_s": round(time.monotonic() - t0, 1), "modes": modes,
-              "command": " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+              "modes": modes, **run_stamp(t0, load0)}
+    write_result(result, args.out)
     return 0
 
 

@@ -38,6 +38,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.result_file import write_result  # noqa: E402
+
 KEY = "sk-bench-load"
 SEED = "bench-load-seed"
 SYSTEM = ("You are a concise assistant for a travel agency. Answer in one or two short sentences, mention "
@@ -292,10 +294,7 @@ def main() -> int:
     finally:
         signal.alarm(0)
         procs.stop()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    write_result(result, args.out)
     ok = result["pages_leaked"] == 0 and result["failed"] == 0 and result["truncated"] == 0
     return 0 if ok else 1
 

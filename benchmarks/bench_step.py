@@ -64,16 +64,7 @@ class Timers:
         self.undo: list = []
 
     def wrap(self, owner, name: str, part: str, static: bool = False) -> None:
-        fn = getattr(owner, name)
-        total = self.total
-
-        def timed(*args, **kwargs):
-            t = time.process_time()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                total[part] += time.process_time() - t
-
+        timed = _timed(getattr(owner, name), self.total, part)
         self.undo.append((owner, name, owner.__dict__[name] if name in owner.__dict__ else None))
         setattr(owner, name, staticmethod(timed) if static else timed)
 
@@ -100,15 +91,18 @@ class _TimedOps:
         part = self.PARTS.get(name)
         if part is None:
             return fn
-        total = self._timers.total
+        return _timed(fn, self._timers.total, part)
 
-        def timed(*args, **kwargs):
-            t = time.process_time()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                total[part] += time.process_time() - t
-        return timed
+
+def _timed(fn, total: dict, part: str):
+    """fn, its CPU time added to total[part] on every call."""
+    def timed(*args, **kwargs):
+        t = time.process_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            total[part] += time.process_time() - t
+    return timed
 
 
 def _instrument(model=None) -> Timers:

@@ -101,16 +101,11 @@ class Attention(nn.Module):
         v = qkv[:, c.q_size + c.kv_size:].reshape(t, c.num_kv_heads, c.head_dim).contiguous()
         kernels.kv_store(k, v, kv.k, kv.v, meta.slot_mapping, kv.k_scale, kv.v_scale)
         nd = meta.num_decode
+        dec = None
         if nd:
             dec = kernels.paged_decode_attention(q[:nd].contiguous(), kv.k, kv.v, meta.decode_block_tables,
                                                  meta.decode_context_lens, self.scale, kv.k_scale, kv.v_scale)
-        if t > nd:
-            pre = kernels.paged_prefill_attention(q[nd:].contiguous(), kv.k, kv.v, meta.prefill_block_tables,
-                                                  meta.prefill_cu_seqlens_q, meta.prefill_context_lens,
-                                                  self.scale, kv.k_scale, kv.v_scale,
-                                                  max_seqlen_q=meta.prefill_max_seqlen_q)
-        out = dec if t == nd else pre if nd == 0 else torch.cat((dec, pre))
-        return self.o_proj(out.reshape(t, c.q_size))
+        return self._prefill_and_project(q, dec, kv, meta)
 
     def forward_cpu(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, kv: LayerKV,
                     meta: AttentionMetadata, ops) -> torch.Tensor:
@@ -129,15 +124,26 @@ class Attention(nn.Module):
                              kv.k, kv.v, meta.slot_mapping, kv.k_scale, kv.v_scale)
         q = qkv[:, : c.q_size].view(t, c.num_heads, c.head_dim)
         nd = meta.num_decode
+        dec = None
         if nd:
             dec = ops.decode_attention(q[:nd], kv.k, kv.v, meta.decode_block_tables, meta.decode_context_lens,
                                        self.scale, kv.k_scale, kv.v_scale)
+        return self._prefill_and_project(q, dec, kv, meta)
+
+    def _prefill_and_project(self, q: torch.Tensor, dec: torch.Tensor | None, kv: LayerKV,
+                             meta: AttentionMetadata) -> torch.Tensor:
+        """o_proj of the attention output: dec (the first meta.num_decode rows, already attended) followed by
+        the prefill rows of q attended here."""
+        c = self.cfg
+        t, nd = q.shape[0], meta.num_decode
+        pre = None
         if t > nd:
             pre = kernels.paged_prefill_attention(q[nd:].contiguous(), kv.k, kv.v, meta.prefill_block_tables,
                                                   meta.prefill_cu_seqlens_q, meta.prefill_context_lens,
                                                   self.scale, kv.k_scale, kv.v_scale,
                                                   max_seqlen_q=meta.prefill_max_seqlen_q)
-        out = dec if t == nd else pre if nd == 0 else torch.cat((dec, pre))
+        out = torch.cat((dec, pre)) if dec is not None and pre is not None else dec if pre is None else pre
+        assert out is not None, "an attention step has decode or prefill rows"
         return self.o_proj(out.reshape(t, c.q_size))
 
 
