@@ -64,14 +64,14 @@ class Timers:
         self.undo: list = []
 
     def wrap(self, owner, name: str, part: str, static: bool = False) -> None:
-        timed = _timed(getattr(owner, name), self.total, part)
+        timed = _cpu_timed(getattr(owner, name), self.total, part)
         self.undo.append((owner, name, owner.__dict__[name] if name in owner.__dict__ else None))
         setattr(owner, name, staticmethod(timed) if static else timed)
 
     def restore(self) -> None:
         for owner, name, old in reversed(self.undo):
-            if name == "step_ops":
-                owner.step_ops = old
+            if name in ("step_ops", "lean_decode"):
+                setattr(owner, name, old)
             elif old is None:
                 delattr(owner, name)
             else:
@@ -91,10 +91,10 @@ class _TimedOps:
         part = self.PARTS.get(name)
         if part is None:
             return fn
-        return _timed(fn, self._timers.total, part)
+        return _cpu_timed(fn, self._timers.total, part)
 
 
-def _timed(fn, total: dict, part: str):
+def _cpu_timed(fn, total: dict, part: str):
     """fn, its CPU time added to total[part] on every call."""
     def timed(*args, **kwargs):
         t = time.process_time()
@@ -126,6 +126,9 @@ def _instrument(model=None) -> Timers:
     t.wrap(llama.LlamaModel, "compute_logits", "model")
     t.wrap(engine_mod, "sample", "sampling")
     t.wrap(engine_mod.LLMEngine, "step", "step")
+    if getattr(model, "lean_decode", False):   # the timers sit on the module path: DecodePlan bypasses it
+        t.undo.append((model, "lean_decode", True))
+        model.lean_decode = False
     if getattr(model, "step_ops", None) is not None:   # rope_kv_store_ counts as rope (it includes the KV store)
         t.undo.append((model, "step_ops", model.step_ops))
         model.step_ops = _TimedOps(model.step_ops, t)
