@@ -326,9 +326,10 @@ class DecodePlan:
     """_forward_cpu's layer loop for a decode-only step of the served native model, with the same ops in the same
     order (so the same bits) but without what a batch-1 step pays per layer in Python: four nn.Module calls, the
     linears' per-call layout checks and the ops' packet lookups. Measured at batch 1 on the served model (2
-    threads, one process, 5 alternated pairs of 128-token generations): median 188.5 -> 234.2 tok/s (1.24x). Applies when every decoder linear is a bias-free Q4_1
-    x8 W4A16Linear with a fused gate_up (the GGUF default), the KV pool is not fp8 (its store is a separate
-    op) and the rows are under linear.DENSE_MIN_ROWS; otherwise the model runs _forward_cpu."""
+    threads, one process, 5 alternated pairs of 128-token generations): median 188.5 -> 234.2 tok/s (1.24x).
+    Applies when every decoder linear is a bias-free Q4_1 x8 W4A16Linear with a fused gate_up (the GGUF
+    default), the KV pool is not fp8 (its store is a separate op) and the rows are under
+    linear.DENSE_MIN_ROWS; otherwise the model runs _forward_cpu (docs/notes/decodeplan.md)."""
 
     def __init__(self, model: LlamaModel, first: RMSNorm, layers: list[tuple]) -> None:
         self.model, self.layers = model, layers
