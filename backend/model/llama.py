@@ -208,7 +208,7 @@ class LlamaModel(nn.Module):
         self.rotary = Rotary(cfg, device)
         self.step_ops = None   # kernels.cpu.attn's ops (or their references) once prepack() picks the CPU path
         self.lean_decode = True   # decode-only steps through DecodePlan where it applies (bench_step turns it off)
-        self._decode_plan: DecodePlan | None | bool = False   # False: not built yet
+        self._decode_plan: DecodePlan | None = None   # built by prepack() once the linears are packed
 
     @property
     def dtype(self) -> torch.dtype:
@@ -261,8 +261,8 @@ class LlamaModel(nn.Module):
             swapped = 1
         if self.device.type == "cpu" and self.dtype == torch.float32:
             self.step_ops = cpu_step_ops.ops()
-        self._decode_plan = False
         packed = swapped + sum(m.prepack() for m in self.modules() if isinstance(m, DenseLinear | W4A16Linear))
+        self._decode_plan = DecodePlan.build(self) if self.step_ops is not None else None
         head = self.lm_head_linear
         if swapped and isinstance(head, Q8Linear) and linear_mod.HEAD_EXACT_CHANNELS:
             head.keep_exact(self.head_outlier_channels(linear_mod.HEAD_EXACT_CHANNELS))
@@ -290,12 +290,9 @@ class LlamaModel(nn.Module):
         # input_ids, positions: [T]  ->  hidden: [T, hidden_size]
         x = self.embed_tokens.index_select(0, input_ids)
         if self.step_ops is not None:
-            if self.lean_decode and meta.num_decode == x.shape[0]:
-                if self._decode_plan is False:
-                    self._decode_plan = DecodePlan.build(self)
-                plan = self._decode_plan
-                if isinstance(plan, DecodePlan) and plan.applies(x, kv_caches):
-                    return plan.run(x, positions, kv_caches, meta, self.step_ops)
+            plan = self._decode_plan
+            if self.lean_decode and plan is not None and meta.num_decode == x.shape[0] and plan.applies(x, kv_caches):
+                return plan.run(x, positions, kv_caches, meta, self.step_ops)
             return self._forward_cpu(x, positions, kv_caches, meta, self.step_ops)
         cos_sin = self.rotary.lookup(positions)
         for layer, kv in zip(self.layers, kv_caches):
