@@ -36,6 +36,7 @@ class BackendConfig:
     no_fair_preemption: bool
     no_prefill_isolation: bool
     contended_step_tokens: int   # 0: no cap
+    contended_step_ratio: float  # 0: the fixed token cap only
     contended_window_s: float
     no_cuda_graphs: bool
     redis_url: str | None
@@ -73,4 +74,5 @@ class BackendConfig:
                             fair_preemption=not self.no_fair_preemption,
                             prefill_isolation=not self.no_prefill_isolation,
                             contended_step_tokens=self.contended_step_tokens,
+                            contended_step_ratio=self.contended_step_ratio,
                             contended_window_s=self.contended_window_s, cuda_graphs=not self.no_cuda_graphs)

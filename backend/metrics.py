@@ -59,9 +59,18 @@ class BackendMetrics(EngineObserver):
         self.tenant_counter = Gauge("edgeinfer_backend_tenant_virtual_tokens",
                                     "Fair scheduler's virtual token counter (weighted service / weight)", T,
                                     registry=r)
+        self.contended_steps = Counter("edgeinfer_backend_contended_steps",
+                                       "Steps whose prefill the fair scheduler capped (> 1 tenant active)", L,
+                                       registry=r)
+        self.contended_cap = Gauge("edgeinfer_backend_contended_step_prefill_tokens",
+                                   "Prefill-token cap of the last contended step", L, registry=r)
+        self.step_cost = Gauge("edgeinfer_backend_step_cost_seconds",
+                               "Fitted step time: fixed part, per decoding sequence, per prefill token", L + ["part"],
+                               registry=r)
         self._hits = 0
         self._queries = 0
         self._preempt = 0
+        self._contended = 0
         self._holders: set[str] = set()
 
     def on_step(self, engine, batch, dt: float) -> None:
@@ -81,6 +90,16 @@ class BackendMetrics(EngineObserver):
         if p != self._preempt:
             self.preemptions.labels(m).inc(p - self._preempt)
             self._preempt = p
+        sched = engine.scheduler
+        c = getattr(sched, "num_contended_steps", 0)      # 0 on a FIFO (or an isolation probe's) scheduler
+        if c > self._contended:
+            self.contended_steps.labels(m).inc(c - self._contended)
+            self._contended = c
+            self.contended_cap.labels(m).set(sched.contended_cap)
+        coef = engine.step_cost.coef
+        if coef is not None:
+            for part, v in zip(("fixed", "decode", "prefill_token"), coef):
+                self.step_cost.labels(m, part).set(v)
         self._tenants(engine, batch)
 
     def _tenants(self, engine, batch) -> None:

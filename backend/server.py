@@ -291,10 +291,15 @@ def parse_args(argv: list[str] | None) -> BackendConfig:
                    help="fair scheduler: never preempt a tenant over its slot share to admit one under it")
     p.add_argument("--no-prefill-isolation", action="store_true",
                    help="fair scheduler: let over-share tenants' prefill share a step with an under-share first token")
-    p.add_argument("--contended-step-tokens", type=int, default=64,
+    p.add_argument("--contended-step-tokens", type=int, default=32,
                    help="fair scheduler: while more than one tenant is active, a step computes at most this many "
-                        "prefill tokens (the step a newly arrived request waits on stays short); 0: no cap, the "
-                        "step takes --max-num-batched-tokens")
+                        "prefill tokens (the step a newly arrived request waits on stays short) until the step "
+                        "cost is measured, and always with --contended-step-ratio 0; 0: no cap, the step takes "
+                        "--max-num-batched-tokens")
+    p.add_argument("--contended-step-ratio", type=float, default=1.0,
+                   help="fair scheduler: once the engine has measured what its steps cost, a contended step's "
+                        "prefill tokens are those whose predicted time is at most this times the rest of the "
+                        "step (its decodes and fixed cost); 0: the fixed --contended-step-tokens cap")
     p.add_argument("--contended-window-s", type=float, default=1.0,
                    help="fair scheduler: a tenant counts as active for the step cap this long after its last "
                         "request left (a closed-loop client between two requests)")
@@ -329,6 +334,8 @@ def parse_args(argv: list[str] | None) -> BackendConfig:
             p.error(f"--{name.replace('_', '-')} {v!r}: expected a finite number of seconds >= 0 (0: off)")
     if args.contended_step_tokens < 0:
         p.error(f"--contended-step-tokens {args.contended_step_tokens}: expected >= 0 (0: no cap)")
+    if not (0 <= args.contended_step_ratio < float("inf")):
+        p.error(f"--contended-step-ratio {args.contended_step_ratio!r}: expected a finite number >= 0 (0: fixed cap)")
     if not (0 <= args.contended_window_s < float("inf")):
         p.error(f"--contended-window-s {args.contended_window_s!r}: expected a finite number of seconds >= 0")
     if args.start_drained and not args.operator_key:

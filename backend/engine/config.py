@@ -28,7 +28,9 @@ class EngineConfig:
     fair_preemption: bool = True            # fair: preempt a tenant over its slot share to admit one under it
     max_fair_preemptions: int = 1           # fair: a request is preempted for fairness at most this many times
     prefill_isolation: bool = True          # fair: no over-share prefill in a step with an under-share first token
-    contended_step_tokens: int = 64         # fair: prefill tokens per step while > 1 tenant is active (0: no cap)
+    contended_step_tokens: int = 32         # fair: prefill tokens per step while > 1 tenant is active (0: no cap);
+                                            # with contended_step_ratio, only until the step cost is measured
+    contended_step_ratio: float = 1.0       # fair: contended prefill time <= this x the step's other time (0: off)
     contended_window_s: float = 1.0         # fair: a tenant is active this long after its last request left
     cache_eviction: str = "fair"            # fair: evict cached pages of the tenant most over its share first | lru
     cuda_graphs: bool = True                # decode steps replay CUDA graphs (CUDA + Triton only; cuda_graphs.py)
@@ -52,6 +54,8 @@ class EngineConfig:
             raise ValueError(f"max_fair_preemptions={self.max_fair_preemptions!r} is invalid: expected >= 0")
         if self.contended_step_tokens < 0:
             raise ValueError(f"contended_step_tokens={self.contended_step_tokens!r} is invalid: expected >= 0")
+        if not 0 <= self.contended_step_ratio < float("inf"):
+            raise ValueError(f"contended_step_ratio={self.contended_step_ratio!r} is invalid: expected a finite number >= 0")
         if not 0 <= self.contended_window_s < float("inf"):
             raise ValueError(f"contended_window_s={self.contended_window_s!r} is invalid: expected a finite number >= 0")
         if self.priority_aging_steps < 1:

@@ -23,6 +23,7 @@ from backend.engine.model_runner import ModelRunner
 from backend.engine.sampler import SamplingError, make_generator, sample
 from backend.engine.scheduler import Scheduler
 from backend.engine.sequence import SeqStatus, Sequence
+from backend.engine.step_cost import StepCost
 from backend.engine.stop import StopChecker
 from backend.model.llama import LlamaModel
 from protocol.page_id import PageKeyContext
@@ -72,7 +73,8 @@ class LLMEngine:
                                  model.cfg.max_position_embeddings)
         self.blocks = BlockManager(self.runner.num_pages, self.cfg.page_size, self.cfg.enable_prefix_cache,
                                    tables=self.runner.tables, eviction=self.cfg.cache_eviction)
-        self.scheduler = make_scheduler(self.cfg, self.blocks)
+        self.step_cost = StepCost()                # what steps cost here (the fair scheduler's contended cap)
+        self.scheduler = make_scheduler(self.cfg, self.blocks, self.step_cost)
         self.kv = self.runner.kv_format
         self.kv_format = self.kv.name              # BackendInfo.kv_format, page identity
         self.fingerprint = fingerprint or f"{model.cfg.architecture}-{model.cfg.num_layers}-{model.cfg.hidden_size}"
@@ -423,7 +425,9 @@ class LLMEngine:
                 self._take(seq, got, now)
         self.steps += 1
         dt = time.monotonic() - t0
-        self.backlog.on_step(self.scheduler, len(batch.decodes) + sum(n for _, n in batch.prefills), dt)
+        prefill = sum(n for _, n in batch.prefills)
+        self.backlog.on_step(self.scheduler, len(batch.decodes) + prefill, dt)
+        self.step_cost.observe(len(batch.decodes), prefill, dt)
         for o in self.observers:
             o.on_step(self, batch, dt)
 

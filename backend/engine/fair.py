@@ -35,15 +35,21 @@ their decodes still run, their prefill waits for the next step. The first token 
 not delayed by the flooding tenant's prompts (in the step time); prefill batching across tenants is what it
 costs. No starvation: the shielded tenant's counter grows with what it is served, and order is by counter.
 
-Contended step budget (contended_step_tokens, contended_window_s). No scheduler can interrupt a forward pass:
-a request arriving while a step runs waits for it to end, and a step with a full prefill budget (512 tokens)
-is the longest there is. While more than one tenant is active (backlogged, or its last request left less than
-contended_window_s ago, so a closed-loop client between two requests still counts) a step computes at most
-contended_step_tokens prefill tokens, whoever they go to: the step in flight when another tenant's request
-arrives stays short. Decodes are not capped (one token per running sequence). With one tenant active (and
-none within the window) the step takes max_num_batched_tokens as before: nothing changes for a lone tenant.
-Costs prefill batching (each step's fixed cost is paid per contended_step_tokens, not per full budget); never
-starves: every step with prefill work gives at least one token.
+Contended step budget (contended_step_ratio, contended_step_tokens, contended_window_s). No scheduler can
+interrupt a forward pass: a request arriving while a step runs waits for it to end, and a step with a full
+prefill budget (512 tokens) is the longest there is. While more than one tenant is active (backlogged, or its
+last request left less than contended_window_s ago, so a closed-loop client between two requests still counts)
+a step's prefill tokens, whoever they go to, are capped so the step in flight when another tenant's request
+arrives stays short. The cap comes from what steps cost on this machine (backend.engine.step_cost, fitted on
+the engine's own steps): the most prefill tokens whose predicted time is at most contended_step_ratio times
+the rest of the step (its decodes and fixed cost), at least CONTENDED_MIN_TOKENS. So a contended step lasts at
+most about (1 + ratio) times the step it would be without prefill: on a CPU, where each token is its own work,
+a few dozen tokens; where a step's time barely grows with its tokens (a GPU at small batch) the cap exceeds the
+budget and nothing changes. Until the fit exists (the first steps), and with contended_step_ratio 0, the cap is
+contended_step_tokens; 0 there turns the contended budget off. Decodes are not capped (one token per running
+sequence). With one tenant active (and none within the window) the step takes max_num_batched_tokens as
+before: nothing changes for a lone tenant. Costs prefill batching (each step's fixed cost is paid per capped
+step, not per full budget); never starves: every step with prefill work gives at least one token.
 
 Preemption (out of KV pages). The victim is the newest running sequence of the tenant most over its share:
 the lowest class (largest number), then the largest counter. A tenant's cap (TenantSpec.max_running_pages)
@@ -60,11 +66,16 @@ from backend.engine.block_manager import BlockManager
 from backend.engine.config import EngineConfig
 from backend.engine.scheduler import ScheduledBatch, Scheduler
 from backend.engine.sequence import Sequence
+from backend.engine.step_cost import StepCost
+
+CONTENDED_MIN_TOKENS = 16       # the least a contended step's prefill is capped to (the flooder still progresses)
 
 
 class FairScheduler(Scheduler):
-    def __init__(self, cfg: EngineConfig, blocks: BlockManager) -> None:
+    def __init__(self, cfg: EngineConfig, blocks: BlockManager, step_cost: StepCost | None = None) -> None:
         super().__init__(cfg, blocks)
+        self.step_cost = step_cost        # the engine's measure of step times (None: the fixed token cap only)
+        self.contended_cap = 0            # the prefill cap of the last contended step (a gauge; 0: none yet)
         self.counters: dict[str, float] = {}
         self.steps = 0
         self._last_left = 0.0
@@ -106,6 +117,13 @@ class FairScheduler(Scheduler):
 
     def contended(self) -> bool:
         return len(self.active_tenants()) > 1
+
+    def _contended_cap(self, decodes: int) -> int:
+        """Prefill tokens for a contended step with `decodes` decoding sequences (see the module docstring)."""
+        fixed = self.cfg.contended_step_tokens
+        ratio = self.cfg.contended_step_ratio
+        n = self.step_cost.prefill_within(ratio, decodes) if ratio > 0 and self.step_cost is not None else None
+        return fixed if n is None else max(min(CONTENDED_MIN_TOKENS, fixed), n)
 
     def _class(self, seq: Sequence) -> int:
         return max(0, seq.tenant.priority - (self.steps - seq.enqueued_step) // self.cfg.priority_aging_steps)
@@ -216,10 +234,12 @@ class FairScheduler(Scheduler):
             if self._schedule_decode(seq, batch, scheduled):
                 self._charge(seq, 1, wd)
                 budget -= 1
-        cap = self.cfg.contended_step_tokens
-        if cap and budget > cap and self.contended():
-            budget = cap            # contended: the prefill share of the step is capped
-            self.num_contended_steps += 1
+        if self.cfg.contended_step_tokens and self.contended():
+            cap = self._contended_cap(len(batch.decodes))
+            self.contended_cap = cap
+            if budget > cap:
+                budget = cap        # contended: the prefill share of the step is capped
+                self.num_contended_steps += 1
         # prefill chunks and admissions draw on the rest of the budget in (class, counter) order
         pending = [s for s in self.running if s.is_prefilling]
         capped: set[str] = set()
@@ -283,5 +303,5 @@ class FairScheduler(Scheduler):
         return pick
 
 
-def make_scheduler(cfg: EngineConfig, blocks: BlockManager) -> Scheduler:
-    return FairScheduler(cfg, blocks) if cfg.scheduler == "fair" else Scheduler(cfg, blocks)
+def make_scheduler(cfg: EngineConfig, blocks: BlockManager, step_cost: StepCost | None = None) -> Scheduler:
+    return FairScheduler(cfg, blocks, step_cost) if cfg.scheduler == "fair" else Scheduler(cfg, blocks)

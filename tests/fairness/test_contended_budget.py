@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 
 from backend.engine.config import EngineConfig
+from backend.engine.fair import CONTENDED_MIN_TOKENS
+from backend.engine.step_cost import StepCost
 from backend.server import parse_args
 from protocol.wire import TenantSpec
 from tests.fairness.sim import Sim, seq
@@ -122,13 +124,62 @@ def test_fifo_ignores_the_cap():
 
 
 def test_config_and_backend_flags():
-    assert EngineConfig().contended_step_tokens == 64 and EngineConfig().contended_window_s == 1.0
-    for bad in ({"contended_step_tokens": -1}, {"contended_window_s": -0.5}, {"contended_window_s": float("inf")}):
+    assert (EngineConfig().contended_step_tokens, EngineConfig().contended_step_ratio,
+            EngineConfig().contended_window_s) == (32, 1.0, 1.0)
+    for bad in ({"contended_step_tokens": -1}, {"contended_window_s": -0.5}, {"contended_window_s": float("inf")},
+                {"contended_step_ratio": -1.0}, {"contended_step_ratio": float("nan")}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             EngineConfig(**bad)
-    cfg = parse_args(["--insecure-no-internal-auth", "--contended-step-tokens", "96", "--contended-window-s", "2.5"])
-    assert cfg.engine_config().contended_step_tokens == 96 and cfg.engine_config().contended_window_s == 2.5
+    cfg = parse_args(["--insecure-no-internal-auth", "--contended-step-tokens", "96", "--contended-window-s", "2.5",
+                      "--contended-step-ratio", "0.5"]).engine_config()
+    assert (cfg.contended_step_tokens, cfg.contended_window_s, cfg.contended_step_ratio) == (96, 2.5, 0.5)
     default = parse_args(["--insecure-no-internal-auth"]).engine_config()
-    assert (default.contended_step_tokens, default.contended_window_s) == (64, 1.0)
-    with pytest.raises(SystemExit):
-        parse_args(["--insecure-no-internal-auth", "--contended-step-tokens", "-3"])
+    assert (default.contended_step_tokens, default.contended_step_ratio, default.contended_window_s) == (32, 1.0, 1.0)
+    for flags in (["--contended-step-tokens", "-3"], ["--contended-step-ratio", "-1"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--insecure-no-internal-auth", *flags])
+
+
+def measured(a: float, bd: float, bp: float) -> StepCost:
+    """A StepCost fed exact steps of a machine whose step takes a + bd * decodes + bp * prefill tokens."""
+    sc = StepCost(warmup_steps=0)
+    for i in range(200):
+        d, p = i % 9, (0, 5, 20, 40, 100, 300, 500)[i % 7]
+        sc.observe(d, p, a + bd * d + bp * p)
+    return sc
+
+
+def test_the_cap_follows_the_measured_step_cost():
+    """CPU-like steps (a token costs about a decode: 20 ms + 1 ms per decode + 1 ms per prefill token): the cap
+    is the prefill that takes as long as the rest of the step (ratio 1), so it grows with the step's decodes;
+    before any measure (and with ratio 0) it is contended_step_tokens; never below CONTENDED_MIN_TOKENS."""
+    s, _ = sim(cap=CAP)
+    for _ in range(6):
+        s.add(seq(A, prompt_len=30, max_new=40))
+    s.step()                                                   # A alone: all six prefilled in one step
+    s.add(seq(B, prompt_len=300, max_new=4))
+    assert prefill(s.step()) == CAP                            # no StepCost: the fixed cap
+    s.sched.step_cost = measured(0.020, 0.001, 0.001)          # type: ignore[attr-defined]
+    batch = s.step()
+    assert len(batch.decodes) == 6
+    assert prefill(batch) == 20 + 6 == s.sched.contended_cap   # type: ignore[attr-defined]
+    s.sched.step_cost = measured(0.004, 0.0005, 0.002)         # type: ignore[attr-defined]   # the floor
+    assert prefill(s.step()) == CONTENDED_MIN_TOKENS
+    s2, _ = sim(cap=CAP, contended_step_ratio=0.0)
+    s2.sched.step_cost = measured(0.020, 0.001, 0.001)         # type: ignore[attr-defined]
+    for _ in range(3):
+        s2.add(seq(A, prompt_len=300, max_new=40))
+    s2.add(seq(B, prompt_len=300, max_new=4))
+    assert prefill(s2.step()) == CAP                           # ratio 0: the fixed cap whatever was measured
+
+
+def test_no_cap_where_a_step_barely_grows_with_its_tokens():
+    """GPU-like steps (8 ms whatever the batch, 5 us per prefill token): the derived cap is over the budget,
+    so a contended step takes the whole budget, as an uncontended one does."""
+    s, _ = sim(cap=CAP)
+    s.sched.step_cost = measured(0.008, 0.00005, 0.000005)     # type: ignore[attr-defined]
+    for _ in range(4):
+        s.add(seq(A, prompt_len=300, max_new=40))
+    s.add(seq(B, prompt_len=300, max_new=4))
+    assert prefill(s.step()) == BUDGET and s.sched.num_contended_steps == 0     # type: ignore[attr-defined]
+    assert s.sched.contended_cap > BUDGET                      # type: ignore[attr-defined]

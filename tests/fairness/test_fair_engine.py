@@ -112,6 +112,60 @@ async def test_tenant_spec_is_validated(smol_model, smol_tokenizer):
             eng.validate(request(list(range(1, 60)), spec, 4))
 
 
+def test_the_contended_cap_comes_from_measured_steps(smol_model, smol_tokenizer, solo):
+    """contended_step_ratio 1 (the default), the fixed cap raised to 200 so the derived one is told from it:
+    tenant a alone runs varied steps, from which the engine fits what its steps cost (a prefill token costs
+    something measurable on a CPU); then a and b together: every contended step's prefill is within the cap
+    derived from that fit (a few dozen tokens on a CPU, not 200), greedy outputs equal their solo runs, and the
+    metrics show the cap and the fit."""
+    from backend.metrics import BackendMetrics
+
+    eng = LLMEngine(smol_model, smol_tokenizer, EngineConfig(max_num_batched_tokens=256, contended_window_s=0.0,
+                                                             contended_step_tokens=200, enable_prefix_cache=False))
+    metrics = BackendMetrics("m")
+    steps: list[tuple[int, int, bool]] = []     # prefill tokens, cap in force, contended
+
+    class Steps(EngineObserver):
+        contended = 0
+
+        def on_step(self, engine, batch, dt: float) -> None:
+            c = engine.scheduler.num_contended_steps
+            steps.append((sum(n for _, n in batch.prefills), engine.scheduler.contended_cap, c > self.contended))
+            self.contended = c
+
+    eng.observers += [metrics, Steps()]
+    outs: dict[int, list[int]] = {}
+
+    def submit(i: int, p: list[int], tenant: TenantSpec, max_tokens: int) -> None:
+        seq = eng._make_seq(request(p, tenant, max_tokens), lambda chunk, out=outs.setdefault(i, []):
+                            out.extend(chunk.token_ids))
+        eng._seqs[seq.request_id] = seq
+        eng.scheduler.add(seq)
+
+    for rnd in range(4):                        # a alone: steps of every size, none contended
+        for j, p in enumerate(prompts(8, seed=3 + rnd, base=8, step=37)):
+            submit(100 + 10 * rnd + j, p, TenantSpec("a"), 4)
+        while eng.scheduler.has_work:
+            eng.step()
+    assert not any(c for *_, c in steps) and eng.step_cost.coef is not None
+    a0, bd, bp = eng.step_cost.coef
+    assert bp > 0, eng.step_cost.coef
+    steps.clear()
+    for i, p in enumerate(prompts(6)):
+        submit(i, p, TenantSpec("a") if i % 2 else TenantSpec("b"), 12)
+    while eng.scheduler.has_work:
+        eng.step()
+    contended = [(n, cap) for n, cap, c in steps if c]
+    assert contended and all(n <= cap < 200 for n, cap in contended), contended
+    assert [outs[i] for i in range(6)] == solo
+    metrics.on_step(eng, None, 0.0)
+    val = metrics.registry.get_sample_value
+    assert val("edgeinfer_backend_contended_steps_total", {"model": "m"}) == eng.scheduler.num_contended_steps
+    assert val("edgeinfer_backend_contended_step_prefill_tokens", {"model": "m"}) == eng.scheduler.contended_cap
+    assert val("edgeinfer_backend_step_cost_seconds", {"model": "m", "part": "prefill_token"}) == \
+        eng.step_cost.coef[2] > 0
+
+
 def test_per_tenant_metrics(smol_model, smol_tokenizer):
     from backend.metrics import BackendMetrics
 
@@ -171,8 +225,8 @@ def test_greedy_outputs_equal_solo_under_the_contended_step_cap(smol_model, smol
     steps, A's and B's interleaved): every greedy output equals its solo run; the cap acted (steps were capped,
     none gave more than 16 prefill tokens), and once A is alone past the window its steps take the full budget."""
     eng = LLMEngine(smol_model, smol_tokenizer, EngineConfig(max_num_batched_tokens=256, contended_step_tokens=16,
-                                                             contended_window_s=0.0, scheduler="fair",
-                                                             enable_prefix_cache=False))
+                                                             contended_step_ratio=0.0, contended_window_s=0.0,
+                                                             scheduler="fair", enable_prefix_cache=False))
     outs: dict[int, list[int]] = {}
     sizes: list[int] = []
     ps = prompts(6)
