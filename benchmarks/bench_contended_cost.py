@@ -2,10 +2,13 @@
 in-process (one thread, as the benchmark's backend), a fixed batch of A requests (bench_fairness's unique
 ~120-word prompts), timed from submission until the last one ends, per cap. Contention is held on throughout by
 one short B request served first with a window longer than the run (B's closed-loop client "between requests");
-cap 0 is the uncapped step. Caps run interleaved, --reps times each, and the median is reported, so a
-neighbour's load on a shared box hits every cap alike.
+cap 0 is the uncapped step; the caps are fixed (contended_step_ratio 0). --ratios adds engines whose cap is
+derived from the measured step cost (contended_step_ratio r, the default 1.0; the fixed 32 until the first fit,
+i.e. the first ~30 steps of the first rep); their entries report the cap in force at the end and the fit. Caps
+and ratios run interleaved, --reps times each, and the median is reported, so a neighbour's load on a shared
+box hits every one alike.
 
-  python benchmarks/bench_contended_cost.py [--requests 32] [--caps 0,32,64,128] [--reps 3]
+  python benchmarks/bench_contended_cost.py [--requests 32] [--caps 0,32,64,128] [--ratios 1.0] [--reps 3]
 
 Writes benchmarks/results/bench_contended_cost.json.
 """
@@ -78,6 +81,7 @@ def main() -> int:
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--caps", default="0,32,64,128")
+    p.add_argument("--ratios", default="", help="contended_step_ratio values to add (derived caps), e.g. 1.0")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_contended_cost.json"))
     args = p.parse_args()
@@ -87,15 +91,17 @@ def main() -> int:
     from backend.engine.engine import load_engine
     from backend.model.gguf_import import ensure_default_model
 
-    caps = [int(c) for c in args.caps.split(",")]
+    caps: list[str] = [c for c in args.caps.split(",") if c] + [f"ratio={r}" for r in args.ratios.split(",") if r]
     load0 = os.getloadavg()
     t0 = time.monotonic()
     engines = {}
     for cap in caps:
+        fixed, ratio = (32, float(cap[6:])) if cap.startswith("ratio=") else (int(cap), 0.0)
         cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                           contended_step_tokens=cap, contended_window_s=1e6, enable_prefix_cache=False)
+                           contended_step_tokens=fixed, contended_step_ratio=ratio, contended_window_s=1e6,
+                           enable_prefix_cache=False)
         engines[cap] = load_engine(ensure_default_model(), cfg)
-    runs: dict[int, list[dict]] = {c: [] for c in caps}
+    runs: dict[str, list[dict]] = {c: [] for c in caps}
     for eng in engines.values():
         eng.start()
     try:
@@ -108,11 +114,17 @@ def main() -> int:
     res = {}
     for cap, rs in runs.items():
         med = statistics.median(r["wall_s"] for r in rs)
-        res[str(cap)] = {"wall_s_median": round(med, 3), "walls_s": [round(r["wall_s"], 3) for r in rs],
-                         "a_prompt_tokens_per_s": round(rs[0]["prompt_tokens"] / med, 1),
-                         "a_completion_tokens_per_s": round(rs[0]["completion_tokens"] / med, 2),
-                         "steps": rs[-1]["steps"], "contended_steps_total": rs[-1]["contended_steps"]}
-    base = res[str(caps[0])]["wall_s_median"] if caps[0] == 0 else None
+        res[cap] = {"wall_s_median": round(med, 3), "walls_s": [round(r["wall_s"], 3) for r in rs],
+                    "a_prompt_tokens_per_s": round(rs[0]["prompt_tokens"] / med, 1),
+                    "a_completion_tokens_per_s": round(rs[0]["completion_tokens"] / med, 2),
+                    "steps": rs[-1]["steps"], "contended_steps_total": rs[-1]["contended_steps"]}
+        if cap.startswith("ratio="):
+            eng = engines[cap]
+            coef = eng.step_cost.coef
+            res[cap]["cap_at_end"] = eng.scheduler.contended_cap
+            res[cap]["fit_ms"] = None if coef is None else dict(zip(("fixed", "per_decode", "per_prefill_token"),
+                                                                    (round(c * 1e3, 4) for c in coef)))
+    base = res[caps[0]]["wall_s_median"] if caps[0] == "0" else None
     if base:
         for r in res.values():
             r["a_throughput_vs_uncapped"] = round(base / r["wall_s_median"], 3)

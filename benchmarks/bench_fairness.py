@@ -144,6 +144,21 @@ async def phase(gw: str, model: str, args, a_clients: int) -> dict:
     return out
 
 
+def _engine_gauges(text: str) -> dict:
+    """The backend's contended-cap figures from its /metrics: capped steps, the last cap, the step-cost fit."""
+    out: dict = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name == "edgeinfer_backend_contended_steps_total":
+            out["contended_steps"] = int(float(line.rsplit(" ", 1)[1]))
+        elif name == "edgeinfer_backend_contended_step_prefill_tokens":
+            out["last_contended_cap_tokens"] = int(float(line.rsplit(" ", 1)[1]))
+        elif name == "edgeinfer_backend_step_cost_seconds":
+            part = line.split('part="', 1)[1].split('"', 1)[0]
+            out.setdefault("step_cost_ms", {})[part] = round(float(line.rsplit(" ", 1)[1]) * 1e3, 4)
+    return out
+
+
 def run_mode(mode: str, model_dir: Path, args, env: dict, log_dir: Path) -> dict:
     import requests
 
@@ -177,6 +192,7 @@ def run_mode(mode: str, model_dir: Path, args, env: dict, log_dir: Path) -> dict
         asyncio.run(warm_up(gw_url, model, args))
         solo = asyncio.run(phase(gw_url, model, args, 0))
         flood = asyncio.run(phase(gw_url, model, args, 8 * args.b_clients))
+        engine = _engine_gauges(requests.get(url + "/metrics", timeout=10).text)
 
         def ratio(q: str) -> float | None:
             a, b = flood["b"]["ttft"][q], solo["b"]["ttft"][q]
@@ -185,7 +201,7 @@ def run_mode(mode: str, model_dir: Path, args, env: dict, log_dir: Path) -> dict
         return {"mode": mode, "scheduler": scheduler, "cache_eviction": eviction, "model": model,
                 "loadavg_1_5_15": {"start": [round(x, 2) for x in load0],
                                    "end": [round(x, 2) for x in os.getloadavg()]},
-                "solo": solo, "flood": flood,
+                "solo": solo, "flood": flood, "backend_after_flood": engine,
                 **{f"b_ttft_{q}_flood_over_solo": ratio(q) for q in ("p50", "p90", "p99")},
                 "b_tokens_per_s_flood_over_solo": round(flood["b"]["tokens_per_s"] / max(solo["b"]["tokens_per_s"],
                                                                                          1e-9), 2)}
