@@ -63,7 +63,8 @@ class BackendMetrics(EngineObserver):
                                        "Steps whose prefill the fair scheduler capped (> 1 tenant active)", L,
                                        registry=r)
         self.contended_cap = Gauge("edgeinfer_backend_contended_step_prefill_tokens",
-                                   "Prefill-token cap of the last contended step", L, registry=r)
+                                   "Prefill-token cap of the last step with > 1 tenant active "
+                                   "(the whole budget: nothing capped)", L, registry=r)
         self.step_cost = Gauge("edgeinfer_backend_step_cost_seconds",
                                "Fitted step time: fixed part, per decoding sequence, per prefill token", L + ["part"],
                                registry=r)
@@ -95,6 +96,7 @@ class BackendMetrics(EngineObserver):
         if c > self._contended:
             self.contended_steps.labels(m).inc(c - self._contended)
             self._contended = c
+        if getattr(sched, "contended_cap", 0):                 # also where it is the whole budget (none capped)
             self.contended_cap.labels(m).set(sched.contended_cap)
         coef = engine.step_cost.coef
         if coef is not None:

@@ -123,7 +123,9 @@ class FairScheduler(Scheduler):
         fixed = self.cfg.contended_step_tokens
         ratio = self.cfg.contended_step_ratio
         n = self.step_cost.prefill_within(ratio, decodes) if ratio > 0 and self.step_cost is not None else None
-        return fixed if n is None else max(min(CONTENDED_MIN_TOKENS, fixed), n)
+        if n is None:
+            return fixed
+        return max(min(CONTENDED_MIN_TOKENS, fixed), min(n, self.cfg.max_num_batched_tokens))
 
     def _class(self, seq: Sequence) -> int:
         return max(0, seq.tenant.priority - (self.steps - seq.enqueued_step) // self.cfg.priority_aging_steps)

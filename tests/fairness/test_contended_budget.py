@@ -174,12 +174,12 @@ def test_the_cap_follows_the_measured_step_cost():
 
 
 def test_no_cap_where_a_step_barely_grows_with_its_tokens():
-    """GPU-like steps (8 ms whatever the batch, 5 us per prefill token): the derived cap is over the budget,
-    so a contended step takes the whole budget, as an uncontended one does."""
+    """GPU-like steps (8 ms whatever the batch, 5 us per prefill token): the derived cap is the whole budget,
+    so a contended step takes it all, as an uncontended one does."""
     s, _ = sim(cap=CAP)
     s.sched.step_cost = measured(0.008, 0.00005, 0.000005)     # type: ignore[attr-defined]
     for _ in range(4):
         s.add(seq(A, prompt_len=300, max_new=40))
     s.add(seq(B, prompt_len=300, max_new=4))
     assert prefill(s.step()) == BUDGET and s.sched.num_contended_steps == 0     # type: ignore[attr-defined]
-    assert s.sched.contended_cap > BUDGET                      # type: ignore[attr-defined]
+    assert s.sched.contended_cap == BUDGET                     # type: ignore[attr-defined]   # i.e. no cap
