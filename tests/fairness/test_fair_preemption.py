@@ -105,7 +105,8 @@ def test_first_token_of_an_under_share_tenant_is_not_slowed_by_the_flood_prefill
     """A holds the 4 slots, 3 decoding and 1 long prompt mid-prefill, when B's short prompt arrives (and takes a
     slot by preemption): with prefill_isolation B's step carries A's decodes and B's prefill only (A's chunk
     waits one step, then goes on); without it A's chunk fills the rest of the step's budget."""
-    sim = Sim(max_num_seqs=4, max_num_batched_tokens=64, prefill_isolation=isolation)
+    # (contended cap off: what is tested is isolation, not the step budget)
+    sim = Sim(max_num_seqs=4, max_num_batched_tokens=64, prefill_isolation=isolation, contended_step_tokens=0)
     for _ in range(3):
         sim.add(seq(A, prompt_len=16, max_new=50))
     long = sim.add(seq(A, prompt_len=400, max_new=8))

@@ -69,8 +69,9 @@ def test_idle_time_is_not_banked_as_credit():
 
 
 def test_budget_of_a_step_is_split_between_tenants():
-    """Two long prompts arrive together: the step's prefill budget goes to both tenants, not to the first."""
-    sim = Sim(max_num_seqs=4, max_num_batched_tokens=64)
+    """Two long prompts arrive together: the step's prefill budget goes to both tenants, not to the first
+    (the whole budget: contended cap off)."""
+    sim = Sim(max_num_seqs=4, max_num_batched_tokens=64, contended_step_tokens=0)
     sim.add(seq(A, prompt_len=256))
     sim.add(seq(B, prompt_len=256))
     given: dict[str, int] = {"a": 0, "b": 0}
