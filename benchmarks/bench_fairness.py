@@ -221,6 +221,8 @@ def main() -> int:
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="the backend's per-step token budget")
+    p.add_argument("--backend-threads", type=int, default=1,
+                   help="OMP_NUM_THREADS of the backend (and gateway) processes; the clients share the same 2 cores")
     p.add_argument("--drop-first", type=int, default=1,
                    help="requests per client left out of the TTFT figures (both phases, every mode)")
     p.add_argument("--modes", default="fifo:lru,fair:fair:no-fair-preemption:no-prefill-isolation:contended-step-tokens=0,"
@@ -230,6 +232,8 @@ def main() -> int:
     args = p.parse_args()
     if not 1 <= args.b_clients <= 8 or args.seconds > 120:
         p.error("bounded: 1-8 B clients (A gets 8x), at most 120 s per phase")
+    if not 1 <= args.backend_threads <= (os.cpu_count() or 1):
+        p.error(f"--backend-threads {args.backend_threads}: expected 1..{os.cpu_count()}")
     signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(TimeoutError("--max-seconds exceeded")))
     signal.alarm(int(args.max_seconds))
 
@@ -239,7 +243,7 @@ def main() -> int:
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_fairness_{os.getpid()}"
     log_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "EDGEINFER_CACHE_SEED": SEED, "EDGEINFER_INTERNAL_SECRET": os.urandom(16).hex(),
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+           "OMP_NUM_THREADS": str(args.backend_threads), "PYTHONPATH": str(ROOT)}
     t0 = time.monotonic()
     load0 = os.getloadavg()
     modes = []
@@ -250,7 +254,8 @@ def main() -> int:
         signal.alarm(0)
     result = {"bench": "bench_fairness", "host": platform.node(), "cpus": os.cpu_count(),
               "shared_machine": "2 CPU cores shared with other jobs: absolute times are noisy, compare ratios",
-              "b_clients": args.b_clients, "a_clients": 8 * args.b_clients, "seconds_per_phase": args.seconds,
+              "backend_threads": args.backend_threads, "b_clients": args.b_clients,
+              "a_clients": 8 * args.b_clients, "seconds_per_phase": args.seconds,
               "max_tokens": args.max_tokens, "num_pages": args.num_pages, "max_num_seqs": args.max_num_seqs,
               "max_num_batched_tokens": args.max_num_batched_tokens, "ttft_drop_first_per_client": args.drop_first,
               "warm_up": "one untimed B request before the solo phase",

@@ -23,7 +23,7 @@ for i = 1, n do
   tats[i] = tat
   news[i] = tat + cost * interval
   local diff = news[i] - now
-  if diff > window and not force then
+  if diff > window + 0.01 and not force then     -- 0.01 ms: float tats (see ratelimit.EPS_MS)
     allowed = 0
     if diff - window > retry then retry = diff - window; by = i end
   end
@@ -36,7 +36,7 @@ for i = 1, n do
     held = news[i] - now
     redis.call('SET', KEYS[i], string.format('%.3f', news[i]), 'PX', math.ceil(held) + 1)
   end
-  out[#out + 1] = math.floor((window - held) / interval)
+  out[#out + 1] = math.floor((window - held + 0.01) / interval)
   out[#out + 1] = math.ceil(held)
 end
 """

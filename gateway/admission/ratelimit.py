@@ -24,6 +24,10 @@ from gateway.config import TenantConfig
 
 log = logging.getLogger(__name__)
 WINDOW_MS = 60_000.0
+# Tolerance of the window comparisons: tats are floats near the clock's value (ms since boot, ~3e7 after 9 h;
+# epoch ms in Redis, stored to 1 us), so now + 30000 - now can be 30000.000000004, and without it the second of
+# 2 requests per minute at the same instant was refused and one request held read as 0.9999999 of one.
+EPS_MS = 0.01
 
 
 class Decision(NamedTuple):
@@ -65,14 +69,14 @@ def gcra(tats: list[float], limits: list[tuple[str, float, int]], now: float, fo
         tat = max(tat, now)
         new_tat = tat + cost * interval
         diff = new_tat - now
-        if diff > WINDOW_MS and not force:
+        if diff > WINDOW_MS + EPS_MS and not force:
             allowed = False
             if diff - WINDOW_MS > retry:
                 retry, by = diff - WINDOW_MS, name
         new_tats.append(new_tat)
     for tat, new_tat, (name, interval, _) in zip(tats, new_tats, limits, strict=True):
         held = (new_tat if allowed else max(tat, now)) - now
-        remaining[name] = int((WINDOW_MS - held) // interval)
+        remaining[name] = math.floor((WINDOW_MS - held + EPS_MS) / interval)
         reset[name] = held / 1000.0
     return Decision(allowed, retry / 1000.0, by, remaining, reset), new_tats if allowed else tats
 

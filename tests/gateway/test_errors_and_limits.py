@@ -116,6 +116,23 @@ def _limit_429(gw):
     assert 'edgeinfer_gateway_rate_limit_rejections_total{limit="requests",tenant="demo"} 1.0' in m
 
 
+def test_remaining_requests_is_whole_at_any_clock_value():
+    """The in-process limiter's clock is ms since boot in a float: at 67106.838... s, now + 30000 - now is
+    30000.000000004, so without a tolerance one request held read as 0.9999999 of one
+    (x-ratelimit-remaining-requests 0 after the first of 2; seen once in CI) and the second of 2 requests at
+    the same instant was refused. Also at a fractional interval (7 per minute)."""
+    from gateway.admission.ratelimit import LocalLimiter
+    from gateway.config import TenantConfig
+
+    for now_s in (67106.83814093204, 32412.345678, 1.5):
+        for per_min in (2, 7):
+            lim = LocalLimiter(clock=lambda now_s=now_s: now_s)
+            t = TenantConfig(id="x", api_key_sha256=[], requests_per_min=per_min)
+            got = [lim.acquire(t, 0).remaining["requests"] for _ in range(per_min)]
+            assert got == list(range(per_min - 1, -1, -1)), (now_s, per_min, got)
+            assert not lim.acquire(t, 0).allowed
+
+
 def test_requests_per_min_in_process(harness):
     _limit_429(harness.gateway([harness.stub()], tenants=[tenant(requests_per_min=2)]))
 
