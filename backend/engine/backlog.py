@@ -9,6 +9,11 @@ after the first `warmup_steps` of them (the first forward passes pay one-off cos
 kernel set-up; one such step alone would set the rate too low).
 Each step spends one token of its budget per decoding sequence, so prefill gets `budget - decoding` of it.
 
+While the fair scheduler caps contended steps (backend.engine.fair) a step computes fewer prefill tokens than
+that, and the rate of full steps would make the estimate optimistic (the 503 bound let through requests it
+holds longer): then, once the engine's step-cost fit exists (backend.engine.step_cost), the wait is the steps
+the queued tokens need at the capped size, each of its predicted time.
+
 Not counted: a wait for a free sequence slot (max_num_seqs), prefix-cache hits (they make the estimate high).
 """
 
@@ -16,15 +21,20 @@ from __future__ import annotations
 
 import math
 
+from backend.engine.step_cost import StepCost
+
 
 class Backlog:
-    def __init__(self, budget_tokens: int, alpha: float = 0.3, warmup_steps: int = 2) -> None:
+    def __init__(self, budget_tokens: int, alpha: float = 0.3, warmup_steps: int = 2,
+                 step_cost: StepCost | None = None) -> None:
         self.budget = budget_tokens
+        self.step_cost = step_cost
         self.alpha = alpha
         self.warmup_steps = warmup_steps    # full steps not measured
         self.tok_s: float | None = None     # measured tokens per second of full steps; None until one ran
         self.queued_tokens = 0              # to prefill, at the end of the last step (engine thread)
         self.decoding = 0                   # running sequences past their prompt (engine thread)
+        self.per_step = budget_tokens       # prefill tokens a step computes now (engine thread)
         self.submitted = 0                  # prompt tokens handed to the engine (event loop)
         self.handled = 0                    # prompt tokens the engine thread has put in its scheduler
 
@@ -46,12 +56,18 @@ class Backlog:
             else:
                 decoding += 1
         self.queued_tokens, self.decoding = queued, decoding
+        per_step = getattr(scheduler, "prefill_per_step", None)
+        self.per_step = per_step(decoding) if per_step else max(1, self.budget - decoding)
 
     def wait_s(self, prompt_tokens: int) -> float | None:
         """Estimated seconds until a request of `prompt_tokens` has its first token; None before any measure."""
+        ahead = self.queued_tokens + max(0, self.submitted - self.handled) + prompt_tokens
+        if self.per_step < self.budget - self.decoding and self.step_cost is not None:
+            dt = self.step_cost.predict(self.decoding, self.per_step)       # a capped step
+            if dt is not None and dt > 0:
+                return ahead / self.per_step * dt
         if self.tok_s is None:
             return None
-        ahead = self.queued_tokens + max(0, self.submitted - self.handled) + prompt_tokens
         prefill_share = max(1, self.budget - self.decoding) / self.budget
         return ahead / (self.tok_s * prefill_share)
 

@@ -88,7 +88,7 @@ class LLMEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.steps = 0
-        self.backlog = Backlog(self.cfg.max_num_batched_tokens)
+        self.backlog = Backlog(self.cfg.max_num_batched_tokens, step_cost=self.step_cost)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:

@@ -127,6 +127,13 @@ class FairScheduler(Scheduler):
             return fixed
         return max(min(CONTENDED_MIN_TOKENS, fixed), min(n, self.cfg.max_num_batched_tokens))
 
+    def prefill_per_step(self, decodes: int) -> int:
+        """Also the contended cap, while more than one tenant is active."""
+        n = super().prefill_per_step(decodes)
+        if self.cfg.contended_step_tokens and self.contended():
+            n = max(1, min(n, self._contended_cap(decodes)))
+        return n
+
     def _class(self, seq: Sequence) -> int:
         return max(0, seq.tenant.priority - (self.steps - seq.enqueued_step) // self.cfg.priority_aging_steps)
 

@@ -38,6 +38,10 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def prefill_per_step(self, decodes: int) -> int:
+        """Prefill tokens a step with `decodes` decoding sequences would compute now (the overload estimate)."""
+        return max(1, self.cfg.max_num_batched_tokens - decodes)
+
     def remove(self, seq: Sequence) -> None:
         if seq in self.running:
             self.running.remove(seq)

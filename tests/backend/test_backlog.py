@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from backend.engine.backlog import Backlog
+from backend.engine.step_cost import StepCost
 
 
 def seq(uncomputed: int) -> SimpleNamespace:
@@ -47,3 +48,26 @@ def test_an_emptied_scheduler_leaves_no_stale_backlog():
     assert b.wait_s(0) == pytest.approx(4000 / 512)
     b.observe(sched())                          # the engine went idle (all aborted)
     assert b.wait_s(0) == 0.0
+
+
+def test_contended_steps_are_estimated_at_their_capped_size():
+    """The fair scheduler caps contended steps to 26 prefill tokens; the step-cost fit says such a step with 2
+    decodes takes 20 + 2 + 26 = 48 ms: the queued 1100 tokens need 1100 / 26 of them (2.03 s), not the 1.07 s
+    the rate of full steps gives. Uncapped again, the full-step rate is used as before; no fit: as before."""
+    sc = StepCost(warmup_steps=0)
+    for i in range(100):
+        d, p = i % 9, (0, 5, 20, 40, 100, 300, 500)[i % 7]
+        sc.observe(d, p, 0.020 + 0.001 * d + 0.001 * p)
+    b = Backlog(512, alpha=1.0, warmup_steps=0, step_cost=sc)
+    s = sched(waiting=[1000], running=[1, 1])
+    s.prefill_per_step = lambda decodes: 26
+    b.on_step(s, 512, 0.5)                       # full steps: 1024 tok/s
+    assert (b.per_step, b.decoding) == (26, 2)
+    assert b.wait_s(100) == pytest.approx(1100 / 26 * 0.048)
+    s.prefill_per_step = lambda decodes: 512 - decodes
+    b.observe(s)
+    assert b.wait_s(100) == pytest.approx(1100 / (1024 * 510 / 512))
+    nofit = Backlog(512, alpha=1.0, warmup_steps=0, step_cost=StepCost())
+    s.prefill_per_step = lambda decodes: 26
+    nofit.on_step(s, 512, 0.5)
+    assert nofit.wait_s(100) == pytest.approx(1100 / (1024 * 510 / 512))

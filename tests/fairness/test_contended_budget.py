@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from backend.engine.backlog import Backlog
 from backend.engine.config import EngineConfig
 from backend.engine.fair import CONTENDED_MIN_TOKENS
 from backend.engine.step_cost import StepCost
@@ -183,3 +184,24 @@ def test_no_cap_where_a_step_barely_grows_with_its_tokens():
     s.add(seq(B, prompt_len=300, max_new=4))
     assert prefill(s.step()) == BUDGET and s.sched.num_contended_steps == 0     # type: ignore[attr-defined]
     assert s.sched.contended_cap == BUDGET                     # type: ignore[attr-defined]   # i.e. no cap
+
+
+def test_the_overload_estimate_sees_the_contended_cap():
+    """Backlog (the 503 wait estimate) reads the prefill a step computes now from the scheduler: the derived
+    cap while two tenants are active, the whole budget less the decodes when one is."""
+    s, clock = sim(cap=CAP, window=1.0)
+    s.sched.step_cost = measured(0.020, 0.001, 0.001)          # type: ignore[attr-defined]
+    for _ in range(6):
+        s.add(seq(A, prompt_len=30, max_new=40))
+    s.step()
+    backlog = Backlog(BUDGET)
+    backlog.observe(s.sched)
+    assert backlog.per_step == BUDGET - 6                      # A alone
+    b = s.add(seq(B, prompt_len=20, max_new=1))
+    backlog.observe(s.sched)
+    assert backlog.per_step == 20 + 6                          # contended: the derived cap for 6 decodes
+    while b not in s.finished:
+        s.step()
+    clock.now += 1.5                                           # B left more than the window ago
+    backlog.observe(s.sched)
+    assert backlog.per_step == BUDGET - 6
