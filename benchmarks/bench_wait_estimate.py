@@ -23,7 +23,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
-import itertools  # noqa: E402
 import platform  # noqa: E402
 import random  # noqa: E402
 import statistics  # noqa: E402
@@ -34,18 +33,9 @@ from pathlib import Path  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.bench_contended_cost import _req  # noqa: E402
 from benchmarks.bench_fairness import B_SYSTEM, WORDS  # noqa: E402
 from benchmarks.result_file import run_stamp, write_result  # noqa: E402
-
-_ids = itertools.count()
-
-
-def _req(eng, tenant, msgs, max_tokens: int):
-    from protocol.wire import GenerateRequest, SamplingParams
-
-    return GenerateRequest(f"{tenant.id}{next(_ids)}", eng.tokenizer.encode_chat(msgs),
-                           SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
-                           f"tenant:{tenant.id}", tenant=tenant)
 
 
 def _full_step_estimate(b, prompt_tokens: int) -> float | None:
