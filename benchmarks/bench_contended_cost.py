@@ -3,7 +3,7 @@ in-process (one thread, as the benchmark's backend), a fixed batch of A requests
 ~120-word prompts), timed from submission until the last one ends, per cap. Contention is held on throughout by
 one short B request served first with a window longer than the run (B's closed-loop client "between requests");
 cap 0 is the uncapped step; the caps are fixed (contended_step_ratio 0). --ratios adds engines whose cap is
-derived from the measured step cost (contended_step_ratio r, the default 1.0; the fixed 32 until the first fit,
+derived from the measured step cost (contended_step_ratio r, the default 1.0; the default fixed cap until the first fit,
 i.e. the first ~30 steps of the first rep); their entries report the cap in force at the end and the fit. Caps
 and ratios run interleaved, --reps times each, and the median is reported, so a neighbour's load on a shared
 box hits every one alike.
@@ -96,10 +96,10 @@ def main() -> int:
     t0 = time.monotonic()
     engines = {}
     for cap in caps:
-        fixed, ratio = (32, float(cap[6:])) if cap.startswith("ratio=") else (int(cap), 0.0)
+        budget = ({"contended_step_ratio": float(cap[6:])} if cap.startswith("ratio=")       # default fixed cap
+                  else {"contended_step_tokens": int(cap), "contended_step_ratio": 0.0})
         cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                           contended_step_tokens=fixed, contended_step_ratio=ratio, contended_window_s=1e6,
-                           enable_prefix_cache=False)
+                           contended_window_s=1e6, enable_prefix_cache=False, **budget)
         engines[cap] = load_engine(ensure_default_model(), cfg)
     runs: dict[str, list[dict]] = {c: [] for c in caps}
     for eng in engines.values():

@@ -38,14 +38,6 @@ from benchmarks.bench_fairness import B_SYSTEM, WORDS  # noqa: E402
 from benchmarks.result_file import run_stamp, write_result  # noqa: E402
 
 
-def _full_step_estimate(b, prompt_tokens: int) -> float | None:
-    """Backlog.wait_s as it was before the contended cap was taken into account: the rate of full steps."""
-    if b.tok_s is None:
-        return None
-    ahead = b.queued_tokens + max(0, b.submitted - b.handled) + prompt_tokens
-    return ahead / (b.tok_s * max(1, b.budget - b.decoding) / b.budget)
-
-
 async def _first_token(eng, req) -> float:
     t0 = time.perf_counter()
     first = None
@@ -78,7 +70,7 @@ async def _run(eng, args) -> dict:
         req = a_req(1000 + k)
         n = len(req.prompt_token_ids)
         bl = eng.backlog
-        est_old, est_new = _full_step_estimate(bl, n), bl.wait_s(n)
+        est_old, est_new = bl.full_step_wait_s(n), bl.wait_s(n)
         per_step = bl.per_step
         probes.append((asyncio.create_task(_first_token(eng, req)), est_old, est_new, per_step))
     out = []

@@ -56,20 +56,25 @@ class Backlog:
             else:
                 decoding += 1
         self.queued_tokens, self.decoding = queued, decoding
-        per_step = getattr(scheduler, "prefill_per_step", None)
-        self.per_step = per_step(decoding) if per_step else max(1, self.budget - decoding)
+        self.per_step = scheduler.prefill_per_step(decoding)
 
     def wait_s(self, prompt_tokens: int) -> float | None:
         """Estimated seconds until a request of `prompt_tokens` has its first token; None before any measure."""
-        ahead = self.queued_tokens + max(0, self.submitted - self.handled) + prompt_tokens
         if self.per_step < self.budget - self.decoding and self.step_cost is not None:
             dt = self.step_cost.predict(self.decoding, self.per_step)       # a capped step
             if dt is not None and dt > 0:
-                return ahead / self.per_step * dt
+                return self._ahead(prompt_tokens) / self.per_step * dt
+        return self.full_step_wait_s(prompt_tokens)
+
+    def full_step_wait_s(self, prompt_tokens: int) -> float | None:
+        """The estimate from the measured rate of full steps (all of it when steps are not capped)."""
         if self.tok_s is None:
             return None
         prefill_share = max(1, self.budget - self.decoding) / self.budget
-        return ahead / (self.tok_s * prefill_share)
+        return self._ahead(prompt_tokens) / (self.tok_s * prefill_share)
+
+    def _ahead(self, prompt_tokens: int) -> int:
+        return self.queued_tokens + max(0, self.submitted - self.handled) + prompt_tokens
 
     def retry_after_s(self, prompt_tokens: int, bound_s: float) -> int:
         """Whole seconds until the estimated wait drops to `bound_s` (at least 1)."""

@@ -118,9 +118,12 @@ class FairScheduler(Scheduler):
     def contended(self) -> bool:
         return len(self.active_tenants()) > 1
 
-    def _contended_cap(self, decodes: int) -> int:
-        """Prefill tokens for a contended step with `decodes` decoding sequences (see the module docstring)."""
+    def _contended_cap(self, decodes: int) -> int | None:
+        """Prefill tokens for a step with `decodes` decoding sequences while more than one tenant is active;
+        None when the contended budget is off or one tenant is active (see the module docstring)."""
         fixed = self.cfg.contended_step_tokens
+        if not fixed or not self.contended():
+            return None
         ratio = self.cfg.contended_step_ratio
         n = self.step_cost.prefill_within(ratio, decodes) if ratio > 0 and self.step_cost is not None else None
         if n is None:
@@ -130,9 +133,8 @@ class FairScheduler(Scheduler):
     def prefill_per_step(self, decodes: int) -> int:
         """Also the contended cap, while more than one tenant is active."""
         n = super().prefill_per_step(decodes)
-        if self.cfg.contended_step_tokens and self.contended():
-            n = max(1, min(n, self._contended_cap(decodes)))
-        return n
+        cap = self._contended_cap(decodes)
+        return n if cap is None else max(1, min(n, cap))
 
     def _class(self, seq: Sequence) -> int:
         return max(0, seq.tenant.priority - (self.steps - seq.enqueued_step) // self.cfg.priority_aging_steps)
@@ -243,8 +245,8 @@ class FairScheduler(Scheduler):
             if self._schedule_decode(seq, batch, scheduled):
                 self._charge(seq, 1, wd)
                 budget -= 1
-        if self.cfg.contended_step_tokens and self.contended():
-            cap = self._contended_cap(len(batch.decodes))
+        cap = self._contended_cap(len(batch.decodes))
+        if cap is not None:
             self.contended_cap = cap
             if budget > cap:
                 budget = cap        # contended: the prefill share of the step is capped

@@ -73,10 +73,10 @@ class StepCost:
         """The most prefill tokens whose predicted time is at most `ratio` times the predicted time of a step
         with `decodes` decoding sequences and no prefill; None before a fit. A prefill token that costs
         nothing measurable (b_prefill <= 0) gives no bound: a very large number."""
-        base = self.predict(decodes, 0)
-        if base is None:
+        if self.coef is None:
             return None
-        bp = self.coef[2] if self.coef else 0.0
+        a, bd, bp = self.coef
+        base = a + bd * decodes
         if bp <= 0 or base <= 0:
             return 1 << 30
         return int(min(ratio * base / bp * (1 + 1e-9), 1 << 30))     # 20.0 is 20, not 19.999

@@ -4,6 +4,8 @@ Keys: `<prefix>:rl:{<tenant>}:requests|tokens` (GCRA theoretical arrival times) 
 (the tenant's stream leases), built by cache_store.keys.KeySpace; one tenant's keys share a cluster slot.
 """
 
+from gateway.admission.ratelimit import EPS_MS
+
 # `now`: the Redis clock in ms (every gateway shares it)
 NOW_MS = """
 local t = redis.call('TIME')
@@ -13,6 +15,7 @@ local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
 # GCRA over KEYS[1..n] with ARGV[1+2i] = interval, ARGV[2+2i] = cost; needs locals now, n, window, force.
 # Leaves `allowed` and `out` = {allowed, retry ms, limit index, (remaining, reset ms) per limit}.
 GCRA_LUA = """
+local eps = """ + repr(EPS_MS) + """
 local tats, news = {}, {}
 local allowed, retry, by = 1, 0, 0
 for i = 1, n do
@@ -23,7 +26,7 @@ for i = 1, n do
   tats[i] = tat
   news[i] = tat + cost * interval
   local diff = news[i] - now
-  if diff > window + 0.01 and not force then     -- 0.01 ms: float tats (see ratelimit.EPS_MS)
+  if diff > window + eps and not force then     -- eps: float tats (ratelimit.EPS_MS)
     allowed = 0
     if diff - window > retry then retry = diff - window; by = i end
   end
@@ -36,7 +39,7 @@ for i = 1, n do
     held = news[i] - now
     redis.call('SET', KEYS[i], string.format('%.3f', news[i]), 'PX', math.ceil(held) + 1)
   end
-  out[#out + 1] = math.floor((window - held + 0.01) / interval)
+  out[#out + 1] = math.floor((window - held + eps) / interval)
   out[#out + 1] = math.ceil(held)
 end
 """

@@ -1,5 +1,5 @@
 """backend.engine.backlog: the estimated wait for a first token that --max-queue-wait-s is checked against.
-(Scheduler stand-ins: only the two attributes Backlog reads per sequence.)"""
+(Scheduler stand-ins: only what Backlog reads: the two queues, two attributes per sequence, prefill_per_step.)"""
 
 from __future__ import annotations
 
@@ -9,14 +9,16 @@ import pytest
 
 from backend.engine.backlog import Backlog
 from backend.engine.step_cost import StepCost
+from tests.step_costs import measured
 
 
 def seq(uncomputed: int) -> SimpleNamespace:
     return SimpleNamespace(num_uncomputed=uncomputed, is_prefilling=uncomputed > 1)
 
 
-def sched(waiting=(), running=()) -> SimpleNamespace:
-    return SimpleNamespace(waiting=[seq(n) for n in waiting], running=[seq(n) for n in running])
+def sched(waiting=(), running=(), budget: int = 512) -> SimpleNamespace:
+    return SimpleNamespace(waiting=[seq(n) for n in waiting], running=[seq(n) for n in running],
+                           prefill_per_step=lambda decodes: max(1, budget - decodes))    # Scheduler's, uncapped
 
 
 def test_no_estimate_until_a_full_step_after_the_warmup_was_measured():
@@ -54,11 +56,7 @@ def test_contended_steps_are_estimated_at_their_capped_size():
     """The fair scheduler caps contended steps to 26 prefill tokens; the step-cost fit says such a step with 2
     decodes takes 20 + 2 + 26 = 48 ms: the queued 1100 tokens need 1100 / 26 of them (2.03 s), not the 1.07 s
     the rate of full steps gives. Uncapped again, the full-step rate is used as before; no fit: as before."""
-    sc = StepCost(warmup_steps=0)
-    for i in range(100):
-        d, p = i % 9, (0, 5, 20, 40, 100, 300, 500)[i % 7]
-        sc.observe(d, p, 0.020 + 0.001 * d + 0.001 * p)
-    b = Backlog(512, alpha=1.0, warmup_steps=0, step_cost=sc)
+    b = Backlog(512, alpha=1.0, warmup_steps=0, step_cost=measured(0.020, 0.001, 0.001, n=100))
     s = sched(waiting=[1000], running=[1, 1])
     s.prefill_per_step = lambda decodes: 26
     b.on_step(s, 512, 0.5)                       # full steps: 1024 tok/s

@@ -8,17 +8,7 @@ import random
 import pytest
 
 from backend.engine.step_cost import StepCost
-
-CPU = (0.020, 0.001, 0.001)        # a, per decode, per prefill token (seconds)
-PREFILLS = (0, 5, 20, 40, 100, 300, 500)
-
-
-def steps(sc: StepCost, n: int, coef=CPU, noise: float = 0.0, rng=None, prefills=PREFILLS, decodes=9) -> None:
-    rng = rng or random.Random(0)
-    a, bd, bp = coef
-    for i in range(n):
-        d, p = i % decodes, prefills[i % len(prefills)]
-        sc.observe(d, p, (a + bd * d + bp * p) * (1 + rng.uniform(-noise, noise)))
+from tests.step_costs import CPU, steps
 
 
 def close(coef, want, rel: float) -> bool:

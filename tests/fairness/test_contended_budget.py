@@ -10,10 +10,10 @@ import pytest
 from backend.engine.backlog import Backlog
 from backend.engine.config import EngineConfig
 from backend.engine.fair import CONTENDED_MIN_TOKENS
-from backend.engine.step_cost import StepCost
 from backend.server import parse_args
 from protocol.wire import TenantSpec
 from tests.fairness.sim import Sim, seq
+from tests.step_costs import measured
 
 A, B = TenantSpec("a"), TenantSpec("b")
 BUDGET, CAP = 512, 64
@@ -139,15 +139,6 @@ def test_config_and_backend_flags():
     for flags in (["--contended-step-tokens", "-3"], ["--contended-step-ratio", "-1"]):
         with pytest.raises(SystemExit):
             parse_args(["--insecure-no-internal-auth", *flags])
-
-
-def measured(a: float, bd: float, bp: float) -> StepCost:
-    """A StepCost fed exact steps of a machine whose step takes a + bd * decodes + bp * prefill tokens."""
-    sc = StepCost(warmup_steps=0)
-    for i in range(200):
-        d, p = i % 9, (0, 5, 20, 40, 100, 300, 500)[i % 7]
-        sc.observe(d, p, a + bd * d + bp * p)
-    return sc
 
 
 def test_the_cap_follows_the_measured_step_cost():
