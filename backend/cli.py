@@ -25,7 +25,7 @@ def _model(argv: list[str]) -> int:
                    help="calibration text for awq/gptq (see backend.quant.calib)")
     args = p.parse_args(argv)
     if args.action == "import":
-        from backend.model.gguf_import import (
+        from edgeinfer.backend.model.gguf_import import (
             DEFAULT_MODEL_NAME,
             ModelImportError,
             default_gguf_path,
@@ -43,7 +43,7 @@ def _model(argv: list[str]) -> int:
             return 1
         print(out)
         return 0
-    from backend.quant.quantize import main as quantize_main
+    from edgeinfer.backend.quant.quantize import main as quantize_main
 
     return quantize_main(args)
 
@@ -51,6 +51,6 @@ def _model(argv: list[str]) -> int:
 def run(cmd: str, argv: list[str]) -> int:
     if cmd == "model":
         return _model(argv)
-    from backend.server import main as backend_main
+    from edgeinfer.backend.server import main as backend_main
 
     return backend_main(argv)

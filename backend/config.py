@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.config import EngineConfig
 
 
 @dataclass(frozen=True)

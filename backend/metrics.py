@@ -6,7 +6,7 @@ from collections import Counter as Tally
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from backend.engine.engine import EngineObserver
+from edgeinfer.backend.engine.engine import EngineObserver
 
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 

@@ -30,11 +30,11 @@ import msgspec
 from aiohttp import web
 from prometheus_client import generate_latest
 
-from backend.config import BackendConfig
-from backend.engine.engine import LLMEngine, RequestError
-from backend.metrics import BackendMetrics
-from protocol.defaults import CACHE_SEED, CACHE_SEED_ENV, KEY_PREFIX, PAGE_SIZE
-from protocol.wire import AbortRequest, BackendInfo, GenerateRequest, StreamChunk, encode
+from edgeinfer.backend.config import BackendConfig
+from edgeinfer.backend.engine.engine import LLMEngine, RequestError
+from edgeinfer.backend.metrics import BackendMetrics
+from edgeinfer.protocol.defaults import CACHE_SEED, CACHE_SEED_ENV, KEY_PREFIX, PAGE_SIZE
+from edgeinfer.protocol.wire import AbortRequest, BackendInfo, GenerateRequest, StreamChunk, encode
 
 log = logging.getLogger("edgeinfer.backend")
 VERSION = os.environ.get("EDGEINFER_VERSION", "0.1.0")
@@ -378,8 +378,8 @@ def release_free_heap() -> int:
 def build_state(cfg: BackendConfig) -> BackendState:
     import torch
 
-    from backend.engine.engine import in_fresh_thread, load_engine
-    from backend.model.gguf_import import ensure_native_default_model
+    from edgeinfer.backend.engine.engine import in_fresh_thread, load_engine
+    from edgeinfer.backend.model.gguf_import import ensure_native_default_model
 
     # the import runs torch on CPU: off the main thread, so the engine thread's OpenMP pool stays the only one
     model_dir = Path(cfg.model) if cfg.model else in_fresh_thread(ensure_native_default_model)
@@ -400,7 +400,7 @@ def build_state(cfg: BackendConfig) -> BackendState:
                          "kv_dtype": engine.kv_format, "kv_bytes_per_token": engine.runner.bytes_per_token,
                          "kv_pages": engine.blocks.num_pages, "page_size": engine.cfg.page_size,
                          "max_tokens_in_budget": engine.blocks.num_pages * engine.cfg.page_size}))
-    from backend.store_wiring import attach_page_store  # noqa: PLC0415
+    from edgeinfer.backend.store_wiring import attach_page_store  # noqa: PLC0415
 
     attach_page_store(st, cfg)
     return st

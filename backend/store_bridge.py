@@ -26,15 +26,15 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from backend.engine.engine import EngineObserver
-from backend.store_context import BridgeStats, PublishedPages, StoreContext, StoreCounters
-from backend.store_prefetch import PagePrefetcher
-from backend.store_publish import PagePublisher
-from backend.store_registration import NodeRegistration
-from cache_store.codec import PageFormat, PageKey
-from cache_store.index import PageIndex
-from cache_store.registry import NodeRegistry, NodeState
-from cache_store.store import TieredPageStore
+from edgeinfer.backend.engine.engine import EngineObserver
+from edgeinfer.backend.store_context import BridgeStats, PublishedPages, StoreContext, StoreCounters
+from edgeinfer.backend.store_prefetch import PagePrefetcher
+from edgeinfer.backend.store_publish import PagePublisher
+from edgeinfer.backend.store_registration import NodeRegistration
+from edgeinfer.cache_store.codec import PageFormat, PageKey
+from edgeinfer.cache_store.index import PageIndex
+from edgeinfer.cache_store.registry import NodeRegistry, NodeState
+from edgeinfer.cache_store.store import TieredPageStore
 
 log = logging.getLogger("edgeinfer.store_bridge")
 __all__ = ["BridgeStats", "PageStoreBridge", "page_format"]

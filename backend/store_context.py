@@ -7,9 +7,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from cache_store.codec import PageFormat, PageKey
-from cache_store.index import PageIndex
-from cache_store.store import TieredPageStore
+from edgeinfer.cache_store.codec import PageFormat, PageKey
+from edgeinfer.cache_store.index import PageIndex
+from edgeinfer.cache_store.store import TieredPageStore
 
 PAGE_EVENTS = ("published", "not_acked", "dropped", "uploaded", "incompatible", "unindexed")   # Prometheus labels
 

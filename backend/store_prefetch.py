@@ -18,10 +18,10 @@ import time
 import numpy as np
 import torch
 
-from backend.engine.kv_pool import scatter_pages
-from backend.store_context import StoreContext, StorePart
-from cache_store.codec import DecodedPage, decode
-from protocol.page_id import page_hashes
+from edgeinfer.backend.engine.kv_pool import scatter_pages
+from edgeinfer.backend.store_context import StoreContext, StorePart
+from edgeinfer.cache_store.codec import DecodedPage, decode
+from edgeinfer.protocol.page_id import page_hashes
 
 log = logging.getLogger("edgeinfer.store_bridge")
 

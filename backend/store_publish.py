@@ -16,9 +16,9 @@ from collections import deque
 
 import torch
 
-from backend.engine.kv_pool import gather_pages
-from backend.store_context import StoreContext, StorePart
-from cache_store.codec import encode
+from edgeinfer.backend.engine.kv_pool import gather_pages
+from edgeinfer.backend.store_context import StoreContext, StorePart
+from edgeinfer.cache_store.codec import encode
 
 log = logging.getLogger("edgeinfer.store_bridge")
 

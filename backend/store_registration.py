@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from cache_store.registry import NodeRecord, NodeRegistry, NodeState, keep_registered
+from edgeinfer.cache_store.registry import NodeRecord, NodeRegistry, NodeState, keep_registered
 
 
 @dataclass

@@ -6,11 +6,11 @@ from __future__ import annotations
 import logging
 import os
 
-from backend.config import BackendConfig
-from backend.store_bridge import PageStoreBridge
-from cache_store.codec import PageKey
-from cache_store.store import PageStore, TieredPageStore
-from protocol.defaults import KEY_PREFIX
+from edgeinfer.backend.config import BackendConfig
+from edgeinfer.backend.store_bridge import PageStoreBridge
+from edgeinfer.cache_store.codec import PageKey
+from edgeinfer.cache_store.store import PageStore, TieredPageStore
+from edgeinfer.protocol.defaults import KEY_PREFIX
 
 log = logging.getLogger("edgeinfer.store_bridge")
 PAGE_KEY_ENV = "EDGEINFER_PAGE_KEY"
@@ -32,9 +32,9 @@ def page_key_from_config(cfg: BackendConfig) -> PageKey:
 
 def attach_page_store(st, cfg: BackendConfig) -> PageStoreBridge | None:
     """Called by backend.server.build_state: add the page store extension per the CLI flags."""
-    from cache_store.node_auth import NodeRecordKey
-    from cache_store.store import HostPageStore
-    from cache_store.wiring import wire_redis
+    from edgeinfer.cache_store.node_auth import NodeRecordKey
+    from edgeinfer.cache_store.store import HostPageStore
+    from edgeinfer.cache_store.wiring import wire_redis
 
     tier, url = cfg.store_tier, cfg.redis_url
     if tier == "none":

@@ -33,12 +33,12 @@ from pathlib import Path
 
 import torch
 
-from backend.engine.config import EngineConfig
-from backend.engine.engine import LLMEngine, in_fresh_thread
-from backend.model.gguf_import import ensure_default_model
-from backend.model.llama import load_model
-from protocol.page_id import page_hashes
-from protocol.wire import GenerateRequest, SamplingParams
+from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.engine import LLMEngine, in_fresh_thread
+from edgeinfer.backend.model.gguf_import import ensure_default_model
+from edgeinfer.backend.model.llama import load_model
+from edgeinfer.protocol.page_id import page_hashes
+from edgeinfer.protocol.wire import GenerateRequest, SamplingParams
 
 OUT = Path(__file__).parent / "results" / "bench_batch_invariance.json"
 PAGE = 16

@@ -55,7 +55,7 @@ def subprocess_json(cmd: list[str], threads: int, timeout_s: float, out_file: Pa
 
 
 def main() -> int:
-    from backend.model.gguf_import import default_gguf_path
+    from edgeinfer.backend.model.gguf_import import default_gguf_path
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=1)

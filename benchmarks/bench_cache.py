@@ -42,11 +42,19 @@ import hmac  # noqa: E402
 import numpy as np  # noqa: E402
 import xxhash  # noqa: E402
 
-from cache_store.codec import MAC_BYTES, SALT_BYTES, DecodedPage, PageFormat, PageKey, decode, encode  # noqa: E402
-from cache_store.index import RedisPageIndex  # noqa: E402
-from cache_store.resilience import RedisGuard, redis_client  # noqa: E402
-from cache_store.store import RedisPageStore  # noqa: E402
-from protocol.page_id import PageKeyContext, page_hashes  # noqa: E402
+from edgeinfer.cache_store.codec import (  # noqa: E402
+    MAC_BYTES,
+    SALT_BYTES,
+    DecodedPage,
+    PageFormat,
+    PageKey,
+    decode,
+    encode,
+)
+from edgeinfer.cache_store.index import RedisPageIndex  # noqa: E402
+from edgeinfer.cache_store.resilience import RedisGuard, redis_client  # noqa: E402
+from edgeinfer.cache_store.store import RedisPageStore  # noqa: E402
+from edgeinfer.protocol.page_id import PageKeyContext, page_hashes  # noqa: E402
 from tests.redis_server import ValkeyCluster, ValkeyServer  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM, PAGE = 30, 3, 64, 16
@@ -249,12 +257,12 @@ def print_report(r: dict) -> None:
 async def bench_ttft(url: str, args) -> dict:
     import torch
 
-    from backend.engine.config import EngineConfig
-    from backend.engine.engine import load_engine
-    from backend.model.gguf_import import ensure_default_model
-    from backend.store_bridge import PageStoreBridge
-    from cache_store.store import HostPageStore, TieredPageStore
-    from protocol.wire import GenerateRequest, SamplingParams
+    from edgeinfer.backend.engine.config import EngineConfig
+    from edgeinfer.backend.engine.engine import load_engine
+    from edgeinfer.backend.model.gguf_import import ensure_default_model
+    from edgeinfer.backend.store_bridge import PageStoreBridge
+    from edgeinfer.cache_store.store import HostPageStore, TieredPageStore
+    from edgeinfer.protocol.wire import GenerateRequest, SamplingParams
 
     lengths = [int(x) for x in args.ttft_tokens.split(",")]
     model_dir = ensure_default_model()

@@ -39,7 +39,7 @@ _ids = itertools.count()
 
 
 def _req(eng, tenant, msgs, max_tokens: int):
-    from protocol.wire import GenerateRequest, SamplingParams
+    from edgeinfer.protocol.wire import GenerateRequest, SamplingParams
 
     return GenerateRequest(f"{tenant.id}{next(_ids)}", eng.tokenizer.encode_chat(msgs),
                            SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
@@ -47,7 +47,7 @@ def _req(eng, tenant, msgs, max_tokens: int):
 
 
 async def _run(eng, args, rep: int) -> dict:
-    from protocol.wire import TenantSpec
+    from edgeinfer.protocol.wire import TenantSpec
 
     a, b = TenantSpec("a"), TenantSpec("b")
     async for _ in eng.generate(_req(eng, b, [{"role": "system", "content": B_SYSTEM},
@@ -87,9 +87,9 @@ def main() -> int:
     args = p.parse_args()
     if args.requests > 128 or args.reps > 5:
         p.error("bounded: at most 128 requests, 5 reps")
-    from backend.engine.config import EngineConfig
-    from backend.engine.engine import load_engine
-    from backend.model.gguf_import import ensure_default_model
+    from edgeinfer.backend.engine.config import EngineConfig
+    from edgeinfer.backend.engine.engine import load_engine
+    from edgeinfer.backend.model.gguf_import import ensure_default_model
 
     caps: list[str] = [c for c in args.caps.split(",") if c] + [f"ratio={r}" for r in args.ratios.split(",") if r]
     load0 = os.getloadavg()

@@ -1,4 +1,4 @@
-"""kernels.cpu (C++ int8-dot kernels) vs torch's CPU int4 GEMM vs fp32 dense (oneDNN-prepacked), per layer
+"""edgeinfer.kernels.cpu (C++ int8-dot kernels) vs torch's CPU int4 GEMM vs fp32 dense (oneDNN-prepacked), per layer
 shape of SmolLM2-135M, interleaved round-robin in one process (the box is shared: ratios matter more than
 absolutes; the load average is recorded before and after).
 
@@ -32,9 +32,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import kernels.cpu as kc  # noqa: E402
-from backend.model.linear import HEAD_CHUNK, DenseLinear, Q8Linear, W4A16Linear  # noqa: E402
-from backend.quant.packing import group_dequantize_mins  # noqa: E402
+import edgeinfer.kernels.cpu as kc  # noqa: E402
+from edgeinfer.backend.model.linear import HEAD_CHUNK, DenseLinear, Q8Linear, W4A16Linear  # noqa: E402
+from edgeinfer.backend.quant.packing import group_dequantize_mins  # noqa: E402
 
 OUT = Path(__file__).parent / "results" / "bench_cpu_kernels.json"
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "head": (49152, 576)}

@@ -64,7 +64,7 @@ def main() -> int:
     ap.add_argument("--timeout-s", type=float, default=900)
     ap.add_argument("--out", default=str(OUT))
     a = ap.parse_args()
-    from backend.model.gguf_import import default_gguf_path
+    from edgeinfer.backend.model.gguf_import import default_gguf_path
 
     gguf = default_gguf_path()
     runners = {"llama.cpp": lambda: llama_tg(Path(a.llama_bench), gguf, a.threads, a.tg, a.timeout_s),

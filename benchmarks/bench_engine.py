@@ -27,12 +27,12 @@ from pathlib import Path
 
 import torch
 
-from backend.engine.config import EngineConfig
-from backend.engine.engine import LLMEngine, in_fresh_thread
-from backend.model.gguf_import import ensure_default_model
-from backend.model.llama import load_model
-from protocol.tokenizer import Tokenizer
-from protocol.wire import GenerateRequest, SamplingParams
+from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.engine import LLMEngine, in_fresh_thread
+from edgeinfer.backend.model.gguf_import import ensure_default_model
+from edgeinfer.backend.model.llama import load_model
+from edgeinfer.protocol.tokenizer import Tokenizer
+from edgeinfer.protocol.wire import GenerateRequest, SamplingParams
 
 OUT = Path(__file__).parent / "results" / "bench_engine.json"
 
@@ -109,7 +109,7 @@ def main() -> None:
         hide_hub_kernels()
 
     def load():
-        from backend.model.gguf_import import ensure_native_default_model
+        from edgeinfer.backend.model.gguf_import import ensure_native_default_model
 
         if args.model_dir is not None:
             model_dir = args.model_dir

@@ -162,14 +162,14 @@ def _engine_gauges(text: str) -> dict:
 def run_mode(mode: str, model_dir: Path, args, env: dict, log_dir: Path) -> dict:
     import requests
 
-    from gateway.config import hash_key
+    from edgeinfer.gateway.config import hash_key
 
     scheduler, eviction, *flags = mode.split(":")
     procs = Procs(log_dir)
     try:
         port = _free_port()
         be = procs.start(f"backend-{scheduler}", [
-            sys.executable, "-m", "backend.server", "--model", str(model_dir), "--port", str(port),
+            sys.executable, "-m", "edgeinfer.backend.server", "--model", str(model_dir), "--port", str(port),
             "--node-id", f"fair-{scheduler}", "--num-pages", str(args.num_pages), "--max-num-seqs",
             str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--store-tier",
             "none", "--scheduler", scheduler, "--cache-eviction", eviction, "--log-level", "WARNING",
@@ -185,7 +185,7 @@ def run_mode(mode: str, model_dir: Path, args, env: dict, log_dir: Path) -> dict
                        f'health_interval_s = 0.5\nfirst_byte_timeout_s = 300\n\n[[models]]\nname = "{model}"\n'
                        f'tokenizer = "{model_dir}"\n\n[[nodes]]\nid = "fair-{scheduler}"\nurl = "{url}"\n'
                        f'model = "{model}"\n\n{tenants}')
-        gw = procs.start(f"gateway-{scheduler}", [sys.executable, "-m", "ops.cli", "gateway", "--config", str(cfg)], env)
+        gw = procs.start(f"gateway-{scheduler}", [sys.executable, "-m", "edgeinfer.ops.cli", "gateway", "--config", str(cfg)], env)
         gw_url = f"http://127.0.0.1:{gw_port}"
         _wait_http(gw_url + "/ready", gw, 60)
         load0 = os.getloadavg()
@@ -237,7 +237,7 @@ def main() -> int:
     signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(TimeoutError("--max-seconds exceeded")))
     signal.alarm(int(args.max_seconds))
 
-    from backend.model.gguf_import import ensure_default_model
+    from edgeinfer.backend.model.gguf_import import ensure_default_model
 
     model_dir = ensure_default_model()
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_fairness_{os.getpid()}"

@@ -97,7 +97,7 @@ def breakdown(tr: Tracer, t0: float) -> dict:
 
 
 async def client(eng, tenant, i: int, args, stop_at: float, counts: dict) -> None:
-    from protocol.wire import GenerateRequest, SamplingParams
+    from edgeinfer.protocol.wire import GenerateRequest, SamplingParams
 
     rng = random.Random(hash((tenant.id, i)) & 0xFFFF)
     turn = 0
@@ -117,7 +117,7 @@ async def client(eng, tenant, i: int, args, stop_at: float, counts: dict) -> Non
 
 
 async def phase(eng, args, a_clients: int) -> tuple[float, dict]:
-    from protocol.wire import TenantSpec
+    from edgeinfer.protocol.wire import TenantSpec
 
     counts = {"a": 0, "b": 0}
     t0 = time.monotonic()
@@ -130,9 +130,9 @@ async def phase(eng, args, a_clients: int) -> tuple[float, dict]:
 
 
 def run_mode(mode: str, args) -> dict:
-    from backend.engine.config import EngineConfig
-    from backend.engine.engine import load_engine
-    from backend.model.gguf_import import ensure_default_model
+    from edgeinfer.backend.engine.config import EngineConfig
+    from edgeinfer.backend.engine.engine import load_engine
+    from edgeinfer.backend.model.gguf_import import ensure_default_model
 
     cfg = EngineConfig(num_pages=args.num_pages, max_num_seqs=args.max_num_seqs, scheduler=mode.split(":")[0])
     extra = dict(kv.split("=") for kv in mode.split(":")[1:])

@@ -56,7 +56,7 @@ def run_stub(port: int) -> None:
     import uvloop
     from aiohttp import web
 
-    from protocol.wire import BackendInfo, StreamChunk, Usage, encode, request_decoder
+    from edgeinfer.protocol.wire import BackendInfo, StreamChunk, Usage, encode, request_decoder
 
     async def generate(request: web.Request) -> web.Response:
         req = request_decoder.decode(await request.read())
@@ -76,8 +76,8 @@ def run_stub(port: int) -> None:
 
 
 def run_gateway(port: int, stub_port: int, tokenizer_dir: str, redis_url: str = "") -> None:
-    from gateway import config as config_mod
-    from gateway.cli import _run, serve_gateway
+    from edgeinfer.gateway import config as config_mod
+    from edgeinfer.gateway.cli import run_loop, serve_gateway
 
     logging.basicConfig(level=logging.INFO, stream=open(os.devnull, "w"))  # access log on, written to /dev/null
     cfg = config_mod.parse({
@@ -86,7 +86,7 @@ def run_gateway(port: int, stub_port: int, tokenizer_dir: str, redis_url: str = 
         "nodes": [{"id": "stub-0", "url": f"http://127.0.0.1:{stub_port}", "model": MODEL}],
         "tenants": [{"id": "bench", "api_key_sha256": [config_mod.hash_key(KEY)], "requests_per_min": 10_000_000,
                      "tokens_per_min": 1_000_000_000, "max_concurrent_streams": 10_000}]})
-    _run(serve_gateway(cfg))
+    run_loop(serve_gateway(cfg))
 
 
 # ---- load generation ----------------------------------------------------------------------------
@@ -160,8 +160,8 @@ async def measure(args, gw_port: int, stub_port: int, tokenizer_dir: str, pids: 
     import aiohttp
     import msgspec
 
-    from protocol.tokenizer import Tokenizer
-    from protocol.wire import GenerateRequest, SamplingParams
+    from edgeinfer.protocol.tokenizer import Tokenizer
+    from edgeinfer.protocol.wire import GenerateRequest, SamplingParams
 
     prompt = Tokenizer.from_dir(tokenizer_dir).encode_chat(MSGS)
     direct_body = msgspec.json.encode(GenerateRequest("bench", prompt, SamplingParams(max_tokens=1), "ns", MODEL))
@@ -214,7 +214,7 @@ def _wait(port: int, path: str, timeout_s: float = 60) -> None:
 
 def _tokenizer_dir() -> str:
     try:
-        from backend.model.gguf_import import ensure_default_model
+        from edgeinfer.backend.model.gguf_import import ensure_default_model
 
         return str(ensure_default_model())
     except Exception as e:  # no default model available: fall back to a byte-level tokenizer

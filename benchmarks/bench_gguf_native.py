@@ -50,8 +50,8 @@ class Bf16Head(torch.nn.Module):
 
 
 def load(variant: str):
-    from backend.model.gguf_import import ensure_default_model, ensure_native_default_model
-    from backend.model.llama import load_model
+    from edgeinfer.backend.model.gguf_import import ensure_default_model, ensure_native_default_model
+    from edgeinfer.backend.model.llama import load_model
 
     if variant == "fp32 dequantized":
         return load_model(ensure_default_model())
@@ -62,9 +62,9 @@ def load(variant: str):
 
 
 def step_ms(model, batch: int, steps: int) -> float:
-    from backend.engine.config import EngineConfig
-    from backend.engine.engine import LLMEngine
-    from protocol.wire import GenerateRequest, SamplingParams
+    from edgeinfer.backend.engine.config import EngineConfig
+    from edgeinfer.backend.engine.engine import LLMEngine
+    from edgeinfer.protocol.wire import GenerateRequest, SamplingParams
 
     eng = LLMEngine(model, None, EngineConfig(max_num_seqs=64, max_num_batched_tokens=4096, num_pages=512))
     g = torch.Generator().manual_seed(batch)
@@ -84,7 +84,7 @@ def step_ms(model, batch: int, steps: int) -> float:
 
 
 def child(variant: str, batches: list[int], steps: int) -> dict:
-    import backend.engine.engine  # noqa: F401  (the import cost every variant pays)
+    import edgeinfer.backend.engine.engine  # noqa: F401  (the import cost every variant pays)
 
     if variant == "torch only":
         return {"peak_rss_load_mb": round(peak_rss_mb(), 1)}
@@ -99,10 +99,10 @@ def child(variant: str, batches: list[int], steps: int) -> dict:
 def perplexity(chunks_n: int, chunk_len: int) -> list[dict]:
     from bench_quality import evaluate
 
-    from backend.model.gguf_import import ensure_default_model, ensure_native_default_model
-    from backend.model.llama import load_model
-    from backend.quant.calib import eval_text, token_chunks
-    from protocol.tokenizer import Tokenizer
+    from edgeinfer.backend.model.gguf_import import ensure_default_model, ensure_native_default_model
+    from edgeinfer.backend.model.llama import load_model
+    from edgeinfer.backend.quant.calib import eval_text, token_chunks
+    from edgeinfer.protocol.tokenizer import Tokenizer
 
     text, name = eval_text()
     chunks = token_chunks(Tokenizer.from_dir(ensure_default_model()).encode(text), chunks_n, chunk_len)
@@ -127,8 +127,8 @@ def bf16_weight_error() -> dict:
     + bf16(m + 8 d) vs w = q * d + m."""
     from safetensors.torch import load_file
 
-    from backend.model.gguf_import import ensure_native_default_model
-    from backend.quant.packing import group_dequantize_mins, unpack_uint4
+    from edgeinfer.backend.model.gguf_import import ensure_native_default_model
+    from edgeinfer.backend.quant.packing import group_dequantize_mins, unpack_uint4
 
     t = load_file(str(ensure_native_default_model() / "model.safetensors"))
     num = den = worst = 0.0
@@ -162,7 +162,7 @@ def main() -> int:
     if args.child:
         print(json.dumps(child(args.child, batches, args.steps)))
         return 0
-    from backend.model.gguf_import import ensure_default_model, ensure_native_default_model
+    from edgeinfer.backend.model.gguf_import import ensure_default_model, ensure_native_default_model
 
     ensure_default_model(), ensure_native_default_model()   # imports happen here, not inside a timed child
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}

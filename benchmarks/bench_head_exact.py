@@ -58,7 +58,7 @@ def main() -> int:
                 "min_exact_over_plain": min(t["exact"]) / min(t["plain"])}
 
     if "op" in levels:
-        import kernels.cpu as ck
+        import edgeinfer.kernels.cpu as ck
 
         out["op"] = {}
         for c, reps in ((1, 100 * a.rounds), (32, 40 * a.rounds)):

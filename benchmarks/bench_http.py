@@ -53,7 +53,7 @@ def roles(pids: list[int]) -> dict[int, str]:
     out = {}
     for pid in pids:
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        out[pid] = "backend" if "backend.server" in cmd else "gateway"
+        out[pid] = "backend" if "edgeinfer.backend.server" in cmd else "gateway"
     return out
 
 
@@ -86,10 +86,10 @@ def engine_only(tree: Path, levels: list[int], prompt_len: int, max_tokens: int,
 
 
 def through_http(tree: Path, levels: list[int], prompt_len: int, max_tokens: int, env: dict, log_dir: Path) -> dict:
-    from gateway.config import DEMO_API_KEY
+    from edgeinfer.gateway.config import DEMO_API_KEY
 
     port = free_port()
-    spec = ServerSpec("edgeinfer", [sys.executable, "-m", "ops.cli", "serve", "--port", str(port)],
+    spec = ServerSpec("edgeinfer", [sys.executable, "-m", "edgeinfer.ops.cli", "serve", "--port", str(port)],
                       {**env, "PYTHONPATH": str(tree)}, port, "/ready", DEMO_API_KEY, cwd=tree)
     rnd = random.Random(0)
     out: dict = {"levels": {}}

@@ -31,8 +31,8 @@ WORDS = "The quick brown fox jumps over the lazy dog 12345, and then some more t
 
 
 def run_gateway(port: int, stub_port: int, workers: int) -> None:
-    from gateway import config as config_mod
-    from gateway.cli import _run, serve_gateway
+    from edgeinfer.gateway import config as config_mod
+    from edgeinfer.gateway.cli import run_loop, serve_gateway
 
     cfg = config_mod.parse({
         "server": {"port": port, "health_interval_s": 0.5, "max_body_bytes": 5 * 1024 * 1024,
@@ -40,7 +40,7 @@ def run_gateway(port: int, stub_port: int, workers: int) -> None:
         "models": [{"name": MODEL, "tokenizer": "default"}],
         "nodes": [{"id": "stub-0", "url": f"http://127.0.0.1:{stub_port}", "model": MODEL}],
         "tenants": [{"id": "bench", "api_key_sha256": [config_mod.hash_key(KEY)], "max_prompt_chars": 4_000_000}]})
-    _run(serve_gateway(cfg))
+    run_loop(serve_gateway(cfg))
 
 
 async def _wait_ready(session, url: str, timeout_s: float = 120) -> None:

@@ -24,11 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_quality import quantized_dir  # noqa: E402
 
-from backend.engine.config import EngineConfig  # noqa: E402
-from backend.engine.engine import LLMEngine, in_fresh_thread  # noqa: E402
-from backend.model.gguf_import import ensure_default_model  # noqa: E402
-from backend.model.llama import load_model  # noqa: E402
-from protocol.wire import GenerateRequest, SamplingParams  # noqa: E402
+from edgeinfer.backend.engine.config import EngineConfig  # noqa: E402
+from edgeinfer.backend.engine.engine import LLMEngine, in_fresh_thread  # noqa: E402
+from edgeinfer.backend.model.gguf_import import ensure_default_model  # noqa: E402
+from edgeinfer.backend.model.llama import load_model  # noqa: E402
+from edgeinfer.protocol.wire import GenerateRequest, SamplingParams  # noqa: E402
 
 OUT = Path(__file__).parent / "results" / "bench_int4_cpu.json"
 

@@ -110,7 +110,7 @@ def time_us(calls, quick: bool) -> tuple[float, float]:
 
 
 def bench_gemm(quick: bool, peak: float, gemm_m=GEMM_M, layers=None, device: str = "cuda", timer=None) -> list[dict]:
-    from kernels.w4a16_gemm import group_dequantize_tensor, group_quantize_tensor, w4a16_gemm_triton
+    from edgeinfer.kernels.w4a16_gemm import group_dequantize_tensor, group_quantize_tensor, w4a16_gemm_triton
 
     timer = timer or time_us
     rows = []
@@ -155,7 +155,7 @@ def bench_gemm(quick: bool, peak: float, gemm_m=GEMM_M, layers=None, device: str
 
 
 def make_decode_case(batch: int, context: int, fp8: bool, device: str = "cuda", dims=(HEADS, KV_HEADS, HEAD_DIM)):
-    import kernels
+    from edgeinfer import kernels
 
     heads, kv_heads, head_dim = dims
     pages_per_seq = math.ceil(context / PAGE_SIZE)
@@ -180,7 +180,10 @@ def make_decode_case(batch: int, context: int, fp8: bool, device: str = "cuda", 
 
 def bench_decode(quick: bool, peak: float, contexts=DECODE_CONTEXTS, batches=DECODE_BATCHES, device: str = "cuda",
                  dims=(HEADS, KV_HEADS, HEAD_DIM), timer=None) -> list[dict]:
-    from kernels.paged_decode_attention import paged_decode_attention_reference, paged_decode_attention_triton
+    from edgeinfer.kernels.paged_decode_attention import (
+        paged_decode_attention_reference,
+        paged_decode_attention_triton,
+    )
 
     timer = timer or time_us
     heads, kv_heads, head_dim = dims
@@ -274,7 +277,7 @@ def dry_run(out: Path) -> int:
     """Every step of the GPU run on CPU through the Triton interpreter, tiny shapes; JSON says dry_run."""
     import triton
 
-    from kernels import _triton
+    from edgeinfer.kernels import _triton
 
     if not _triton.INTERPRET:
         print("bench_kernels --cpu-dry-run: TRITON_INTERPRET=1 must be set before the first triton import")

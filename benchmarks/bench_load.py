@@ -228,8 +228,8 @@ def main() -> int:
     signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(TimeoutError("--max-seconds exceeded")))
     signal.alarm(int(args.max_seconds))
 
-    from backend.model.gguf_import import ensure_default_model
-    from gateway.config import hash_key
+    from edgeinfer.backend.model.gguf_import import ensure_default_model
+    from edgeinfer.gateway.config import hash_key
 
     model_dir = ensure_default_model()
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_load_{os.getpid()}"
@@ -243,7 +243,7 @@ def main() -> int:
     try:
         for i in range(args.backends):
             port = _free_port()
-            proc = procs.start(f"backend{i}", [sys.executable, "-m", "backend.server", "--model", str(model_dir),
+            proc = procs.start(f"backend{i}", [sys.executable, "-m", "edgeinfer.backend.server", "--model", str(model_dir),
                                                "--port", str(port), "--node-id", f"load-{i}", "--num-pages", "512",
                                                "--max-num-seqs", "16", "--store-tier", "none",
                                                "--log-level", "WARNING"], env)
@@ -261,7 +261,7 @@ def main() -> int:
         cfg.write_text(f'[server]\nport = {gw_port}\npage_seed = "{SEED}"\naccess_log = false\n'
                        f'health_interval_s = 0.5\n\n[[models]]\nname = "{model}"\ntokenizer = "{model_dir}"\n\n'
                        f'{nodes}[[tenants]]\nid = "bench"\napi_key_sha256 = ["{hash_key(KEY)}"]\n')
-        gw = procs.start("gateway", [sys.executable, "-m", "ops.cli", "gateway", "--config", str(cfg)], env)
+        gw = procs.start("gateway", [sys.executable, "-m", "edgeinfer.ops.cli", "gateway", "--config", str(cfg)], env)
         gw_url = f"http://127.0.0.1:{gw_port}"
         _wait_http(gw_url + "/ready", gw, 60)
 

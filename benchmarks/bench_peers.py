@@ -419,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGALRM, _deadline)
     signal.alarm(int(a.max_seconds))
 
-    from backend.model.gguf_import import default_gguf_path, ensure_default_model
+    from edgeinfer.backend.model.gguf_import import default_gguf_path, ensure_default_model
 
     model_dir, gguf = ensure_default_model(), default_gguf_path()
     skipped = {n: why for n in a.peers if (why := peer_available(n, a))}

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 
-from backend.engine.kv_pool import kv_bytes_per_token
-from backend.model.llama import load_model
-from backend.quant.calib import eval_text, paged_prefill, token_chunks
-from backend.quant.quantize import quantize_checkpoint
-from protocol.tokenizer import Tokenizer
+from edgeinfer.backend.engine.kv_pool import kv_bytes_per_token
+from edgeinfer.backend.model.llama import load_model
+from edgeinfer.backend.quant.calib import eval_text, paged_prefill, token_chunks
+from edgeinfer.backend.quant.quantize import quantize_checkpoint
+from edgeinfer.protocol.tokenizer import Tokenizer
 
 PAGE = 16
 SEQ_LEN = 2048
@@ -75,7 +75,7 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if args.model is None:
-        from backend.model.gguf_import import ensure_default_model
+        from edgeinfer.backend.model.gguf_import import ensure_default_model
         args.model = ensure_default_model()
     model_dir = Path(args.model)
     text, text_name = eval_text()

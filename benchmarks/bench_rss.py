@@ -41,9 +41,9 @@ def cmdline(pid: int) -> list[str]:
 
 def role(cmd: list[str]) -> str:
     text = " ".join(cmd)
-    if "backend.server" in text:
+    if "edgeinfer.backend.server" in text:
         return "backend"
-    if "ops.cli serve" in text or "edgeinfer serve" in text:
+    if "edgeinfer.ops.cli serve" in text or "edgeinfer serve" in text:
         return "gateway (edgeinfer serve)"
     if "valkey" in text or "redis-server" in text:
         return "valkey"
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = edgeinfer_spec(a.threads)
     spec.cmd.extend(a.serve_arg)
     spec.env.update(kv.split("=", 1) for kv in a.env)
-    from backend.model.gguf_import import ensure_native_default_model
+    from edgeinfer.backend.model.gguf_import import ensure_native_default_model
 
     tok = tokenizer(ensure_native_default_model())
     prompts = Prompts(prompt_tokens(tok))

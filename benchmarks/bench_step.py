@@ -36,9 +36,9 @@ HERE = Path(__file__).resolve()
 def _engine(model, batch: int, prompt_len: int):
     import torch
 
-    from backend.engine.config import EngineConfig
-    from backend.engine.engine import LLMEngine
-    from protocol.wire import GenerateRequest, SamplingParams
+    from edgeinfer.backend.engine.config import EngineConfig
+    from edgeinfer.backend.engine.engine import LLMEngine
+    from edgeinfer.protocol.wire import GenerateRequest, SamplingParams
 
     eng = LLMEngine(model, None, EngineConfig(max_num_seqs=max(64, batch), max_num_batched_tokens=4096,
                                               num_pages=2048))
@@ -106,9 +106,9 @@ def _cpu_timed(fn, total: dict, part: str):
 
 
 def _instrument(model=None) -> Timers:
-    import kernels
-    from backend.engine import engine as engine_mod
-    from backend.model import linear, llama
+    from edgeinfer import kernels
+    from edgeinfer.backend.engine import engine as engine_mod
+    from edgeinfer.backend.model import linear, llama
 
     t = Timers()
     t.wrap(linear.DenseLinear, "forward", "gemm")
@@ -161,9 +161,9 @@ def _aten_ops_per_step(eng, steps: int = 3) -> float:
 def worker(args) -> dict:
     import torch
 
-    from backend.engine.engine import in_fresh_thread
-    from backend.model.gguf_import import ensure_default_model
-    from backend.model.llama import load_model
+    from edgeinfer.backend.engine.engine import in_fresh_thread
+    from edgeinfer.backend.model.gguf_import import ensure_default_model
+    from edgeinfer.backend.model.llama import load_model
 
     torch.set_num_threads(args.threads)
     path = ensure_default_model() if args.model == "fp32" else Path(args.model)

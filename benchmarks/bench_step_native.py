@@ -37,12 +37,12 @@ def main() -> int:
 
     import torch
 
-    import kernels.cpu as kc
-    from backend.engine.engine import in_fresh_thread
-    from backend.model import linear
+    import edgeinfer.kernels.cpu as kc
     from benchmarks import bench_step
     from benchmarks.peer_engine import served_engine
-    from protocol.wire import GenerateRequest, SamplingParams
+    from edgeinfer.backend.engine.engine import in_fresh_thread
+    from edgeinfer.backend.model import linear
+    from edgeinfer.protocol.wire import GenerateRequest, SamplingParams
 
     torch.set_num_threads(a.threads)
     bench_step.time = types.SimpleNamespace(process_time=time.perf_counter)   # the timers in wall time

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from backend.engine.config import EngineConfig
-from backend.engine.engine import LLMEngine, load_engine
-from backend.engine.grammar import GrammarCompiler, apply_masks
-from backend.model.gguf_import import ensure_default_model
-from protocol.wire import Constraint, GenerateRequest, SamplingParams
+from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.engine import LLMEngine, load_engine
+from edgeinfer.backend.engine.grammar import GrammarCompiler, apply_masks
+from edgeinfer.backend.model.gguf_import import ensure_default_model
+from edgeinfer.protocol.wire import Constraint, GenerateRequest, SamplingParams
 
 OUT = Path(__file__).parent / "results" / "bench_structured.json"
 

@@ -49,7 +49,7 @@ async def _first_token(eng, req) -> float:
 
 
 async def _run(eng, args) -> dict:
-    from protocol.wire import TenantSpec
+    from edgeinfer.protocol.wire import TenantSpec
 
     a, b = TenantSpec("a"), TenantSpec("b")
     rng = random.Random(0)
@@ -97,9 +97,9 @@ def main() -> int:
     args = p.parse_args()
     if args.requests > 128 or args.probes > 20 or args.probe_every > 30:
         p.error("bounded: at most 128 requests, 20 probes, 30 s between probes")
-    from backend.engine.config import EngineConfig
-    from backend.engine.engine import load_engine
-    from backend.model.gguf_import import ensure_default_model
+    from edgeinfer.backend.engine.config import EngineConfig
+    from edgeinfer.backend.engine.engine import load_engine
+    from edgeinfer.backend.model.gguf_import import ensure_default_model
 
     load0 = os.getloadavg()
     t0 = time.monotonic()

@@ -36,7 +36,7 @@ def _children(pid: int) -> list[int]:
 
 def measure(root: str, tokenizer: str) -> tuple[int, int]:
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "ops.cli", "gateway", "--port", str(port), "--model", f"m={tokenizer}"],
+    proc = subprocess.Popen([sys.executable, "-m", "edgeinfer.ops.cli", "gateway", "--port", str(port), "--model", f"m={tokenizer}"],
                             cwd=root, env={**os.environ, "PYTHONPATH": root}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:

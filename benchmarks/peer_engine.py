@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def served_engine():
-    from backend.server import build_state, parse_args
+    from edgeinfer.backend.server import build_state, parse_args
 
     args = parse_args(["--store-tier", "none", "--log-level", "WARNING", "--insecure-no-internal-auth"])  # in-process: no HTTP
     return build_state(args).engine, args
@@ -59,11 +59,11 @@ def engine_numbers(eng, a) -> dict:
 def perplexity(served_model, kv_dtype: str, chunks: int, chunk_len: int) -> dict:
     import torch
 
-    from backend.model.gguf_import import default_gguf_path, ensure_default_model
-    from backend.model.llama import load_model
-    from backend.quant.calib import eval_text, token_chunks
     from benchmarks.bench_quality import evaluate
-    from protocol.tokenizer import Tokenizer
+    from edgeinfer.backend.model.gguf_import import default_gguf_path, ensure_default_model
+    from edgeinfer.backend.model.llama import load_model
+    from edgeinfer.backend.quant.calib import eval_text, token_chunks
+    from edgeinfer.protocol.tokenizer import Tokenizer
 
     ref_dir = ensure_default_model()
     text, name = eval_text()

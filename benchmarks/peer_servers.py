@@ -193,11 +193,11 @@ def edgeinfer_spec(threads: int) -> ServerSpec:
     """What `edgeinfer serve` serves by default (gateway + one backend, built-in config and demo key)."""
     import sys
 
-    from gateway.config import DEMO_API_KEY
+    from edgeinfer.gateway.config import DEMO_API_KEY
 
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
-    return ServerSpec("edgeinfer", [sys.executable, "-m", "ops.cli", "serve", "--port", str(port)], env, port,
+    return ServerSpec("edgeinfer", [sys.executable, "-m", "edgeinfer.ops.cli", "serve", "--port", str(port)], env, port,
                       "/ready", DEMO_API_KEY, {"command": "edgeinfer serve (defaults)"})
 
 

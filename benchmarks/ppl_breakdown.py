@@ -35,7 +35,7 @@ Q4_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 def exact_q4_forward(self, x):
     """W4A16Linear.forward's dense branch: fp32 x @ (exactly dequantized Q4_1 weight).T."""
-    import kernels.cpu as cpu_kernels
+    import edgeinfer.kernels.cpu as cpu_kernels
 
     n, k = self._shape
     x2 = x.reshape(-1, k).float()
@@ -49,9 +49,9 @@ SERVED_HEAD_CHANNELS: dict = {}   # the served head's exact channels (Q8Linear.k
 def set_variant(model, q4: set[str], head: str, step_ops_ref: bool) -> None:
     """head: "served" (as built: int8 activations but the exact channels) | "plain" (int8 activations, no
     exact channels: the head before docs/notes/ppl.md) | "fp32" (exactly dequantized rows, fp32 GEMM)."""
-    import backend.model.linear as linear
-    import kernels.cpu.attn as cpu_attn
-    from kernels.cpu import attn_reference
+    import edgeinfer.backend.model.linear as linear
+    import edgeinfer.kernels.cpu.attn as cpu_attn
+    from edgeinfer.kernels.cpu import attn_reference
 
     for name, m in model.named_modules():
         if isinstance(m, linear.W4A16Linear):
@@ -73,9 +73,9 @@ def decode_logits(model, chunks: list[list[int]], kv_dtype: str, page: int = 16)
     of steps 0..L-2 as [B * (L-1), vocab] in chunk order (chunk 0's rows first), as evaluate() orders them."""
     import torch
 
-    from backend.engine.config import EngineConfig
-    from backend.engine.model_runner import ModelRunner
-    from backend.model.llama import AttentionMetadata
+    from edgeinfer.backend.engine.config import EngineConfig
+    from edgeinfer.backend.engine.model_runner import ModelRunner
+    from edgeinfer.backend.model.llama import AttentionMetadata
 
     b, n = len(chunks), len(chunks[0])
     pages_per = (n + page - 1) // page
@@ -130,11 +130,11 @@ VARIANTS = {   # name -> (q4 layers exact, head, step ops reference)
 def main() -> int:
     import torch
 
-    from backend.model.gguf_import import ensure_default_model
-    from backend.model.llama import load_model
-    from backend.quant.calib import eval_text, paged_prefill, token_chunks
     from benchmarks.peer_engine import served_engine
-    from protocol.tokenizer import Tokenizer
+    from edgeinfer.backend.model.gguf_import import ensure_default_model
+    from edgeinfer.backend.model.llama import load_model
+    from edgeinfer.backend.quant.calib import eval_text, paged_prefill, token_chunks
+    from edgeinfer.protocol.tokenizer import Tokenizer
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--chunks", type=int, default=4)

@@ -39,8 +39,8 @@ import msgspec
 import numpy as np
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from protocol.defaults import PAGE_SIZE
-from protocol.page_id import HASH_BYTES
+from edgeinfer.protocol.defaults import PAGE_SIZE
+from edgeinfer.protocol.page_id import HASH_BYTES
 
 MAGIC = b"EIKV"
 FORMAT_VERSION = 2

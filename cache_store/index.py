@@ -18,9 +18,9 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
-from cache_store.keys import KeySpace
-from cache_store.resilience import RedisGuard
-from cache_store.store import PageStore
+from edgeinfer.cache_store.keys import KeySpace
+from edgeinfer.cache_store.resilience import RedisGuard
+from edgeinfer.cache_store.store import PageStore
 
 
 class PageIndex(abc.ABC):

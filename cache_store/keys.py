@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protocol.defaults import KEY_PREFIX
+from edgeinfer.protocol.defaults import KEY_PREFIX
 
 _FORBIDDEN = set("{}")
 

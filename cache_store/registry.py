@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
-from cache_store.keys import KeySpace
-from cache_store.resilience import RedisGuard
+from edgeinfer.cache_store.keys import KeySpace
+from edgeinfer.cache_store.resilience import RedisGuard
 
 if TYPE_CHECKING:
-    from cache_store.node_auth import NodeRecordKey
+    from edgeinfer.cache_store.node_auth import NodeRecordKey
 
 log = logging.getLogger(__name__)
 NodeState = Literal["active", "draining"]

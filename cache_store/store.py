@@ -15,8 +15,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cache_store.keys import KeySpace
-from cache_store.resilience import RedisGuard
+from edgeinfer.cache_store.keys import KeySpace
+from edgeinfer.cache_store.resilience import RedisGuard
 
 
 class PageStore(abc.ABC):

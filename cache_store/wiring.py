@@ -7,13 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from cache_store.index import RedisPageIndex
-from cache_store.keys import KeySpace
-from cache_store.node_auth import NodeRecordKey
-from cache_store.registry import RedisNodeRegistry
-from cache_store.resilience import RedisGuard, redis_client
-from cache_store.store import RedisPageStore
-from protocol.defaults import KEY_PREFIX
+from edgeinfer.cache_store.index import RedisPageIndex
+from edgeinfer.cache_store.keys import KeySpace
+from edgeinfer.cache_store.node_auth import NodeRecordKey
+from edgeinfer.cache_store.registry import RedisNodeRegistry
+from edgeinfer.cache_store.resilience import RedisGuard, redis_client
+from edgeinfer.cache_store.store import RedisPageStore
+from edgeinfer.protocol.defaults import KEY_PREFIX
 
 
 @dataclass(frozen=True)

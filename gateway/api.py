@@ -12,11 +12,11 @@ import msgspec
 from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError
 
-from gateway.admission import Lease
-from gateway.config import TenantConfig
-from gateway.errors import APIError, bad_value, from_validation_error
-from gateway.generation import Run, Target, merged, more_ready, runs_open
-from gateway.schemas import (
+from edgeinfer.gateway.admission import Lease
+from edgeinfer.gateway.config import TenantConfig
+from edgeinfer.gateway.errors import APIError, bad_value, from_validation_error
+from edgeinfer.gateway.generation import Run, Target, merged, more_ready, runs_open
+from edgeinfer.gateway.schemas import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -36,12 +36,12 @@ from gateway.schemas import (
     encode,
     message_dicts,
 )
-from gateway.served_model import ServedModel
-from gateway.state import STATE, GatewayState
-from gateway.structured import constraint_for
-from gateway.tools import ToolPlan, ToolStream, plan_tools, render_messages, split_output
-from gateway.upstream import UpstreamBroken
-from protocol.wire import Constraint, SamplingParams, StreamChunk
+from edgeinfer.gateway.served_model import ServedModel
+from edgeinfer.gateway.state import STATE, GatewayState
+from edgeinfer.gateway.structured import constraint_for
+from edgeinfer.gateway.tools import ToolPlan, ToolStream, plan_tools, render_messages, split_output
+from edgeinfer.gateway.upstream import UpstreamBroken
+from edgeinfer.protocol.wire import Constraint, SamplingParams, StreamChunk
 
 _SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache", "x-accel-buffering": "no"}
 _DONE = b"data: [DONE]\n\n"

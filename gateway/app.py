@@ -11,12 +11,12 @@ import aiohttp
 import msgspec
 from aiohttp import web, web_protocol, web_server
 
-from gateway import api
-from gateway.config import ConfigError, GatewayConfig
-from gateway.errors import APIError
-from gateway.openapi import openapi_document
-from gateway.state import STATE, GatewayState, build_state
-from gateway.tokenpool import TokenizerPool
+from edgeinfer.gateway import api
+from edgeinfer.gateway.config import ConfigError, GatewayConfig
+from edgeinfer.gateway.errors import APIError
+from edgeinfer.gateway.openapi import openapi_document
+from edgeinfer.gateway.state import STATE, GatewayState, build_state
+from edgeinfer.gateway.tokenpool import TokenizerPool
 
 log = logging.getLogger("edgeinfer.gateway")
 access_log = logging.getLogger("edgeinfer.gateway.access")
@@ -230,7 +230,7 @@ async def _on_shutdown(app: web.Application) -> None:
 def create_app(cfg: GatewayConfig, *, state: GatewayState | None = None, **overrides) -> web.Application:
     if state is None:
         if cfg.server.redis_url and "redis_client" not in overrides:
-            from cache_store.wiring import wire_redis
+            from edgeinfer.cache_store.wiring import wire_redis
 
             redis = wire_redis(cfg.server.redis_url, cfg.server.key_prefix, socket_timeout_s=None)  # admission: its own timeout
             overrides.setdefault("registry", redis.registry())

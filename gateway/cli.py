@@ -2,8 +2,8 @@
 
   edgeinfer gateway [--config FILE] [--host H] [--port P] [--backend URL ...] [--model NAME=TOKENIZER_DIR]
   edgeinfer gateway hash-key KEY        print the sha256 to put in a tenant's api_key_sha256
-  edgeinfer serve [--port P] [--model DIR] [--config FILE]
-                                        gateway + one local backend + the default model, single node
+
+(`edgeinfer serve`, the gateway with a local backend and valkey, is ops/serve.py: it runs serve_gateway.)
 """
 
 from __future__ import annotations
@@ -12,25 +12,22 @@ import argparse
 import asyncio
 import logging
 import os
-import secrets
 import signal
 import socket
-import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import msgspec
 
-from gateway import config as config_mod
-from gateway.config import GatewayConfig, ModelConfig, NodeConfig
+from edgeinfer.gateway import config as config_mod
+from edgeinfer.gateway.config import GatewayConfig, ModelConfig, NodeConfig
 
 log = logging.getLogger("edgeinfer.gateway")
 
 
-def _setup_logging() -> None:
+def setup_logging() -> None:
     logging.basicConfig(level=os.environ.get("EDGEINFER_LOG_LEVEL", "INFO"), format="%(message)s",
                         stream=sys.stderr)
 
@@ -38,8 +35,8 @@ def _setup_logging() -> None:
 async def serve_gateway(cfg: GatewayConfig, ready_line: str | None = None) -> None:
     from aiohttp import web
 
-    from gateway.app import GatewayRunner, create_app
-    from gateway.state import STATE
+    from edgeinfer.gateway.app import GatewayRunner, create_app
+    from edgeinfer.gateway.state import STATE
 
     app = create_app(cfg)
     s = cfg.server
@@ -80,7 +77,7 @@ def _settle_gc() -> None:
     gc.set_threshold(20_000, 20, 20)
 
 
-def _run(coro) -> None:
+def run_loop(coro) -> None:
     try:
         import uvloop
 
@@ -89,7 +86,7 @@ def _run(coro) -> None:
         asyncio.run(coro)
 
 
-def _load(path: str | None) -> GatewayConfig:
+def load_config(path: str | None) -> GatewayConfig:
     return config_mod.load(path or config_mod.DEFAULT_CONFIG)
 
 
@@ -108,17 +105,17 @@ def _gateway(argv: list[str]) -> int:
     p.add_argument("--model", action="append", default=[], help="NAME=TOKENIZER_DIR (repeatable)")
     args = p.parse_args(argv)
     try:
-        cfg = _load(args.config)
-        cfg = _override(cfg, args.host, args.port, args.model, args.backend)
+        cfg = load_config(args.config)
+        cfg = override(cfg, args.host, args.port, args.model, args.backend)
     except config_mod.ConfigError as e:
         print(f"edgeinfer gateway: error: {e}", file=sys.stderr)
         return 2
-    _setup_logging()
-    _run(serve_gateway(cfg))
+    setup_logging()
+    run_loop(serve_gateway(cfg))
     return 0
 
 
-def _override(cfg: GatewayConfig, host: str | None, port: int | None, models: list[str],
+def override(cfg: GatewayConfig, host: str | None, port: int | None, models: list[str],
               backends: list[str]) -> GatewayConfig:
     server = msgspec.structs.replace(cfg.server, **{k: v for k, v in (("host", host), ("port", port)) if v})
     extra = []
@@ -130,7 +127,7 @@ def _override(cfg: GatewayConfig, host: str | None, port: int | None, models: li
     all_models = [*cfg.models, *extra]
     nodes = list(cfg.nodes)
     for i, url in enumerate(backends):
-        info = _backend_info(url, timeout_s=10, headers=cfg.internal_auth)
+        info = backend_info(url, timeout_s=10, headers=cfg.internal_auth)
         if info["model"] not in {m.name for m in all_models}:
             raise config_mod.ConfigError(f"backend {url} serves {info['model']!r}: add --model "
                                          f"{info['model']}=TOKENIZER_DIR")
@@ -139,7 +136,7 @@ def _override(cfg: GatewayConfig, host: str | None, port: int | None, models: li
     return config_mod.parse(data, cfg.source)
 
 
-def _backend_info(url: str, timeout_s: float, headers: dict[str, str]) -> dict:
+def backend_info(url: str, timeout_s: float, headers: dict[str, str]) -> dict:
     deadline = time.monotonic() + timeout_s
     req = urllib.request.Request(url.rstrip("/") + "/internal/info", headers=headers)
     while True:
@@ -156,89 +153,11 @@ def _backend_info(url: str, timeout_s: float, headers: dict[str, str]) -> dict:
             time.sleep(0.5)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _wait_ready(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"backend exited with code {proc.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(url + "/ready", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"backend at {url} not ready after {timeout_s:.0f}s")
-
-
-def _serve(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="edgeinfer serve")
-    p.add_argument("--config", help="gateway TOML (default: built-in, with the demo tenant)")
-    p.add_argument("--host", default=None)
-    p.add_argument("--port", type=int, default=None)
-    p.add_argument("--model", help="checkpoint directory (default: SmolLM2-135M-Instruct, imported on first use)")
-    p.add_argument("--backend-port", type=int, default=0)
-    p.add_argument("--backend-arg", action="append", default=[], help="extra flag for backend.server (repeatable)")
-    p.add_argument("--ready-timeout", type=float, default=600.0)
-    args = p.parse_args(argv)
-    _setup_logging()
-    try:
-        cfg = _load(args.config)
-    except config_mod.ConfigError as e:
-        print(f"edgeinfer serve: error: {e}", file=sys.stderr)
-        return 2
-    if args.model:
-        model_dir = Path(args.model)
-    else:
-        from backend.model.gguf_import import ensure_native_default_model
-
-        print("edgeinfer serve: preparing the default model (first run imports the GGUF, INT4 kept)", flush=True)
-        model_dir = ensure_native_default_model()
-    port = args.backend_port or _free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "backend.server", "--model", str(model_dir), "--host", "127.0.0.1",
-           "--port", str(port), "--node-id", "local-0", *args.backend_arg]
-    env = dict(os.environ)
-    if not env.get(cfg.server.page_seed_env):  # a fresh secret shared by this machine's gateway and backend
-        env[cfg.server.page_seed_env] = os.urandom(16).hex()
-        os.environ[cfg.server.page_seed_env] = env[cfg.server.page_seed_env]
-    secret_env = cfg.server.internal_secret_env
-    if not env.get(secret_env):   # the backend reads only the env var; a fresh one unless the config has one
-        env[secret_env] = cfg.server.internal_secret or secrets.token_hex(32)
-        os.environ[secret_env] = env[secret_env]
-    print(f"edgeinfer serve: starting backend: {' '.join(cmd)}", flush=True)
-    proc = subprocess.Popen(cmd, env=env)
-    try:
-        _wait_ready(proc, url, args.ready_timeout)
-        info = _backend_info(url, timeout_s=10, headers=cfg.internal_auth)
-        cfg = _override(cfg, args.host, args.port, [f"{info['model']}={model_dir}"], [])
-        cfg = config_mod.parse({**msgspec.to_builtins(cfg),
-                                "nodes": [{"id": info.get("node_id") or "local-0", "url": url,
-                                           "model": info["model"]}]}, cfg.source)
-        s = cfg.server
-        _run(serve_gateway(cfg, ready_line=f"edgeinfer serve: ready: http://{s.host}:{s.port}/v1 "
-                                            f"model={info['model']} (demo key: {config_mod.DEMO_API_KEY})"))
-    except (RuntimeError, config_mod.ConfigError) as e:
-        print(f"edgeinfer serve: error: {e}", file=sys.stderr)
-        return 1
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-    return 0
-
-
 def run(cmd: str, argv: list[str]) -> int:
-    if cmd == "serve":
-        return _serve(argv)
     return _gateway(argv)

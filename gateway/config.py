@@ -13,8 +13,8 @@ from pathlib import Path
 
 import msgspec
 
-from protocol.defaults import CACHE_SEED, CACHE_SEED_ENV, KEY_PREFIX
-from protocol.wire import TenantSpec
+from edgeinfer.protocol.defaults import CACHE_SEED, CACHE_SEED_ENV, KEY_PREFIX
+from edgeinfer.protocol.wire import TenantSpec
 
 DEFAULT_CONFIG = Path(__file__).with_name("default_config.toml")
 DEMO_API_KEY = "sk-edgeinfer-demo"

@@ -14,11 +14,11 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-from gateway.errors import APIError
-from gateway.nodes import Node
-from gateway.routing import Choice
-from gateway.upstream import BackendRejected, Overloaded, Retryable, UpstreamBroken, UpstreamStream
-from protocol.wire import Constraint, GenerateRequest, SamplingParams, StreamChunk, TenantSpec
+from edgeinfer.gateway.errors import APIError
+from edgeinfer.gateway.nodes import Node
+from edgeinfer.gateway.routing import Choice
+from edgeinfer.gateway.upstream import BackendRejected, Overloaded, Retryable, UpstreamBroken, UpstreamStream
+from edgeinfer.protocol.wire import Constraint, GenerateRequest, SamplingParams, StreamChunk, TenantSpec
 
 
 @dataclass

@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING
 import aiohttp
 import msgspec
 
-from cache_store.node_auth import NodeRecordKey
-from cache_store.registry import NodeRecord
-from protocol.wire import BackendInfo, info_decoder
+from edgeinfer.cache_store.node_auth import NodeRecordKey
+from edgeinfer.cache_store.registry import NodeRecord
+from edgeinfer.protocol.wire import BackendInfo, info_decoder
 
 if TYPE_CHECKING:
     from prometheus_client import Counter

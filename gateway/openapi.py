@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
-from gateway import schemas
-from gateway.errors import ErrorBody
+from edgeinfer.gateway import schemas
+from edgeinfer.gateway.errors import ErrorBody
 
 _STRUCTS = (schemas.ChatCompletionRequest, schemas.CompletionRequest, schemas.ChatCompletion,
             schemas.ChatCompletionChunk, schemas.Completion, schemas.ModelList, ErrorBody)

@@ -18,8 +18,8 @@ from typing import NamedTuple, Protocol
 
 import xxhash
 
-from gateway.nodes import Node
-from protocol.page_id import PageKeyContext, page_hashes
+from edgeinfer.gateway.nodes import Node
+from edgeinfer.protocol.page_id import PageKeyContext, page_hashes
 
 
 class PrefixIndex(Protocol):

@@ -10,8 +10,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from gateway.errors import bad_value
-from gateway.tools import ToolCall, ToolCallDelta
+from edgeinfer.gateway.errors import bad_value
+from edgeinfer.gateway.tools import ToolCall, ToolCallDelta
 
 Role = Literal["system", "user", "assistant", "tool", "developer"]
 

@@ -8,19 +8,19 @@ from concurrent.futures.process import BrokenProcessPool
 from functools import lru_cache
 from pathlib import Path
 
-from gateway.errors import APIError
-from gateway.schemas import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
-from gateway.segment_cache import SegmentEncoder
-from gateway.tokenpool import TokenizerPool, WorkerFailed
-from protocol.tokenizer import Tokenizer, TokenizerError
-from protocol.wire import TokenLogprob
+from edgeinfer.gateway.errors import APIError
+from edgeinfer.gateway.schemas import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from edgeinfer.gateway.segment_cache import SegmentEncoder
+from edgeinfer.gateway.tokenpool import TokenizerPool, WorkerFailed
+from edgeinfer.protocol.tokenizer import Tokenizer, TokenizerError
+from edgeinfer.protocol.wire import TokenLogprob
 
 _OFFLOAD_CHARS = 8192  # longer prompts are tokenized off the event loop: in `pool`, else in a thread
 
 
 def resolve_tokenizer_dir(spec: str) -> Path:
     if spec == "default":
-        from backend.model.gguf_import import ensure_native_default_model
+        from edgeinfer.backend.model.gguf_import import ensure_native_default_model
 
         return ensure_native_default_model()   # the served default; its tokenizer files are the GGUF's
     return Path(spec)

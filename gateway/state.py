@@ -13,18 +13,18 @@ from typing import TYPE_CHECKING
 import aiohttp
 from aiohttp import web
 
-from cache_store.index import InMemoryPageIndex
-from cache_store.node_auth import NodeRecordKey
-from gateway import config as config_mod
-from gateway.admission import Admission, RedisAdmission
-from gateway.config import GatewayConfig, TenantConfig
-from gateway.errors import APIError
-from gateway.metrics import Metrics
-from gateway.nodes import Node, NodePool
-from gateway.routing import PrefixIndex, Router
-from gateway.served_model import ServedModel
-from gateway.tenants import TenantTable
-from gateway.upstream import Upstream
+from edgeinfer.cache_store.index import InMemoryPageIndex
+from edgeinfer.cache_store.node_auth import NodeRecordKey
+from edgeinfer.gateway import config as config_mod
+from edgeinfer.gateway.admission import Admission, RedisAdmission
+from edgeinfer.gateway.config import GatewayConfig, TenantConfig
+from edgeinfer.gateway.errors import APIError
+from edgeinfer.gateway.metrics import Metrics
+from edgeinfer.gateway.nodes import Node, NodePool
+from edgeinfer.gateway.routing import PrefixIndex, Router
+from edgeinfer.gateway.served_model import ServedModel
+from edgeinfer.gateway.tenants import TenantTable
+from edgeinfer.gateway.upstream import Upstream
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gateway.errors import APIError
-from protocol.wire import Constraint
+from edgeinfer.gateway.errors import APIError
+from edgeinfer.protocol.wire import Constraint
 
 ANY_OBJECT = Constraint("json_schema", '{"type":"object"}')
 _PARAM = "response_format"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-from gateway.config import TenantConfig
-from gateway.errors import APIError
+from edgeinfer.gateway.config import TenantConfig
+from edgeinfer.gateway.errors import APIError
 
 
 class TenantTable:

@@ -32,8 +32,8 @@ class WorkerFailed(Exception):
 
 
 def _init(sources: dict[str, str]) -> None:
-    from gateway.served_model import ServedModel
-    from protocol.tokenizer import Tokenizer
+    from edgeinfer.gateway.served_model import ServedModel
+    from edgeinfer.protocol.tokenizer import Tokenizer
 
     try:
         os.nice(_NICE)
@@ -44,7 +44,7 @@ def _init(sources: dict[str, str]) -> None:
 
 
 def _encode(name: str, kind: str, payload) -> bytes | WorkerFailed:
-    from protocol.tokenizer import TokenizerError
+    from edgeinfer.protocol.tokenizer import TokenizerError
 
     model = _models[name]
     try:

@@ -19,8 +19,8 @@ from typing import Any
 
 import msgspec
 
-from gateway.errors import APIError
-from protocol.wire import Constraint
+from edgeinfer.gateway.errors import APIError
+from edgeinfer.protocol.wire import Constraint
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _SYSTEM = ("You are a function calling AI model. You may call one or more functions to assist with the user "
@@ -95,7 +95,7 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, 
                                                     f"letters, digits, '_' or '-'")
         params = f.get("parameters")
         if params is not None:
-            from gateway.structured import _check_schema
+            from edgeinfer.gateway.structured import _check_schema
 
             _check_schema(params, f"tools[{i}].function.parameters")
         functions.append({k: f[k] for k in ("name", "description", "parameters") if k in f})

@@ -18,9 +18,9 @@ import logging
 
 import msgspec
 
-from gateway.http1 import HTTPProtocolError, Pool, Response
-from gateway.nodes import Node
-from protocol.wire import AbortRequest, GenerateRequest, StreamChunk, chunk_decoder
+from edgeinfer.gateway.http1 import HTTPProtocolError, Pool, Response
+from edgeinfer.gateway.nodes import Node
+from edgeinfer.protocol.wire import AbortRequest, GenerateRequest, StreamChunk, chunk_decoder
 
 log = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode

@@ -26,7 +26,7 @@ Layouts (shape comments are the contract):
                     w = (q - zeros) * scales; zeros=None -> symmetric (q - 8)
 """
 
-from kernels.dispatch import (  # noqa: F401
+from edgeinfer.kernels.dispatch import (  # noqa: F401
     kv_store,
     paged_decode_attention,
     paged_prefill_attention,

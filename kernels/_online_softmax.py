@@ -8,7 +8,7 @@ the keys a query row may see; `mask_t` [BLOCK_N] the keys that exist.
 
 from __future__ import annotations
 
-from kernels._triton import jit, tl
+from edgeinfer.kernels._triton import jit, tl
 
 
 @jit

@@ -13,11 +13,11 @@ import warnings
 
 import torch
 
-from kernels import _triton
-from kernels import kv_store as _kv
-from kernels import paged_decode_attention as _decode
-from kernels import paged_prefill_attention as _prefill
-from kernels import w4a16_gemm as _gemm
+from edgeinfer.kernels import _triton
+from edgeinfer.kernels import kv_store as _kv
+from edgeinfer.kernels import paged_decode_attention as _decode
+from edgeinfer.kernels import paged_prefill_attention as _prefill
+from edgeinfer.kernels import w4a16_gemm as _gemm
 
 MODES = ("auto", "reference", "triton")
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._memo import LastCall
-from kernels._triton import check, check_fp8_scale, check_tensor, jit, next_pow2, require_triton, tl
+from edgeinfer.kernels._memo import LastCall
+from edgeinfer.kernels._triton import check, check_fp8_scale, check_tensor, jit, next_pow2, require_triton, tl
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels._memo import LastCall
-from kernels._online_softmax import online_softmax_tile
-from kernels._triton import (
+from edgeinfer.kernels._memo import LastCall
+from edgeinfer.kernels._online_softmax import online_softmax_tile
+from edgeinfer.kernels._triton import (
     cdiv,
     check,
     check_fp8_scale,

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels._online_softmax import online_softmax_tile
-from kernels._triton import cdiv, check, check_tensor, jit, next_pow2, tl, upcast_dot
-from kernels.paged_decode_attention import (
+from edgeinfer.kernels._online_softmax import online_softmax_tile
+from edgeinfer.kernels._triton import cdiv, check, check_tensor, jit, next_pow2, tl, upcast_dot
+from edgeinfer.kernels.paged_decode_attention import (
     FP8,
     LOG2E,
     _compute_dtype,

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels._triton import cdiv, check, check_tensor, jit, require_triton, tl, upcast_dot
+from edgeinfer.kernels._triton import cdiv, check, check_tensor, jit, require_triton, tl, upcast_dot
 
 ACT_DTYPES = (torch.float16, torch.bfloat16)
 

@@ -4,7 +4,7 @@
   edgeinfer model quantize SRC DST ...     (backend.cli)
   edgeinfer backend ...                    (backend.cli)
   edgeinfer gateway --config ...           (gateway.cli)
-  edgeinfer serve                          (gateway.cli: gateway + one backend + default model)
+  edgeinfer serve                          (ops.serve: valkey + one backend + the gateway, default model)
   edgeinfer ops ...                        (ops.commands)
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-_OWNERS = {"model": "backend.cli", "backend": "backend.cli", "gateway": "gateway.cli", "serve": "gateway.cli",
-           "ops": "ops.commands"}
+_OWNERS = {"model": "edgeinfer.backend.cli", "backend": "edgeinfer.backend.cli", "gateway": "edgeinfer.gateway.cli",
+           "serve": "edgeinfer.ops.serve", "ops": "edgeinfer.ops.commands"}
 
 
 def main(argv: list[str] | None = None) -> int:

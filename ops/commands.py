@@ -24,9 +24,10 @@ import time
 
 import msgspec
 
-from ops.node_client import CANARY_PROMPT_IDS, NodeClient, NodeError
-from ops.rollout import Rollout, RolloutOptions, Target
-from protocol.defaults import KEY_PREFIX
+from edgeinfer.ops.local_state import running_redis_url
+from edgeinfer.ops.node_client import CANARY_PROMPT_IDS, NodeClient, NodeError
+from edgeinfer.ops.rollout import Rollout, RolloutOptions, Target
+from edgeinfer.protocol.defaults import KEY_PREFIX
 
 
 class OpsError(Exception):
@@ -34,8 +35,9 @@ class OpsError(Exception):
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--redis-url", default=os.environ.get("EDGEINFER_REDIS_URL"),
-                   help="the node registry (default: $EDGEINFER_REDIS_URL)")
+    p.add_argument("--redis-url", default=os.environ.get("EDGEINFER_REDIS_URL") or running_redis_url(),
+                   help="the node registry (default: $EDGEINFER_REDIS_URL, else the embedded valkey of an "
+                        "`edgeinfer serve` running on this machine)")
     p.add_argument("--redis-key-prefix", default=os.environ.get("EDGEINFER_REDIS_KEY_PREFIX", KEY_PREFIX))
     p.add_argument("--operator-key", default=os.environ.get("EDGEINFER_OPERATOR_KEY"),
                    help="admin key of the backends (default: $EDGEINFER_OPERATOR_KEY)")
@@ -74,11 +76,19 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _shown(url: str) -> str:
+    """The URL without its password (redis://:secret@host -> redis://***@host)."""
+    scheme, sep, rest = url.partition("://")
+    creds, at, host = rest.rpartition("@")
+    return f"{scheme}{sep}***@{host}" if at and creds else url
+
+
 def list_nodes(args: argparse.Namespace, model: str | None = None) -> list:
     """Registry records (cache_store.registry.NodeRecord), sorted by node id; OpsError if unreachable."""
     if not args.redis_url:
-        raise OpsError("no registry: pass --redis-url or set EDGEINFER_REDIS_URL")
-    from cache_store.wiring import wire_redis
+        raise OpsError("no registry: pass --redis-url or set EDGEINFER_REDIS_URL (or start `edgeinfer serve` "
+                       "on this machine: its embedded valkey is found by itself)")
+    from edgeinfer.cache_store.wiring import wire_redis
 
     async def go() -> list:
         redis = wire_redis(args.redis_url, args.redis_key_prefix, socket_timeout_s=2.0, guard_timeout_s=2.0)
@@ -87,9 +97,9 @@ def list_nodes(args: argparse.Namespace, model: str | None = None) -> list:
             try:
                 await client.ping()
             except (OSError, ConnectionError, TimeoutError) as e:
-                raise OpsError(f"registry {args.redis_url} unreachable: {e}") from e
+                raise OpsError(f"registry {_shown(args.redis_url)} unreachable: {e}") from e
             except Exception as e:  # redis.exceptions.ConnectionError is not an OSError
-                raise OpsError(f"registry {args.redis_url} unreachable: {type(e).__name__}: {e}") from e
+                raise OpsError(f"registry {_shown(args.redis_url)} unreachable: {type(e).__name__}: {e}") from e
             return await redis.registry().list_nodes(model)
         finally:
             await client.aclose()
@@ -101,7 +111,7 @@ def _believed(records: list) -> list:
     secret = os.environ.get("EDGEINFER_INTERNAL_SECRET", "").strip()
     if not secret:
         return records
-    from cache_store.node_auth import NodeRecordKey
+    from edgeinfer.cache_store.node_auth import NodeRecordKey
 
     key, kept = NodeRecordKey(secret), []
     for r in records:

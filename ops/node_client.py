@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from protocol.wire import GenerateRequest, SamplingParams, chunk_decoder
+from edgeinfer.protocol.wire import GenerateRequest, SamplingParams, chunk_decoder
 
 CANARY_PROMPT_IDS = (28, 29, 30, 31, 32, 33, 34, 35)   # plain ASCII-range ids: valid in any real vocabulary
 

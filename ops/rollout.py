@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from ops.node_client import CANARY_PROMPT_IDS, NodeClient, NodeError, host_of, port_of
+from edgeinfer.ops.node_client import CANARY_PROMPT_IDS, NodeClient, NodeError, host_of, port_of
 
 PLACEHOLDERS = ("node_id", "url", "host", "port", "model", "version", "old_version")
 

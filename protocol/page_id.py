@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from protocol.defaults import PAGE_SIZE
+from edgeinfer.protocol.defaults import PAGE_SIZE
 
 HASH_BYTES = 16
 

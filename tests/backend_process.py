@@ -24,7 +24,7 @@ class BackendProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "backend.server", "--model", str(model_dir), "--port", str(self.port),
+        cmd = [sys.executable, "-m", "edgeinfer.backend.server", "--model", str(model_dir), "--port", str(self.port),
                "--node-id", node_id, "--log-level", "WARNING", *args]
         self._log = open(log_path, "wb") if log_path is not None else None
         self.proc = subprocess.Popen(cmd, env={**os.environ, "EDGEINFER_CACHE_SEED": seed,

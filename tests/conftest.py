@@ -19,7 +19,7 @@ hide_hub_kernels()
 
 @pytest.fixture(scope="session")
 def smol_dir():
-    from backend.model.gguf_import import ensure_default_model
+    from edgeinfer.backend.model.gguf_import import ensure_default_model
 
     return ensure_default_model()
 
@@ -31,14 +31,14 @@ def smol_device() -> str:
 
 @pytest.fixture(scope="session")
 def smol_model(smol_dir):
-    from backend.model.llama import load_model
+    from edgeinfer.backend.model.llama import load_model
 
     return load_model(smol_dir, device=smol_device())
 
 
 @pytest.fixture(scope="session")
 def smol_tokenizer(smol_dir):
-    from protocol.tokenizer import Tokenizer
+    from edgeinfer.protocol.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(smol_dir)
 

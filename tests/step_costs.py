@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from backend.engine.step_cost import StepCost
+from edgeinfer.backend.engine.step_cost import StepCost
 
 CPU = (0.020, 0.001, 0.001)        # a, per decode, per prefill token (seconds): a token costs about a decode
 PREFILLS = (0, 5, 20, 40, 100, 300, 500)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 
-from backend.engine.step_cost import StepCost
+from edgeinfer.backend.engine.step_cost import StepCost
 
 
 class Backlog:

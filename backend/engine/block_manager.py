@@ -13,8 +13,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import NamedTuple
 
-from backend.engine.block_table import BlockTables
-from backend.engine.sequence import Sequence
+from edgeinfer.backend.engine.block_table import BlockTables
+from edgeinfer.backend.engine.sequence import Sequence
 
 
 class CachedPage(NamedTuple):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from backend.engine.sequence import Sequence
+from edgeinfer.backend.engine.sequence import Sequence
 
 
 class BlockTables:

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.engine.kv_pool import KVFormat
-from protocol.defaults import CACHE_SEED, PAGE_SIZE
+from edgeinfer.backend.engine.kv_pool import KVFormat
+from edgeinfer.protocol.defaults import CACHE_SEED, PAGE_SIZE
 
 
 @dataclass(frozen=True)

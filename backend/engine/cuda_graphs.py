@@ -26,7 +26,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from backend.model.llama import AttentionMetadata, LayerKV, LlamaModel
+from edgeinfer.backend.model.llama import AttentionMetadata, LayerKV, LlamaModel
 
 GRAPHS_ENV = "EDGEINFER_CUDA_GRAPHS"
 PAD_SLOT = -1          # kv_store skips the row
@@ -194,7 +194,7 @@ def decode_graphs_for(model: LlamaModel, kv: list[LayerKV], enabled: bool, max_n
     env = graphs_env()
     if not (enabled if env is None else env) or model.device.type != "cuda":
         return None
-    from kernels.dispatch import use_triton
+    from edgeinfer.kernels.dispatch import use_triton
 
     if not use_triton(torch.empty(0, device=model.device)):
         return None   # the references sync on tensor values: not capturable

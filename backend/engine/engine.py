@@ -14,21 +14,21 @@ from typing import Any
 import torch
 import xxhash
 
-from backend.engine.backlog import Backlog
-from backend.engine.block_manager import BlockManager
-from backend.engine.config import EngineConfig
-from backend.engine.fair import make_scheduler
-from backend.engine.grammar import GrammarCompiler, GrammarError
-from backend.engine.model_runner import ModelRunner
-from backend.engine.sampler import SamplingError, make_generator, sample
-from backend.engine.scheduler import Scheduler
-from backend.engine.sequence import SeqStatus, Sequence
-from backend.engine.step_cost import StepCost
-from backend.engine.stop import StopChecker
-from backend.model.llama import LlamaModel
-from protocol.page_id import PageKeyContext
-from protocol.tokenizer import Tokenizer
-from protocol.wire import GenerateRequest, StreamChunk, TokenLogprob, Usage
+from edgeinfer.backend.engine.backlog import Backlog
+from edgeinfer.backend.engine.block_manager import BlockManager
+from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.fair import make_scheduler
+from edgeinfer.backend.engine.grammar import GrammarCompiler, GrammarError
+from edgeinfer.backend.engine.model_runner import ModelRunner
+from edgeinfer.backend.engine.sampler import SamplingError, make_generator, sample
+from edgeinfer.backend.engine.scheduler import Scheduler
+from edgeinfer.backend.engine.sequence import SeqStatus, Sequence
+from edgeinfer.backend.engine.step_cost import StepCost
+from edgeinfer.backend.engine.stop import StopChecker
+from edgeinfer.backend.model.llama import LlamaModel
+from edgeinfer.protocol.page_id import PageKeyContext
+from edgeinfer.protocol.tokenizer import Tokenizer
+from edgeinfer.protocol.wire import GenerateRequest, StreamChunk, TokenLogprob, Usage
 
 log = logging.getLogger("edgeinfer.engine")
 
@@ -547,7 +547,7 @@ def load_engine(model_dir: str | Path, cfg: EngineConfig | None = None, dtype: t
 
 
 def _load_engine(model_dir, cfg, dtype, device, model_name) -> LLMEngine:
-    from backend.model.llama import load_model
+    from edgeinfer.backend.model.llama import load_model
 
     model_dir = Path(model_dir)
     model = load_model(model_dir, dtype=dtype, device=device)

@@ -62,11 +62,11 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-from backend.engine.block_manager import BlockManager
-from backend.engine.config import EngineConfig
-from backend.engine.scheduler import ScheduledBatch, Scheduler
-from backend.engine.sequence import Sequence
-from backend.engine.step_cost import StepCost
+from edgeinfer.backend.engine.block_manager import BlockManager
+from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.scheduler import ScheduledBatch, Scheduler
+from edgeinfer.backend.engine.sequence import Sequence
+from edgeinfer.backend.engine.step_cost import StepCost
 
 CONTENDED_MIN_TOKENS = 16       # the least a contended step's prefill is capped to (the flooder still progresses)
 

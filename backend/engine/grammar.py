@@ -21,8 +21,8 @@ import llguidance as llg
 import numpy as np
 import torch
 
-from protocol.tokenizer import Tokenizer
-from protocol.wire import Constraint
+from edgeinfer.protocol.tokenizer import Tokenizer
+from edgeinfer.protocol.wire import Constraint
 
 JSON_OPTIONS = {"whitespace_flexible": False}   # compact JSON: a small model cannot pad with endless blanks
 

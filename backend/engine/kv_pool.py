@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from backend.model.config import ModelConfig
-    from backend.model.llama import LayerKV
+    from edgeinfer.backend.model.config import ModelConfig
+    from edgeinfer.backend.model.llama import LayerKV
 
 KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn}
 SCALE_DTYPE = torch.bfloat16   # fp8 scales: 2 bytes per token-head (float32 would make fp8 only 1.88x of bf16)
@@ -82,7 +82,7 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device 
 def allocate_pool(fmt: KVFormat, num_pages: int, page_size: int, model_cfg: ModelConfig,
                   device: torch.device | str) -> list[LayerKV]:
     """One LayerKV per layer: lazily zeroed values, and for a scaled format scales of one."""
-    from backend.model.llama import LayerKV
+    from edgeinfer.backend.model.llama import LayerKV
 
     shape = (num_pages, page_size, model_cfg.num_kv_heads, model_cfg.head_dim)
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from backend.engine.block_table import BlockTables
-from backend.engine.config import EngineConfig
-from backend.engine.cuda_graphs import decode_graphs_for
-from backend.engine.kv_pool import KVFormat, allocate_pool
-from backend.engine.scheduler import ScheduledBatch
-from backend.engine.sequence import Sequence
-from backend.model.llama import AttentionMetadata, LayerKV, LlamaModel
+from edgeinfer.backend.engine.block_table import BlockTables
+from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.cuda_graphs import decode_graphs_for
+from edgeinfer.backend.engine.kv_pool import KVFormat, allocate_pool
+from edgeinfer.backend.engine.scheduler import ScheduledBatch
+from edgeinfer.backend.engine.sequence import Sequence
+from edgeinfer.backend.model.llama import AttentionMetadata, LayerKV, LlamaModel
 
 
 class ModelRunner:

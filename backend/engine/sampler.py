@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from backend.engine.grammar import GrammarCompiler, apply_masks
-from backend.engine.sequence import Sequence
-from protocol.wire import SamplingParams, TokenLogprob
+from edgeinfer.backend.engine.grammar import GrammarCompiler, apply_masks
+from edgeinfer.backend.engine.sequence import Sequence
+from edgeinfer.protocol.wire import SamplingParams, TokenLogprob
 
 GREEDY_BELOW = 1e-5
 HOTTEST = 1e30      # a larger temperature would be inf in float32 (and -inf / inf is NaN)

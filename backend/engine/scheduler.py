@@ -6,9 +6,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from backend.engine.block_manager import BlockManager
-from backend.engine.config import EngineConfig
-from backend.engine.sequence import SeqStatus, Sequence
+from edgeinfer.backend.engine.block_manager import BlockManager
+from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.sequence import SeqStatus, Sequence
 
 
 @dataclass

@@ -6,14 +6,14 @@ import enum
 import time
 from typing import TYPE_CHECKING, Protocol
 
-from protocol.page_id import PageKeyContext, hash_page
-from protocol.wire import SamplingParams, TenantSpec
+from edgeinfer.protocol.page_id import PageKeyContext, hash_page
+from edgeinfer.protocol.wire import SamplingParams, TenantSpec
 
 if TYPE_CHECKING:
     import torch
     from llguidance import LLMatcher
 
-    from backend.engine.stop import StopChecker
+    from edgeinfer.backend.engine.stop import StopChecker
 
 
 class SeqStatus(enum.Enum):
@@ -96,6 +96,6 @@ class Sequence:
         return new
 
     def prompt_page_hashes(self) -> list[bytes]:
-        from protocol.page_id import page_hashes
+        from edgeinfer.protocol.page_id import page_hashes
 
         return page_hashes(self.key_ctx, self.all_ids)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from protocol.tokenizer import Tokenizer
+from edgeinfer.protocol.tokenizer import Tokenizer
 
 
 class StopChecker:

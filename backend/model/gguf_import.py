@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 
-from backend.model.atomic_dir import atomic_directory
+from edgeinfer.backend.model.atomic_dir import atomic_directory
+from edgeinfer.protocol.defaults import home_dir
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 NATIVE_SUBDIR = "gguf-native"    # models_home()/gguf-native/<name>: same directory name, so the same served name
@@ -60,7 +60,7 @@ def default_gguf_path() -> Path:
 
 
 def models_home() -> Path:
-    return Path(os.environ.get("EDGEINFER_HOME", Path.home() / ".cache" / "edgeinfer")) / "models"
+    return home_dir() / "models"
 
 
 def ensure_default_model() -> Path:
@@ -76,13 +76,14 @@ def native_default_dir() -> Path:
     return models_home() / NATIVE_SUBDIR / DEFAULT_MODEL_NAME
 
 
-def ensure_native_default_model() -> Path:
-    """The default model as served: the GGUF's own INT4 blocks (import on first use)."""
+def ensure_native_default_model(progress: bool = False) -> Path:
+    """The default model as served: the GGUF's own INT4 blocks (import on first use; a tqdm bar with
+    progress)."""
     dst = native_default_dir()
     if (dst / "config.json").exists():
         return dst
     try:
-        import_gguf(default_gguf_path(), dst, native=True, progress=False)
+        import_gguf(default_gguf_path(), dst, native=True, progress=progress)
     except (ModelImportError, OSError):
         if not (dst / "config.json").exists():   # else another process's import won the rename
             raise
@@ -251,7 +252,7 @@ def _permuted(arr: np.ndarray, hf: str, heads: int, kv_heads: int) -> np.ndarray
 
 def _native_tensors(t, hf: str, heads: int, kv_heads: int, offset: str) -> dict[str, np.ndarray]:
     """A Q4_0/Q4_1 linear -> {prefix.qweight, .scales, .mins (offset 'min')}; Q8_0 embedding -> int8 + scales."""
-    from backend.model import gguf_blocks
+    from edgeinfer.backend.model import gguf_blocks
 
     kind, (k, n) = t.tensor_type.name, (int(t.shape[0]), int(t.shape[1]))
     prefix = hf.removesuffix(".weight")
@@ -277,7 +278,7 @@ def import_gguf(src: str | Path, dst: str | Path, *, dtype: str = "float32", pro
     from safetensors.torch import save_file
     from tqdm import tqdm
 
-    from backend.quant.format import edgeinfer_config
+    from edgeinfer.backend.quant.format import edgeinfer_config
 
     src, dst = Path(src), Path(dst)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)

@@ -8,10 +8,10 @@ import os
 import torch
 from torch import nn
 
-import kernels
-import kernels.cpu as cpu_kernels
-from backend.model.gguf_blocks import dequantize_int8
-from backend.quant.packing import group_dequantize_mins, unpack_uint4
+import edgeinfer.kernels.cpu as cpu_kernels
+from edgeinfer import kernels
+from edgeinfer.backend.model.gguf_blocks import dequantize_int8
+from edgeinfer.backend.quant.packing import group_dequantize_mins, unpack_uint4
 
 PREPACK_ENV = "EDGEINFER_CPU_PREPACK"
 PREPACK_BATCH_HINT = 64   # oneDNN picks its blocking for this many rows (a hint of 1 was 2x slower at 32 rows)
@@ -145,6 +145,7 @@ class W4A16Linear(nn.Module):
         self.scales_and_zeros: torch.Tensor | None = None            # [in//op_group, out, 2] bf16
         self._op_group = group_size                                    # group the CPU int4 GEMM runs with
         self.q4_1x8: torch.Tensor | None = None                      # CPU: [ceil(out/8), in//32 * 160] for kernels.cpu
+        self.residual_activations = False   # q4_1x8: activations in two int8 passes (kernels.cpu.activations())
         self._kernel_form: tuple[torch.Tensor, torch.Tensor] | None = None   # CUDA, with mins: (scales, zeros)
 
     @property
@@ -174,6 +175,7 @@ class W4A16Linear(nn.Module):
                 and cpu_kernels.enabled()):
             self.q4_1x8 = cpu_kernels.pack_q4_1x8(
                 cpu_kernels.pack_q4_1(self.qweight, self.scales, self.mins, self.group_size))
+            self.residual_activations = cpu_kernels.activations() == "int8x2"
             self.qweight = self.scales = self.mins = None  # type: ignore[assignment]
             return True
         group = int4_cpu_group(self.group_size)
@@ -216,7 +218,8 @@ class W4A16Linear(nn.Module):
             flat = x.dim() == 2 and dtype == torch.float32 and x.is_contiguous()   # the CPU step's rows: as they are
             x2 = x if flat else x.reshape(-1, k).to(torch.float32).contiguous()  # [rows, in] -> [rows, out]
             if x2.shape[0] < DENSE_MIN_ROWS:
-                y = cpu_kernels.q4_1x8_gemm(x2, self.q4_1x8, n)
+                gemm = cpu_kernels.q4_1x8_gemm_residual if self.residual_activations else cpu_kernels.q4_1x8_gemm
+                y = gemm(x2, self.q4_1x8, n)
             else:
                 y = x2 @ cpu_kernels.q4_1x8_dequant(self.q4_1x8, n, cpu_kernels.scratch(n, k)).t()
             if flat and self.bias is None:

@@ -15,12 +15,18 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-import backend.model.linear as linear_mod
-import kernels
-import kernels.cpu as cpu_kernels
-import kernels.cpu.attn as cpu_step_ops
-from backend.model.config import CheckpointError, ModelConfig, rope_inv_freq
-from backend.model.linear import DenseLinear, Q8Embedding, Q8Linear, W4A16Linear, cpu_prepack_enabled
+import edgeinfer.backend.model.linear as linear_mod
+import edgeinfer.kernels.cpu as cpu_kernels
+import edgeinfer.kernels.cpu.attn as cpu_step_ops
+from edgeinfer import kernels
+from edgeinfer.backend.model.config import CheckpointError, ModelConfig, rope_inv_freq
+from edgeinfer.backend.model.linear import (
+    DenseLinear,
+    Q8Embedding,
+    Q8Linear,
+    W4A16Linear,
+    cpu_prepack_enabled,
+)
 
 
 @dataclass
@@ -272,7 +278,9 @@ class LlamaModel(nn.Module):
         """The `num` channels of the head's input (the final norm's output) with the largest mean |x| over one
         teacher-forced forward of `tokens` pseudo-random token ids (seed 0; no text): this model's fixed
         outlier dimensions, which dominate the int8 scale of their blocks (docs/notes/ppl.md)."""
-        from backend.quant.calib import paged_prefill  # the engine's paged KV pool; imported late (a cycle)
+        from edgeinfer.backend.quant.calib import (
+            paged_prefill,  # the engine's paged KV pool; imported late (a cycle)
+        )
 
         ids = torch.randint(0, self.cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
         with torch.inference_mode():
@@ -328,27 +336,29 @@ class DecodePlan:
     default), the KV pool is not fp8 (its store is a separate op) and the rows are under
     linear.DENSE_MIN_ROWS; otherwise the model runs _forward_cpu (docs/notes/decodeplan.md)."""
 
-    def __init__(self, model: LlamaModel, first: RMSNorm, layers: list[tuple]) -> None:
+    def __init__(self, model: LlamaModel, first: RMSNorm, layers: list[tuple], residual: bool) -> None:
         self.model, self.layers = model, layers
         self.first_norm = (first.weight, first.eps)
+        self.residual = residual   # the linears' activations in two int8 passes (W4A16Linear.residual_activations)
 
     @classmethod
     def build(cls, model: LlamaModel) -> DecodePlan | None:
         layers: list[DecoderLayer] = list(model.layers)   # type: ignore[arg-type]
         norms = [layer.input_layernorm for layer in layers[1:]] + [model.norm]
-        rows = []
+        rows, residual = [], set()
         for layer, nxt in zip(layers, norms):
             attn, mlp = layer.self_attn, layer.mlp
             linears = [m for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
                        if isinstance(m, W4A16Linear) and m.q4_1x8 is not None and m.bias is None]
             if len(linears) != 4:
                 return None
+            residual.update(m.residual_activations for m in linears)
             post = layer.post_attention_layernorm
             rows.append((attn, *(w for m in linears for w in (m.q4_1x8, m._shape[0])),
                          post.weight, post.eps, nxt.weight, nxt.eps))
-        if not rows:
+        if not rows or len(residual) != 1:
             return None
-        return cls(model, layers[0].input_layernorm, rows)
+        return cls(model, layers[0].input_layernorm, rows, residual.pop())
 
     def applies(self, x: torch.Tensor, kv_caches: list[LayerKV]) -> bool:
         return (x.shape[0] < linear_mod.DENSE_MIN_ROWS and x.dtype == torch.float32
@@ -356,7 +366,9 @@ class DecodePlan:
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV], meta: AttentionMetadata,
             ops) -> torch.Tensor:
-        gemm, rotary = cpu_kernels.q4_1x8_gemm, self.model.rotary   # looked up per step: tests swap in the reference
+        # looked up per step: tests swap in the reference
+        gemm = cpu_kernels.q4_1x8_gemm_residual if self.residual else cpu_kernels.q4_1x8_gemm
+        rotary = self.model.rotary
         rope_kv_store_, decode_attention = ops.rope_kv_store_, ops.decode_attention
         add_rms_norm_, silu_mul = ops.add_rms_norm_, ops.silu_mul
         cos, sin, slots = rotary.cos, rotary.sin, meta.slot_mapping
@@ -454,7 +466,7 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch
                     cfg.rms_norm_eps)))
     embed: torch.Tensor | Q8Embedding
     if "model.embed_tokens.weight" not in tensors and "model.embed_tokens.qweight" in tensors:
-        from backend.quant.loader import q8_embedding
+        from edgeinfer.backend.quant.loader import q8_embedding
 
         embed = q8_embedding(tensors, (cfg.vocab_size, h), dtype, device, source)
     else:
@@ -480,7 +492,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     tensors = read_tensors(path)
     make_linear = None
     if cfg.quantization is not None:
-        from backend.quant.loader import quantized_linear_factory
+        from edgeinfer.backend.quant.loader import quantized_linear_factory
 
         make_linear = quantized_linear_factory(cfg, tensors, dtype, torch.device(device), source=str(path))
     return build_model(cfg, tensors, dtype, torch.device(device), make_linear, source=str(path),

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from backend.engine.config import EngineConfig
-from backend.engine.model_runner import ModelRunner
-from backend.model.llama import AttentionMetadata, LlamaModel
+from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.model_runner import ModelRunner
+from edgeinfer.backend.model.llama import AttentionMetadata, LlamaModel
 
 
 def calibration_text() -> tuple[str, str]:

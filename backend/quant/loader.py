@@ -13,10 +13,10 @@ from typing import cast
 import torch
 from torch import nn
 
-from backend.model.config import CheckpointError, ModelConfig
-from backend.model.linear import DenseLinear, Q8Embedding, W4A16Linear
-from backend.quant.format import QuantConfig
-from backend.quant.packing import effective_group_size, from_autoawq_gemm, from_gptq
+from edgeinfer.backend.model.config import CheckpointError, ModelConfig
+from edgeinfer.backend.model.linear import DenseLinear, Q8Embedding, W4A16Linear
+from edgeinfer.backend.quant.format import QuantConfig
+from edgeinfer.backend.quant.packing import effective_group_size, from_autoawq_gemm, from_gptq
 
 Packed = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 

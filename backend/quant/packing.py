@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.w4a16_gemm import group_dequantize_tensor, group_quantize_tensor  # noqa: F401 (re-export)
+from edgeinfer.kernels.w4a16_gemm import group_dequantize_tensor, group_quantize_tensor  # noqa: F401 (re-export)
 
 BITS = 4
 QMAX = (1 << BITS) - 1

@@ -17,12 +17,12 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from backend.model.atomic_dir import atomic_directory
-from backend.model.config import CheckpointError, ModelConfig
-from backend.model.llama import LlamaModel, load_model
-from backend.quant.format import SCHEMES, edgeinfer_config
-from backend.quant.gptq import gptq_quantize
-from backend.quant.packing import effective_group_size, group_quantize_tensor
+from edgeinfer.backend.model.atomic_dir import atomic_directory
+from edgeinfer.backend.model.config import CheckpointError, ModelConfig
+from edgeinfer.backend.model.llama import LlamaModel, load_model
+from edgeinfer.backend.quant.format import SCHEMES, edgeinfer_config
+from edgeinfer.backend.quant.gptq import gptq_quantize
+from edgeinfer.backend.quant.packing import effective_group_size, group_quantize_tensor
 
 log = logging.getLogger("edgeinfer.quant")
 METHODS = ("rtn", "awq", "gptq", "awq-gptq")
@@ -90,8 +90,8 @@ def quantized_tensors(model: LlamaModel, group_size: int, clips: dict[str, torch
 
 
 def calibration_chunks(src: Path, num: int, length: int, which: str = "mix") -> tuple[list[list[int]], str]:
-    from backend.quant.calib import calibration_sources, interleaved_chunks
-    from protocol.tokenizer import Tokenizer
+    from edgeinfer.backend.quant.calib import calibration_sources, interleaved_chunks
+    from edgeinfer.protocol.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(src)
     try:
@@ -123,13 +123,13 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, scheme: str = "w4a16-g
     extra: dict = {"scheme": scheme}
     clips = hessians = None
     if method != "rtn":
-        from backend.quant.awq import apply_awq, collect_stats
+        from edgeinfer.backend.quant.awq import apply_awq, collect_stats
 
         chunks, calib_name = calibration_chunks(src, calib_chunks, calib_len, calibration)
         t0 = time.time()
         stats = collect_stats(model, chunks, skip_first=skip_first)
         if method in ("awq", "awq-gptq"):
-            from backend.quant.awq import GRID
+            from edgeinfer.backend.quant.awq import GRID
 
             clips = apply_awq(model, stats, group_size, grid=awq_grid or GRID)   # also rescales each H to the folded weights
         if method in ("gptq", "awq-gptq"):

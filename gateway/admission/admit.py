@@ -20,12 +20,12 @@ import asyncio
 import logging
 import os
 
-from cache_store.keys import KeySpace
-from gateway.admission.leases import Lease, LocalStreamLimiter, RedisStreamLimiter
-from gateway.admission.lua import ADMIT, CHARGE, FINISH
-from gateway.admission.ratelimit import UNLIMITED, WINDOW_MS, Decision, LocalLimiter, limits_of
-from gateway.config import TenantConfig
-from protocol.defaults import KEY_PREFIX
+from edgeinfer.cache_store.keys import KeySpace
+from edgeinfer.gateway.admission.leases import Lease, LocalStreamLimiter, RedisStreamLimiter
+from edgeinfer.gateway.admission.lua import ADMIT, CHARGE, FINISH
+from edgeinfer.gateway.admission.ratelimit import UNLIMITED, WINDOW_MS, Decision, LocalLimiter, limits_of
+from edgeinfer.gateway.config import TenantConfig
+from edgeinfer.protocol.defaults import KEY_PREFIX
 
 log = logging.getLogger(__name__)
 

@@ -17,10 +17,10 @@ import asyncio
 import logging
 from typing import NamedTuple
 
-from cache_store.keys import KeySpace
-from gateway.admission.lua import REFRESH
-from gateway.config import TenantConfig
-from protocol.defaults import KEY_PREFIX
+from edgeinfer.cache_store.keys import KeySpace
+from edgeinfer.gateway.admission.lua import REFRESH
+from edgeinfer.gateway.config import TenantConfig
+from edgeinfer.protocol.defaults import KEY_PREFIX
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ Keys: `<prefix>:rl:{<tenant>}:requests|tokens` (GCRA theoretical arrival times) 
 (the tenant's stream leases), built by cache_store.keys.KeySpace; one tenant's keys share a cluster slot.
 """
 
-from gateway.admission.ratelimit import EPS_MS
+from edgeinfer.gateway.admission.ratelimit import EPS_MS
 
 # `now`: the Redis clock in ms (every gateway shares it)
 NOW_MS = """

@@ -20,7 +20,7 @@ import math
 import time
 from typing import NamedTuple
 
-from gateway.config import TenantConfig
+from edgeinfer.gateway.config import TenantConfig
 
 log = logging.getLogger(__name__)
 WINDOW_MS = 60_000.0

@@ -9,6 +9,10 @@ Ops (every one has a pure-torch reference with the same signature in kernels.cpu
   q4_1_dequant(blocks, out [N, K] fp32) -> out                                         (then a dense GEMM)
   q8_0_dequant(qweight, scales, out [N, K] fp32) -> out
   q4_1x8_gemm(x, packed [ceil(N/8), K/32*160] uint8, n) -> [M, n] fp32               (8 weight rows interleaved)
+  q4_1x8_gemm_residual(x, packed, n) -> [M, n] fp32
+      (x in two int8 passes: q(x), then q(x - deq(q(x))) with its own per-32 scale, each a GEMM row, summed:
+       ~15-bit activations at about the work of 2M rows; what the served model runs by default, see
+       activations())
   q8_0x8_gemm(x, qs [ceil(N/8), K/32*256] int8, d [ceil(N/8), K/32*8] fp16, n) -> [M, n] fp32
   q8_0x8_gemm_exact(x, qs, d, n, idx [C] int64, wo [ceil(N/8), C, 8] fp32) -> [M, n] fp32
       (the channels idx zeroed before the int8 quantization and added back in fp32 against the exact weight
@@ -39,12 +43,14 @@ from pathlib import Path
 
 import torch
 
-from backend.quant.packing import unpack_uint4
+from edgeinfer.backend.quant.packing import unpack_uint4
 
 log = logging.getLogger(__name__)
 
 MODE_ENV = "EDGEINFER_CPU_KERNELS"
 MODES = ("auto", "ext", "torch")
+ACTIVATIONS_ENV = "EDGEINFER_CPU_ACTIVATIONS"
+ACTIVATIONS = ("int8x2", "int8")   # the Q4 linears' activations: two int8 passes (default) or one (llama.cpp's)
 SOURCE = Path(__file__).with_name("q4.cpp")
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-g0"]
 LDFLAGS = ["-fopenmp"]   # at::parallel_for is inline OpenMP: without it the kernels run on one thread; the
@@ -96,11 +102,27 @@ def _ops():
     reason = unavailable_reason()
     if reason is not None:
         raise KernelUnavailable(f"edgeinfer CPU kernels unavailable: {reason}")
-    from torch.utils.cpp_extension import load
-    load(name="edgeinfer_cpu_q4", sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
-         is_python_module=False,
-         verbose=False)
+    build_extension("edgeinfer_cpu_q4", SOURCE)
     return torch.ops.edgeinfer_cpu
+
+
+def build_extension(name: str, source: Path) -> None:
+    """torch's JIT build of one C++ source (cached in torch's extensions dir), with a line before and after:
+    the first build takes about a minute on 2 cores and would otherwise be silence."""
+    import time
+
+    from torch.utils.cpp_extension import _get_build_directory, load
+
+    built = Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
+    fresh = built.exists() and built.stat().st_mtime >= source.stat().st_mtime
+    if not fresh:
+        log.info("kernels/cpu: compiling %s (first start after an install or change; about a minute with g++)",
+                 source.name)
+    t0 = time.monotonic()
+    load(name=name, sources=[str(source)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, is_python_module=False,
+         verbose=False)
+    if not fresh:
+        log.info("kernels/cpu: %s ready in %.0f s", source.name, time.monotonic() - t0)
 
 
 @functools.cache
@@ -248,6 +270,22 @@ def q8_0x8_gemm_exact(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, n: int
 
 def q4_1x8_gemm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     return _ops().q4_1x8_gemm(x, packed, n)
+
+
+def q4_1x8_gemm_residual(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    return _ops().q4_1x8_gemm_residual(x, packed, n)
+
+
+def activations() -> str:
+    """How the Q4 linears quantize their activations ($EDGEINFER_CPU_ACTIVATIONS, read at each model prepack):
+    int8x2 (default) runs q4_1x8_gemm_residual, int8 runs q4_1x8_gemm (one pass, as llama.cpp's Q8_1).
+    Measured on the default model (benchmarks/bench_chat_agreement.py, docs/QUANTIZATION.md): one pass gives
+    the same 32-token greedy answer as the fp32-dequantized GGUF on about half of 100 chat prompts, two on
+    nearly nine in ten."""
+    value = os.environ.get(ACTIVATIONS_ENV, "int8x2")
+    if value not in ACTIVATIONS:
+        raise ValueError(f"{ACTIVATIONS_ENV}={value!r}; expected one of {', '.join(ACTIVATIONS)}")
+    return value
 
 
 def q8_0x8_gemm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, n: int) -> torch.Tensor:

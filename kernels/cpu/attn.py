@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-import kernels.cpu as cpu
-from kernels.cpu import attn_reference
+import edgeinfer.kernels.cpu as cpu
+from edgeinfer.kernels.cpu import attn_reference
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +38,7 @@ def _ext() -> Any:
     reason = cpu.unavailable_reason()
     if reason is not None:
         raise cpu.KernelUnavailable(f"edgeinfer CPU attention ops unavailable: {reason}")
-    from torch.utils.cpp_extension import load
-    load(name=NAME, sources=[str(SOURCE)], extra_cflags=cpu.CFLAGS, extra_ldflags=cpu.LDFLAGS,
-         is_python_module=False, verbose=False)
+    cpu.build_extension(NAME, SOURCE)
     return getattr(torch.ops, NAME)
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kv_store import kv_store_reference
-from kernels.paged_decode_attention import paged_decode_attention_reference
+from edgeinfer.kernels.kv_store import kv_store_reference
+from edgeinfer.kernels.paged_decode_attention import paged_decode_attention_reference
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, sm_scale, k_scale=None, v_scale=None):

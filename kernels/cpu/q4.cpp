@@ -91,6 +91,26 @@ Q8Rows quantize_rows(const float* x, int64_t M, int64_t K) {
   return r;
 }
 
+// The activations in two int8 passes, rows interleaved: row 2m is q(x[m]) (as quantize_rows), row 2m + 1 is
+// q(x[m] - d * q(x[m])), what the first pass rounded away, quantized again with its own per-32 scale: together
+// about 15 bits per value instead of 8, which a GEMM then sums as two rows (q4_1x8_gemm_residual)
+Q8Rows quantize_rows_residual(const float* x, int64_t M, int64_t K) {
+  const int64_t nb = K / QK;
+  Q8Rows r{std::vector<int8_t>(2 * M * K), std::vector<float>(2 * M * nb), std::vector<float>(2 * M * nb)};
+  at::parallel_for(0, M * nb, 256, [&](int64_t b0, int64_t b1) {
+    alignas(32) float rest[QK];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t m = b / nb, j = b % nb, hi = 2 * m * nb + j, lo = hi + nb;
+      const float* xb = x + b * QK;
+      quantize_block(xb, r.q.data() + hi * QK, &r.d[hi], &r.s[hi]);
+      const int8_t* q = r.q.data() + hi * QK;
+      for (int i = 0; i < QK; ++i) rest[i] = xb[i] - r.d[hi] * static_cast<float>(q[i]);
+      quantize_block(rest, r.q.data() + lo * QK, &r.d[lo], &r.s[lo]);
+    }
+  });
+  return r;
+}
+
 void check_x(const at::Tensor& x, int64_t K, const char* op) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), op,
               ": x must be a contiguous CPU float32 [M, K] tensor, got ", x.scalar_type(), " ", x.sizes());
@@ -607,16 +627,41 @@ void check_x8(const at::Tensor& w, int64_t n, int64_t row_bytes, at::ScalarType 
               row_bytes, "], got ", w.scalar_type(), " ", w.sizes());
 }
 
+void q4_1x8_run(const Q8Rows& y, int64_t M, const at::Tensor& w, int64_t n, float* op);
+
 at::Tensor q4_1x8_gemm(const at::Tensor& x, const at::Tensor& w, int64_t n) {
   check_x8(w, n, Q4X8_BYTES, at::kByte, "q4_1x8_gemm", "weight");
-  const int64_t G = w.size(0), nb = w.size(1) / Q4X8_BYTES, K = nb * QK;
+  const int64_t nb = w.size(1) / Q4X8_BYTES, K = nb * QK;
   check_x(x, K, "q4_1x8_gemm");
   const int64_t M = x.size(0);
   at::Tensor out = at::empty({M, n}, x.options());
   if (M == 0 || n == 0) return out;
-  const Q8Rows y = quantize_rows(x.data_ptr<float>(), M, K);
-  const uint8_t* wp = w.data_ptr<uint8_t>();
+  q4_1x8_run(quantize_rows(x.data_ptr<float>(), M, K), M, w, n, out.data_ptr<float>());
+  return out;
+}
+
+// q4_1x8_gemm on activations quantized in two int8 passes (quantize_rows_residual): the two rows of each
+// activation row are GEMM rows of their own, then summed (hi + lo, in that order), so every ISA level still
+// gives the same bits; about the work of 2M rows for the accuracy of ~15-bit activations
+at::Tensor q4_1x8_gemm_residual(const at::Tensor& x, const at::Tensor& w, int64_t n) {
+  check_x8(w, n, Q4X8_BYTES, at::kByte, "q4_1x8_gemm_residual", "weight");
+  const int64_t nb = w.size(1) / Q4X8_BYTES, K = nb * QK;
+  check_x(x, K, "q4_1x8_gemm_residual");
+  const int64_t M = x.size(0);
+  at::Tensor out = at::empty({M, n}, x.options());
+  if (M == 0 || n == 0) return out;
+  std::vector<float> both(2 * M * n);
+  q4_1x8_run(quantize_rows_residual(x.data_ptr<float>(), M, K), 2 * M, w, n, both.data());
   float* op = out.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < n; ++j) op[m * n + j] = both[2 * m * n + j] + both[(2 * m + 1) * n + j];
+  return out;
+}
+
+// the x8 tiles over M rows of quantized activations y, into op [M, n]
+void q4_1x8_run(const Q8Rows& y, int64_t M, const at::Tensor& w, int64_t n, float* op) {
+  const int64_t G = w.size(0), nb = w.size(1) / Q4X8_BYTES;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
   const int isa = g_isa == 3 && M < g_z_min_rows ? 2 : g_isa;
   if (isa == 3) {   // pairs of groups
     const int64_t P = (G + 1) / 2;
@@ -631,7 +676,7 @@ at::Tensor q4_1x8_gemm(const at::Tensor& x, const at::Tensor& w, int64_t n) {
         });
       }
     });
-    return out;
+    return;
   }
   at::parallel_for(0, G, std::max<int64_t>(1, G / (4 * at::get_num_threads())), [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
@@ -643,7 +688,6 @@ at::Tensor q4_1x8_gemm(const at::Tensor& x, const at::Tensor& w, int64_t n) {
         else q4_1x8_tile<T>(wg, nb, y, m0, op, n, g * X8);
       });
   });
-  return out;
 }
 
 void check_q8x8(const at::Tensor& qs, const at::Tensor& d, int64_t n, const char* op) {
@@ -800,10 +844,21 @@ at::Tensor q8_0x8_dequant(const at::Tensor& qs, const at::Tensor& d, int64_t row
   return out;
 }
 
-// isa < 0: leave it; else use min(isa, the best this CPU has). Returns the one in use (0 AVX2, 1 AVX-VNNI,
+// isa < 0: leave it; else use the highest level <= isa this CPU runs. Returns the one in use (0 AVX2, 1 AVX-VNNI,
 // 2 AVX512-VNNI 256-bit, 3 AVX512-VNNI 512-bit)
+// The levels are not a chain: a CPU can have AVX512-VNNI without AVX-VNNI (AMD Zen 4), so a level is lowered
+// to the next one below it that this CPU runs, never to one it lacks (an illegal instruction)
+bool isa_supported(int level) {
+  if (level == 1) return __builtin_cpu_supports("avxvnni");
+  return level == 0 || level <= BEST_ISA;
+}
+
 int64_t x8_isa(int64_t isa) {
-  if (isa >= 0) g_isa = static_cast<int>(std::min<int64_t>(isa, BEST_ISA));
+  if (isa >= 0) {
+    int level = static_cast<int>(std::min<int64_t>(isa, BEST_ISA));
+    while (level > 0 && !isa_supported(level)) --level;
+    g_isa = level;
+  }
   return g_isa;
 }
 
@@ -821,6 +876,7 @@ TORCH_LIBRARY(edgeinfer_cpu, m) {
   m.def("q4_1_dequant", &q4_1_dequant);
   m.def("q8_0_dequant", &q8_0_dequant);
   m.def("q4_1x8_gemm", &q4_1x8_gemm);
+  m.def("q4_1x8_gemm_residual", &q4_1x8_gemm_residual);
   m.def("q8_0x8_gemm", &q8_0x8_gemm);
   m.def("q8_0x8_gemm_exact", &q8_0x8_gemm_exact);
   m.def("q4_1x8_dequant", &q4_1x8_dequant);

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu import q8_0x8_rows, unpack_q4_1x8
+from edgeinfer.kernels.cpu import q8_0x8_rows, unpack_q4_1x8
 
 BLOCK = 32
 
@@ -62,6 +62,14 @@ def q8_0_dequant(qweight: torch.Tensor, scales: torch.Tensor, out: torch.Tensor)
 
 def q4_1x8_gemm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     return q4_1_gemm(x, unpack_q4_1x8(packed, n))
+
+
+def q4_1x8_gemm_residual(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """x in two int8 passes: q8_quantize(x), then q8_quantize of what it rounded away; the two GEMMs summed."""
+    m, k = x.shape
+    q, d, _ = q8_quantize(x)
+    rest = x.float() - (q.float().reshape(m, -1, BLOCK) * d[..., None]).reshape(m, k)
+    return q4_1x8_gemm(x, packed, n) + q4_1x8_gemm(rest, packed, n)
 
 
 def q8_0x8_gemm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, n: int) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from backend.model.llama import AttentionMetadata, LayerKV, LlamaModel
+from edgeinfer.backend.model.llama import AttentionMetadata, LayerKV, LlamaModel
 
 
 def fresh_kv(model: LlamaModel, num_pages: int, page_size: int = 16) -> list[LayerKV]:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from backend.engine.engine import LLMEngine
-from protocol.wire import GenerateRequest, SamplingParams
+from edgeinfer.backend.engine.engine import LLMEngine
+from edgeinfer.protocol.wire import GenerateRequest, SamplingParams
 
 
 def generate_together(eng: LLMEngine, prompts: list[list[int]], ns: str,

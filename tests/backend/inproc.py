@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 import aiohttp
 from aiohttp import web
 
-from backend.server import BackendState, make_app
+from edgeinfer.backend.server import BackendState, make_app
 
 
 @asynccontextmanager

@@ -7,12 +7,12 @@ import dataclasses
 
 import pytest
 
-from backend.config import BackendConfig
-from backend.engine.config import EngineConfig
-from backend.server import parse_args
-from backend.store_wiring import page_key_from_config
-from cache_store.codec import PageKey
-from protocol.defaults import CACHE_SEED, CACHE_SEED_ENV, KEY_PREFIX, PAGE_SIZE
+from edgeinfer.backend.config import BackendConfig
+from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.server import parse_args
+from edgeinfer.backend.store_wiring import page_key_from_config
+from edgeinfer.cache_store.codec import PageKey
+from edgeinfer.protocol.defaults import CACHE_SEED, CACHE_SEED_ENV, KEY_PREFIX, PAGE_SIZE
 
 
 def test_parse_args_returns_a_frozen_config_with_the_shared_defaults(monkeypatch):

@@ -1,4 +1,4 @@
-"""backend.engine.backlog: the estimated wait for a first token that --max-queue-wait-s is checked against.
+"""edgeinfer.backend.engine.backlog: the estimated wait for a first token that --max-queue-wait-s is checked against.
 (Scheduler stand-ins: only what Backlog reads: the two queues, two attributes per sequence, prefill_per_step.)"""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from backend.engine.backlog import Backlog
-from backend.engine.step_cost import StepCost
+from edgeinfer.backend.engine.backlog import Backlog
+from edgeinfer.backend.engine.step_cost import StepCost
 from tests.step_costs import measured
 
 

@@ -20,12 +20,12 @@ import random
 import pytest
 import torch
 
-import kernels.cpu.attn
-from backend.engine.config import EngineConfig
-from backend.engine.engine import LLMEngine
-from kernels.cpu import attn_reference
-from kernels.paged_decode_attention import paged_decode_attention_reference
-from protocol.page_id import page_hashes
+from edgeinfer import kernels
+from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.engine import LLMEngine
+from edgeinfer.kernels.cpu import attn_reference
+from edgeinfer.kernels.paged_decode_attention import paged_decode_attention_reference
+from edgeinfer.protocol.page_id import page_hashes
 from tests.backend.engine_steps import generate_together
 
 pytestmark = pytest.mark.slow
@@ -92,8 +92,8 @@ def test_decode_is_batch_variant_by_roundoff_only_on_the_reference_ops(smol_mode
 
 @pytest.fixture(scope="module")
 def native_model():
-    from backend.model.gguf_import import ensure_native_default_model
-    from backend.model.llama import load_model
+    from edgeinfer.backend.model.gguf_import import ensure_native_default_model
+    from edgeinfer.backend.model.llama import load_model
 
     return load_model(ensure_native_default_model())
 
@@ -107,7 +107,7 @@ def test_decode_next_to_a_longer_sequence_is_bit_identical_on_the_cpu_step_ops(n
     # dense GEMMs are oneDNN's, which round 1 and 2 rows differently on this CPU: no such claim there.)
     torch.set_grad_enabled(False)
     if native_model.device.type != "cpu" or not kernels.cpu.attn.enabled():
-        pytest.skip("kernels.cpu.attn is off here (not CPU, or EDGEINFER_CPU_KERNELS=torch)")
+        pytest.skip("edgeinfer.kernels.cpu.attn is off here (not CPU, or EDGEINFER_CPU_KERNELS=torch)")
     assert native_model.step_ops is kernels.cpu.attn._ext()
     a, b = prompt(5, 40), prompt(6, 90)
     alone = generate(LLMEngine(native_model, None, EngineConfig(kv_dtype=kv, num_pages=64)), [a], "t", 8)[0]
@@ -133,7 +133,7 @@ def test_decode_attention_reference_depends_on_the_longest_context_in_the_batch(
 
 
 def test_prefill_attention_reference_differs_only_for_splits_leaving_a_1_to_3_row_query_block():
-    from kernels.paged_prefill_attention import paged_prefill_attention_reference
+    from edgeinfer.kernels.paged_prefill_attention import paged_prefill_attention_reference
 
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(16, 16, 3, 64, generator=g), torch.randn(16, 16, 3, 64, generator=g)

@@ -3,8 +3,8 @@ insert_external and subscribe_evictions, instead of reading BlockManager.cache a
 
 from __future__ import annotations
 
-from backend.engine.block_manager import BlockManager
-from protocol.wire import TenantSpec
+from edgeinfer.backend.engine.block_manager import BlockManager
+from edgeinfer.protocol.wire import TenantSpec
 from tests.fairness.sim import seq
 from tests.fairness.test_kv_quota import cache_pages, evict
 

@@ -9,13 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backend.engine.block_manager import BlockManager
-from backend.engine.block_table import BlockTables
-from backend.engine.config import EngineConfig
-from backend.engine.scheduler import Scheduler
-from backend.engine.sequence import Sequence
-from protocol.page_id import PageKeyContext
-from protocol.wire import SamplingParams
+from edgeinfer.backend.engine.block_manager import BlockManager
+from edgeinfer.backend.engine.block_table import BlockTables
+from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.scheduler import Scheduler
+from edgeinfer.backend.engine.sequence import Sequence
+from edgeinfer.protocol.page_id import PageKeyContext
+from edgeinfer.protocol.wire import SamplingParams
 
 PAGE = 4
 

@@ -1,4 +1,4 @@
-"""kernels.cpu.attn (C++ AVX2): each op against its pure-torch reference (kernels.cpu.attn_reference, the model's
+"""edgeinfer.kernels.cpu.attn (C++ AVX2): each op against its pure-torch reference (kernels.cpu.attn_reference, the model's
 own torch path) on paged pools of every KV dtype, with tolerances that a plausible bug (a wrong scale, a
 skipped fp8 scale, an off-by-one page, the rotation's halves swapped) fails; bad inputs name their numbers."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.cpu.attn as ka
-from kernels.cpu import attn_reference as ref
-from kernels.kv_store import kv_store_reference
+import edgeinfer.kernels.cpu.attn as ka
+from edgeinfer.kernels.cpu import attn_reference as ref
+from edgeinfer.kernels.kv_store import kv_store_reference
 
 FP8 = torch.float8_e4m3fn
 KV_DTYPES = [torch.float32, torch.bfloat16, torch.float16, FP8]

@@ -1,4 +1,4 @@
-"""kernels.cpu (C++ AVX2): each op against its pure-torch reference (kernels.cpu.reference: the same int8
+"""edgeinfer.kernels.cpu (C++ AVX2): each op against its pure-torch reference (kernels.cpu.reference: the same int8
 activation quantization bit for bit, the same integer block dots summed in float64), and loosely against the
 fp32 dequantized weight; tolerances that a swapped nibble order or a dropped min term fail; the capability
 fallback; the served native model on the kernels: greedy equal to the reference ops, logits near the oracle."""
@@ -13,10 +13,10 @@ import sys
 import pytest
 import torch
 
-import kernels.cpu as kc
-from backend.model.linear import Q8Embedding, Q8Linear, W4A16Linear
-from backend.quant.packing import group_dequantize_mins
-from kernels.cpu import reference as ref
+import edgeinfer.kernels.cpu as kc
+from edgeinfer.backend.model.linear import Q8Embedding, Q8Linear, W4A16Linear
+from edgeinfer.backend.quant.packing import group_dequantize_mins
+from edgeinfer.kernels.cpu import reference as ref
 
 ROWS = [1, 3, 8, 32, 200]
 SHAPES = [(1, 32), (67, 96), (130, 576)]            # [N, K]: odd row counts, K of 1, 3 and 18 blocks
@@ -133,12 +133,13 @@ def _best_isa_by_cpuinfo() -> int:
 
 @pytest.fixture
 def isa_levels():
-    """The x8 GEMMs' instruction-set levels this CPU runs (0 AVX2 .. its best), restored to the best after; the
-    512-bit level from one row on (by default it starts at x8_z_min_rows() rows)."""
+    """The x8 GEMMs' instruction-set levels this CPU runs (0 AVX2 .. its best, without the ones it lacks: AMD
+    Zen 4 has AVX512-VNNI but not AVX-VNNI), restored to the best after; the 512-bit level from one row on (by
+    default it starts at x8_z_min_rows() rows)."""
     best, zmin = kc.x8_isa(), kc.x8_z_min_rows()
     kc.x8_z_min_rows(1)
     try:
-        yield list(range(best + 1))
+        yield sorted({kc.x8_isa(level) for level in range(best + 1)})
     finally:
         kc.x8_isa(best)
         kc.x8_z_min_rows(zmin)
@@ -147,6 +148,9 @@ def isa_levels():
 def test_x8_isa_defaults_to_the_best_this_cpu_has(isa_levels):
     assert isa_levels[-1] == _best_isa_by_cpuinfo()
     assert kc.x8_isa(0) == 0 and kc.x8_isa(99) == isa_levels[-1] and kc.x8_isa() == isa_levels[-1]
+    has_avx_vnni = "avx_vnni" in kc._cpu_flags()
+    assert (1 in isa_levels) == has_avx_vnni
+    assert kc.x8_isa(1) == (1 if has_avx_vnni else 0)     # a level this CPU lacks is never selected
 
 
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 32])
@@ -174,9 +178,9 @@ def test_x8_gemms_on_every_isa_level_are_the_avx2_kernels_bit_for_bit(isa_levels
         outs4.append(kc.q4_1x8_gemm(x, packed, n))
         outs8.append(kc.q8_0x8_gemm(x, qs, d, n))
     assert close(outs4[0], ref.q4_1x8_gemm(x, packed, n)) and close(outs8[0], ref.q8_0x8_gemm(x, qs, d, n))
-    for level in isa_levels[1:]:
-        assert torch.equal(outs4[level], outs4[0]), f"q4_1x8 at level {kc.ISA_NAMES[level]}"
-        assert torch.equal(outs8[level], outs8[0]), f"q8_0x8 at level {kc.ISA_NAMES[level]}"
+    for i, level in enumerate(isa_levels[1:], start=1):
+        assert torch.equal(outs4[i], outs4[0]), f"q4_1x8 at level {kc.ISA_NAMES[level]}"
+        assert torch.equal(outs8[i], outs8[0]), f"q8_0x8 at level {kc.ISA_NAMES[level]}"
 
 
 def test_interleaved_embedding_looks_up_the_same_rows():
@@ -249,8 +253,8 @@ def test_q8_linear_keep_exact_switches_the_head_between_both_ops():
 
 @pytest.mark.parametrize("m", [1, 3, 16, 40])
 def test_q8_linear_head_on_both_sides_of_its_dense_threshold(monkeypatch, m):
-    monkeypatch.setattr("backend.model.linear.HEAD_CHUNK", 48)              # several chunks, a short last one
-    monkeypatch.setattr("backend.model.linear.HEAD_DENSE_MIN_ROWS", 16)     # both paths (the default: never dense)
+    monkeypatch.setattr("edgeinfer.backend.model.linear.HEAD_CHUNK", 48)              # several chunks, a short last one
+    monkeypatch.setattr("edgeinfer.backend.model.linear.HEAD_DENSE_MIN_ROWS", 16)     # both paths (the default: never dense)
     g = torch.Generator().manual_seed(5)
     qweight = torch.randint(-127, 128, (130, 96), dtype=torch.int8, generator=g)
     scales = (torch.rand(130, 3, generator=g) * 0.01).half()
@@ -324,7 +328,7 @@ def test_mode_env_rejects_unknown_values(monkeypatch):
 @pytest.mark.parametrize("m", [1, 8, 19, 67])
 def test_w4a16_linear_prepacks_for_the_kernels_on_both_sides_of_the_dense_threshold(monkeypatch, m):
     monkeypatch.setenv(kc.MODE_ENV, "ext")
-    monkeypatch.setattr("backend.model.linear.DENSE_MIN_ROWS", 16)          # both paths (the default: never dense)
+    monkeypatch.setattr("edgeinfer.backend.model.linear.DENSE_MIN_ROWS", 16)          # both paths (the default: never dense)
     qweight, scales, mins = q4_weight(96, 192, 64)
     bias = torch.randn(96)
     lin = W4A16Linear(qweight, scales, None, 64, bias=bias, mins=mins)
@@ -364,8 +368,8 @@ def test_without_a_compiler_auto_falls_back_to_torch_int4_with_one_warning(tmp_p
 
 @pytest.fixture(scope="module")
 def native_served():
-    from backend.model.gguf_import import ensure_native_default_model
-    from backend.model.llama import load_model
+    from edgeinfer.backend.model.gguf_import import ensure_native_default_model
+    from edgeinfer.backend.model.llama import load_model
 
     native_dir = ensure_native_default_model()
     return native_dir, load_model(native_dir)
@@ -389,12 +393,12 @@ def test_served_head_keeps_its_outlier_channels_exact_and_moves_nearer_the_oracl
     (docs/notes/ppl.md): on 512 held-out tokens its log-probabilities are nearer the GGUF's dequantized fp32
     model (mean KL) than with int8 activations on every channel, and those channels are also the largest on
     that text's final hidden states."""
-    from backend.model.llama import load_model
-    from backend.quant.calib import eval_text, paged_prefill, token_chunks
+    from edgeinfer.backend.model.llama import load_model
+    from edgeinfer.backend.quant.calib import eval_text, paged_prefill, token_chunks
 
     _, served = native_served
     head = served.lm_head_linear
-    from backend.model.linear import HEAD_EXACT_CHANNELS
+    from edgeinfer.backend.model.linear import HEAD_EXACT_CHANNELS
 
     assert HEAD_EXACT_CHANNELS > 0 and isinstance(head, Q8Linear) and head.exact_idx is not None
     assert head.exact_idx.numel() == HEAD_EXACT_CHANNELS
@@ -421,9 +425,9 @@ def test_served_head_keeps_its_outlier_channels_exact_and_moves_nearer_the_oracl
 
 @pytest.mark.slow
 def test_greedy_with_the_kernels_equals_the_reference_ops(native_served, smol_tokenizer, monkeypatch):
-    from backend.engine.config import EngineConfig
-    from backend.engine.engine import LLMEngine
-    from protocol.wire import GenerateRequest, SamplingParams
+    from edgeinfer.backend.engine.config import EngineConfig
+    from edgeinfer.backend.engine.engine import LLMEngine
+    from edgeinfer.protocol.wire import GenerateRequest, SamplingParams
 
     _, model = native_served
     chats = ["Name three colors of the rainbow.", "What is 12 times 7?", "Write a haiku about the sea."]
@@ -446,11 +450,12 @@ def test_greedy_with_the_kernels_equals_the_reference_ops(native_served, smol_to
         finally:
             eng.stop()
 
-    from backend.quant.calib import paged_prefill
+    from edgeinfer.backend.quant.calib import paged_prefill
 
     fast = greedy()
     assert all(len(t) == 12 for t in fast)
-    for name in ("q4_1x8_gemm", "q8_0x8_gemm", "q8_0x8_gemm_exact", "q4_1x8_dequant", "q8_0x8_dequant"):
+    for name in ("q4_1x8_gemm", "q4_1x8_gemm_residual", "q8_0x8_gemm", "q8_0x8_gemm_exact", "q4_1x8_dequant",
+                 "q8_0x8_dequant"):
         monkeypatch.setattr(kc, name, getattr(ref, name))
     # the reference ops, teacher-forced along the kernels' greedy path: every token the kernels chose is the
     # reference's argmax, or within a near-tie of it (a last-bit difference can flip one int8 rounding of an
@@ -471,8 +476,8 @@ def test_served_kernels_stay_near_the_dequantized_oracle(native_served, smol_dir
     """int8 activations (llama.cpp's numerics) move the logits more than bf16 did, not the model's predictions:
     the prompt's next-token cross-entropy within 2% of the oracle's (perplexity on 2048 held-out tokens:
     1.0003x, docs/notes/cpukern.md) and the teacher-forced greedy tokens mostly equal."""
-    from backend.model.llama import load_model
-    from backend.quant.calib import paged_prefill
+    from edgeinfer.backend.model.llama import load_model
+    from edgeinfer.backend.quant.calib import paged_prefill
 
     _, served = native_served
     oracle = load_model(smol_dir, prepack=False)

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.cpu.attn as ka
-from backend.engine.config import EngineConfig
-from backend.engine.engine import LLMEngine
-from kernels.cpu import attn_reference
+import edgeinfer.kernels.cpu.attn as ka
+from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.engine import LLMEngine
+from edgeinfer.kernels.cpu import attn_reference
 from tests.backend.engine_steps import generate_together
 
 pytestmark = pytest.mark.slow
@@ -22,8 +22,8 @@ TOKENS = 16
 
 @pytest.fixture(scope="module")
 def native():
-    from backend.model.gguf_import import ensure_native_default_model
-    from backend.model.llama import load_model
+    from edgeinfer.backend.model.gguf_import import ensure_native_default_model
+    from edgeinfer.backend.model.llama import load_model
 
     model = load_model(ensure_native_default_model())
     assert model.step_ops is ka.ops()
@@ -54,7 +54,7 @@ def test_fused_loop_on_the_reference_ops_is_the_old_loop_bit_for_bit(native, pro
 
 
 def test_greedy_on_the_ops_equals_the_torch_ops_on_the_fp32_model(smol_dir, prompts):
-    from backend.model.llama import load_model
+    from edgeinfer.backend.model.llama import load_model
 
     model = load_model(smol_dir)
     ext, ref = greedy(model, ka._ext(), prompts, "auto"), greedy(model, attn_reference, prompts, "auto")
@@ -65,7 +65,7 @@ def test_greedy_on_the_ops_equals_the_torch_ops_on_the_fp32_model(smol_dir, prom
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
 def test_native_greedy_on_the_ops_is_the_reference_argmax_or_a_near_tie(native, prompts, kv_dtype):
-    from backend.quant.calib import paged_prefill
+    from edgeinfer.backend.quant.calib import paged_prefill
 
     fast = greedy(native, ka._ext(), prompts, kv_dtype)
     saved, native.step_ops = native.step_ops, attn_reference

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-import kernels
-from backend.engine import cuda_graphs as cg
-from backend.engine.config import EngineConfig
-from backend.engine.engine import LLMEngine
-from backend.engine.model_runner import ModelRunner
-from backend.model.llama import load_model
+from edgeinfer import kernels
+from edgeinfer.backend.engine import cuda_graphs as cg
+from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.engine import LLMEngine
+from edgeinfer.backend.engine.model_runner import ModelRunner
+from edgeinfer.backend.model.llama import load_model
 from tests.backend.engine_steps import generate_together
 
 

@@ -8,10 +8,10 @@ import asyncio
 import pytest
 import torch
 
-from backend.engine.config import EngineConfig
-from backend.engine.engine import LLMEngine
-from backend.model.llama import load_model
-from protocol.wire import GenerateRequest, SamplingParams
+from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.engine import LLMEngine
+from edgeinfer.backend.model.llama import load_model
+from edgeinfer.protocol.wire import GenerateRequest, SamplingParams
 from tests.backend.dense import greedy
 
 pytestmark = [pytest.mark.slow,
@@ -82,7 +82,7 @@ def test_fp8_kv_on_cuda_stays_close_to_bf16_kv(smol_bf16):
 
 def test_native_int4_on_cuda_matches_its_cpu_dequantization():
     """GGUF Q4_1 weights through the W4A16 Triton kernel (fp32 zero points) vs the exact CPU dequantization."""
-    from backend.model.gguf_import import ensure_native_default_model
+    from edgeinfer.backend.model.gguf_import import ensure_native_default_model
 
     path = ensure_native_default_model()
     ids = torch.randint(100, 49000, (48,), generator=torch.Generator().manual_seed(1)).tolist()

@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-import kernels.cpu.attn
-from backend.engine.config import EngineConfig
-from backend.engine.engine import LLMEngine
-from backend.model.llama import DecodePlan
+from edgeinfer import kernels
+from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.engine import LLMEngine
+from edgeinfer.backend.model.llama import DecodePlan
 from tests.backend.engine_steps import generate_together
 
 
@@ -22,8 +22,8 @@ def prompt(seed: int, n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def native_model():
-    from backend.model.gguf_import import ensure_native_default_model
-    from backend.model.llama import load_model
+    from edgeinfer.backend.model.gguf_import import ensure_native_default_model
+    from edgeinfer.backend.model.llama import load_model
 
     model = load_model(ensure_native_default_model())
     if model.step_ops is None or not kernels.cpu.attn.enabled():

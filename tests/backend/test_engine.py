@@ -8,9 +8,9 @@ import itertools
 import pytest
 import torch
 
-from backend.engine.config import EngineConfig
-from backend.engine.engine import LLMEngine, RequestError
-from protocol.wire import GenerateRequest, SamplingParams
+from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.engine import LLMEngine, RequestError
+from edgeinfer.protocol.wire import GenerateRequest, SamplingParams
 
 _ids = itertools.count()
 

@@ -9,9 +9,9 @@ import itertools
 
 import pytest
 
-from backend.engine.config import EngineConfig
-from backend.engine.engine import LLMEngine
-from protocol.wire import GenerateRequest, SamplingParams
+from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.engine import LLMEngine
+from edgeinfer.protocol.wire import GenerateRequest, SamplingParams
 
 _ids = itertools.count()
 VICTIMS = [[17, 4032, 311, 2713, 9, 88], [640, 22, 3100, 57, 1204, 8, 19, 731], [9000, 12, 44]]
@@ -77,7 +77,7 @@ async def test_poison_sampling_value_next_to_victims(smol_model, smol_tokenizer,
 async def test_sampling_failure_of_one_sequence_ends_only_it(smol_model, smol_tokenizer, alone, monkeypatch):
     """A fault inside one sequence's sampling (injected into the top-k/top-p filter, which only the
     sampled request reaches) is that request's error; the greedy victims are untouched."""
-    from backend.engine import sampler
+    from edgeinfer.backend.engine import sampler
 
     real = sampler._filter
 

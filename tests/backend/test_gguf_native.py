@@ -14,14 +14,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from backend.model import gguf_blocks
-from backend.model.config import CheckpointError
-from backend.model.gguf_import import ModelImportError, default_gguf_path, import_gguf, native_default_dir
-from backend.model.linear import Q8Embedding, W4A16Linear
-from backend.model.llama import load_model
-from backend.quant.calib import paged_prefill
-from backend.quant.format import QuantConfig
-from backend.quant.packing import group_dequantize_mins, group_dequantize_tensor
+from edgeinfer.backend.model import gguf_blocks
+from edgeinfer.backend.model.config import CheckpointError
+from edgeinfer.backend.model.gguf_import import (
+    ModelImportError,
+    default_gguf_path,
+    import_gguf,
+    native_default_dir,
+)
+from edgeinfer.backend.model.linear import Q8Embedding, W4A16Linear
+from edgeinfer.backend.model.llama import load_model
+from edgeinfer.backend.quant.calib import paged_prefill
+from edgeinfer.backend.quant.format import QuantConfig
+from edgeinfer.backend.quant.packing import group_dequantize_mins, group_dequantize_tensor
 
 Q = gguf.GGMLQuantizationType
 
@@ -114,14 +119,14 @@ def test_native_import_of_unsupported_quant_type_names_it(tmp_path):
                                                r"Q4_0 or Q4_1 linears \(re-run with --dequantize"):
         import_gguf(src, tmp_path / "out", native=True, progress=False)
     assert not (tmp_path / "out").exists()
-    r = subprocess.run([sys.executable, "-m", "ops.cli", "model", "import", str(src), str(tmp_path / "out")],
+    r = subprocess.run([sys.executable, "-m", "edgeinfer.ops.cli", "model", "import", str(src), str(tmp_path / "out")],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and "is Q6_K" in r.stderr and str(src) in r.stderr
 
 
 @pytest.fixture(scope="session")
 def native_dir():
-    from backend.model.gguf_import import ensure_native_default_model
+    from edgeinfer.backend.model.gguf_import import ensure_native_default_model
 
     return ensure_native_default_model()
 
@@ -187,7 +192,7 @@ def test_served_native_path_matches_oracle_within_bf16_rounding(native_dir, orac
 @pytest.mark.slow
 def test_import_cli_default_is_native_and_dequantize_flag_keeps_dense(tmp_path, smol_dir):
     def cli(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "ops.cli", "model", "import", *args], capture_output=True,
+        return subprocess.run([sys.executable, "-m", "edgeinfer.ops.cli", "model", "import", *args], capture_output=True,
                               text=True, timeout=600)
 
     src = str(default_gguf_path())
@@ -208,8 +213,8 @@ def test_import_cli_default_is_native_and_dequantize_flag_keeps_dense(tmp_path, 
 
 @pytest.mark.slow
 def test_backend_and_gateway_default_to_the_native_import(native_dir):
-    from backend.server import build_state, parse_args
-    from gateway.served_model import resolve_tokenizer_dir
+    from edgeinfer.backend.server import build_state, parse_args
+    from edgeinfer.gateway.served_model import resolve_tokenizer_dir
 
     assert native_dir == native_default_dir() and resolve_tokenizer_dir("default") == native_dir
     st = build_state(parse_args(["--store-tier", "none", "--num-pages", "32", "--insecure-no-internal-auth"]))

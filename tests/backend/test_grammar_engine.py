@@ -10,10 +10,10 @@ import json
 import jsonschema
 import pytest
 
-from backend.engine.config import EngineConfig
-from backend.engine.engine import LLMEngine, RequestError
-from backend.engine.grammar import GrammarCompiler, GrammarLimits, apply_masks
-from protocol.wire import Constraint, GenerateRequest, SamplingParams
+from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.engine import LLMEngine, RequestError
+from edgeinfer.backend.engine.grammar import GrammarCompiler, GrammarLimits, apply_masks
+from edgeinfer.protocol.wire import Constraint, GenerateRequest, SamplingParams
 
 _ids = itertools.count()
 

@@ -9,14 +9,14 @@ import sys
 
 import pytest
 
-from backend.model.config import CheckpointError, ModelConfig
-from backend.model.gguf_import import ModelImportError, default_gguf_path, import_gguf
-from backend.model.llama import load_model
-from protocol.tokenizer import Tokenizer, TokenizerError
+from edgeinfer.backend.model.config import CheckpointError, ModelConfig
+from edgeinfer.backend.model.gguf_import import ModelImportError, default_gguf_path, import_gguf
+from edgeinfer.backend.model.llama import load_model
+from edgeinfer.protocol.tokenizer import Tokenizer, TokenizerError
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ops.cli", "model", "import", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "edgeinfer.ops.cli", "model", "import", *args], capture_output=True,
                           text=True, timeout=300)
 
 

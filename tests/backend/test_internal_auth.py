@@ -12,11 +12,11 @@ import socket
 import msgspec
 import pytest
 
-from backend.engine.config import EngineConfig
-from backend.engine.engine import LLMEngine
-from backend.metrics import BackendMetrics
-from backend.server import BackendState
-from protocol.wire import StreamChunk
+from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.engine import LLMEngine
+from edgeinfer.backend.metrics import BackendMetrics
+from edgeinfer.backend.server import BackendState
+from edgeinfer.protocol.wire import StreamChunk
 from tests.backend.inproc import serve
 
 SECRET = "gateway-internal-secret-0123456789"
@@ -177,7 +177,7 @@ async def test_a_non_utf8_authorization_header_is_a_401_not_a_crash(backend):
 
 
 def test_no_secret_configured_means_open_only_by_explicit_choice(monkeypatch, capsys, tmp_path):
-    from backend.server import parse_args
+    from edgeinfer.backend.server import parse_args
 
     monkeypatch.delenv("EDGEINFER_INTERNAL_SECRET", raising=False)
     with pytest.raises(SystemExit) as e:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.engine.config import EngineConfig
-from backend.engine.kv_pool import KV_DTYPES, KVFormat
+from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.kv_pool import KV_DTYPES, KVFormat
 
 
 @pytest.mark.parametrize("name", list(KV_DTYPES))
@@ -43,7 +43,7 @@ def test_a_bad_name_is_refused_by_value(bad):
 def test_the_pool_is_allocated_per_the_format(name):
     from types import SimpleNamespace
 
-    from backend.engine.kv_pool import allocate_pool
+    from edgeinfer.backend.engine.kv_pool import allocate_pool
 
     fmt = KVFormat(name)
     cfg = SimpleNamespace(num_layers=3, num_kv_heads=2, head_dim=8)

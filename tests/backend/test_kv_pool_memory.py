@@ -3,9 +3,9 @@ the whole budget (1 GiB by default then) resident from start-up."""
 
 from __future__ import annotations
 
-from backend.engine.config import EngineConfig
-from backend.engine.model_runner import ModelRunner
-from backend.server import parse_args
+from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.model_runner import ModelRunner
+from edgeinfer.backend.server import parse_args
 
 
 def _rss_mib() -> float:

@@ -8,10 +8,10 @@ import asyncio
 import pytest
 import torch
 
-from backend.engine.config import EngineConfig
-from backend.engine.engine import LLMEngine, in_fresh_thread
-from backend.model.linear import DenseLinear, can_prepack, cpu_prepack_enabled
-from protocol.wire import GenerateRequest, SamplingParams
+from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.engine import LLMEngine, in_fresh_thread
+from edgeinfer.backend.model.linear import DenseLinear, can_prepack, cpu_prepack_enabled
+from edgeinfer.protocol.wire import GenerateRequest, SamplingParams
 
 needs_mkldnn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -66,7 +66,7 @@ def test_bad_prepack_setting_is_an_error(monkeypatch):
 
 @needs_mkldnn
 def test_weight_bytes_unchanged_by_prepacking(smol_dir):
-    from backend.model.llama import load_model
+    from edgeinfer.backend.model.llama import load_model
 
     plain = load_model(smol_dir, prepack=False)
     packed = load_model(smol_dir, prepack=True)
@@ -85,8 +85,8 @@ def test_untied_lm_head_is_held_once_when_prepacked(smol_dir):
     twice, and the logits match the plain layout."""
     import dataclasses
 
-    from backend.model.config import ModelConfig
-    from backend.model.llama import build_model, read_tensors
+    from edgeinfer.backend.model.config import ModelConfig
+    from edgeinfer.backend.model.llama import build_model, read_tensors
 
     cfg = dataclasses.replace(ModelConfig.from_dir(smol_dir), tie_word_embeddings=False)
     tensors = read_tensors(smol_dir)
@@ -136,7 +136,7 @@ async def test_engine_serves_again_after_stop_and_start(smol_model, smol_tokeniz
 
 @needs_mkldnn
 def test_metrics_report_the_prepacked_copy(smol_model, smol_tokenizer):
-    from backend.metrics import BackendMetrics
+    from edgeinfer.backend.metrics import BackendMetrics
 
     eng = LLMEngine(smol_model, smol_tokenizer, EngineConfig(num_pages=8), model_name="smol")
     m = BackendMetrics("smol")

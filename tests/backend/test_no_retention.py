@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from protocol.page_id import page_hashes
-from protocol.wire import GenerateRequest, SamplingParams, TenantSpec
+from edgeinfer.protocol.page_id import page_hashes
+from edgeinfer.protocol.wire import GenerateRequest, SamplingParams, TenantSpec
 
 PRIVATE = TenantSpec("priv", retain=False)
 KEEPER = TenantSpec("keeper")
@@ -33,13 +33,13 @@ async def generate(engine, bridge, ids: list[int], ns: str, tenant: TenantSpec):
 
 @pytest.fixture
 async def stack(smol_dir, valkey):
-    from backend.engine.config import EngineConfig
-    from backend.engine.engine import load_engine
-    from backend.store_bridge import PageStoreBridge
-    from cache_store.codec import PageKey
-    from cache_store.index import RedisPageIndex
-    from cache_store.resilience import RedisGuard, redis_client
-    from cache_store.store import HostPageStore, RedisPageStore, TieredPageStore
+    from edgeinfer.backend.engine.config import EngineConfig
+    from edgeinfer.backend.engine.engine import load_engine
+    from edgeinfer.backend.store_bridge import PageStoreBridge
+    from edgeinfer.cache_store.codec import PageKey
+    from edgeinfer.cache_store.index import RedisPageIndex
+    from edgeinfer.cache_store.resilience import RedisGuard, redis_client
+    from edgeinfer.cache_store.store import HostPageStore, RedisPageStore, TieredPageStore
 
     engine = load_engine(smol_dir, EngineConfig(num_pages=128, cache_seed=b"no-retain-test"))
     engine.start()

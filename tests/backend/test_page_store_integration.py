@@ -19,9 +19,9 @@ import msgspec
 import pytest
 import requests
 
-from cache_store.codec import ENVELOPE_BYTES, TAG_BYTES, DecodedPage, PageKey, decode
-from protocol.page_id import PageKeyContext, page_hashes
-from protocol.wire import GenerateRequest, SamplingParams, chunk_decoder
+from edgeinfer.cache_store.codec import ENVELOPE_BYTES, TAG_BYTES, DecodedPage, PageKey, decode
+from edgeinfer.protocol.page_id import PageKeyContext, page_hashes
+from edgeinfer.protocol.wire import GenerateRequest, SamplingParams, chunk_decoder
 from tests.backend_process import INTERNAL_AUTH, INTERNAL_SECRET, BackendProcess
 from tests.conftest import wait_until
 
@@ -76,9 +76,9 @@ def nodes(smol_dir, valkey, tmp_path_factory):
 
 
 async def _redis_view(url: str, model: str, hashes: list[bytes]) -> tuple[dict, list]:
-    from cache_store.index import RedisPageIndex
-    from cache_store.registry import RedisNodeRegistry
-    from cache_store.resilience import RedisGuard, redis_client
+    from edgeinfer.cache_store.index import RedisPageIndex
+    from edgeinfer.cache_store.registry import RedisNodeRegistry
+    from edgeinfer.cache_store.resilience import RedisGuard, redis_client
 
     client = redis_client(url)
     try:
@@ -121,9 +121,9 @@ def test_prompt_prefilled_on_a_is_served_by_b_from_the_store(nodes, valkey):
 
 def test_backends_sign_their_registry_records_with_the_internal_secret(nodes, valkey):
     """A real backend's heartbeat writes a record the gateway verifies (cache_store.node_auth)."""
-    from cache_store.node_auth import NodeRecordKey
-    from cache_store.registry import RedisNodeRegistry
-    from cache_store.resilience import redis_client
+    from edgeinfer.cache_store.node_auth import NodeRecordKey
+    from edgeinfer.cache_store.registry import RedisNodeRegistry
+    from edgeinfer.cache_store.resilience import redis_client
 
     async def listing() -> list:
         client = redis_client(valkey.url)
@@ -228,15 +228,15 @@ async def _generate(engine, bridge, prompt, namespace, max_tokens=8):
 
 
 async def test_corrupted_pages_in_host_and_redis_are_all_detected_and_never_used(smol_dir, valkey, caplog):
-    from backend.engine.config import EngineConfig
-    from backend.engine.engine import load_engine
-    from backend.engine.kv_pool import gather_pages
-    from backend.metrics import BackendMetrics
-    from backend.store_bridge import PageStoreBridge
+    from edgeinfer.backend.engine.config import EngineConfig
+    from edgeinfer.backend.engine.engine import load_engine
+    from edgeinfer.backend.engine.kv_pool import gather_pages
+    from edgeinfer.backend.metrics import BackendMetrics
+    from edgeinfer.backend.store_bridge import PageStoreBridge
     caplog.set_level("WARNING", logger="edgeinfer.store_bridge")
-    from cache_store.index import RedisPageIndex
-    from cache_store.resilience import RedisGuard, redis_client
-    from cache_store.store import HostPageStore, RedisPageStore, TieredPageStore
+    from edgeinfer.cache_store.index import RedisPageIndex
+    from edgeinfer.cache_store.resilience import RedisGuard, redis_client
+    from edgeinfer.cache_store.store import HostPageStore, RedisPageStore, TieredPageStore
 
     if valkey.proc is None:
         valkey.start()
@@ -350,12 +350,12 @@ async def test_corrupted_pages_in_host_and_redis_are_all_detected_and_never_used
 async def test_pages_the_engine_evicts_leave_the_index(smol_dir, valkey):
     """The gateway routes a prefix to the nodes the index lists; once this node's engine evicts those pages
     it must stop being listed (not wait for the index TTL), and a page cached again must stay listed."""
-    from backend.engine.config import EngineConfig
-    from backend.engine.engine import load_engine
-    from backend.store_bridge import PageStoreBridge
-    from cache_store.index import RedisPageIndex
-    from cache_store.resilience import RedisGuard, redis_client
-    from cache_store.store import HostPageStore, TieredPageStore
+    from edgeinfer.backend.engine.config import EngineConfig
+    from edgeinfer.backend.engine.engine import load_engine
+    from edgeinfer.backend.store_bridge import PageStoreBridge
+    from edgeinfer.cache_store.index import RedisPageIndex
+    from edgeinfer.cache_store.resilience import RedisGuard, redis_client
+    from edgeinfer.cache_store.store import HostPageStore, TieredPageStore
 
     if valkey.proc is None:
         valkey.start()

@@ -16,10 +16,18 @@ import time
 import pytest
 import xxhash
 
-from cache_store import codec
-from cache_store.codec import ENVELOPE_BYTES, MAC_BYTES, SALT_BYTES, DecodedPage, PageKey, decode, encode
-from protocol.page_id import page_hashes
-from protocol.wire import GenerateRequest, SamplingParams
+from edgeinfer.cache_store import codec
+from edgeinfer.cache_store.codec import (
+    ENVELOPE_BYTES,
+    MAC_BYTES,
+    SALT_BYTES,
+    DecodedPage,
+    PageKey,
+    decode,
+    encode,
+)
+from edgeinfer.protocol.page_id import page_hashes
+from edgeinfer.protocol.wire import GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.slow
 KEY = PageKey.from_secret(b"deployment-page-key-for-tests")
@@ -43,8 +51,8 @@ def parts(blob: bytes) -> tuple[bytes, bytes, bytes]:
 
 @pytest.fixture(scope="module")
 def engine(smol_dir):
-    from backend.engine.config import EngineConfig
-    from backend.engine.engine import load_engine
+    from edgeinfer.backend.engine.config import EngineConfig
+    from edgeinfer.backend.engine.engine import load_engine
 
     eng = load_engine(smol_dir, EngineConfig(num_pages=120, cache_seed=b"trust-test-seed"))
     eng.start()
@@ -56,10 +64,10 @@ class Node:
     """The engine plus one bridge holding `key`; drop() forgets the local prefix cache, so pages come from Redis."""
 
     def __init__(self, engine, valkey, key: PageKey) -> None:
-        from backend.metrics import BackendMetrics
-        from backend.store_bridge import PageStoreBridge
-        from cache_store.resilience import RedisGuard, redis_client
-        from cache_store.store import RedisPageStore, TieredPageStore
+        from edgeinfer.backend.metrics import BackendMetrics
+        from edgeinfer.backend.store_bridge import PageStoreBridge
+        from edgeinfer.cache_store.resilience import RedisGuard, redis_client
+        from edgeinfer.cache_store.store import RedisPageStore, TieredPageStore
 
         self.engine = engine
         self.client = redis_client(valkey.url, socket_timeout_s=5)

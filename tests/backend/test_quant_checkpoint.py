@@ -11,15 +11,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from backend.engine.config import EngineConfig
-from backend.engine.engine import load_engine
-from backend.model.config import CheckpointError
-from backend.model.linear import W4A16Linear
-from backend.model.llama import load_model
-from backend.quant.calib import paged_prefill
-from backend.quant.packing import group_dequantize_tensor, to_autoawq_gemm, to_gptq
-from backend.quant.quantize import quantize_checkpoint
-from protocol.wire import GenerateRequest, SamplingParams
+from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.engine import load_engine
+from edgeinfer.backend.model.config import CheckpointError
+from edgeinfer.backend.model.linear import W4A16Linear
+from edgeinfer.backend.model.llama import load_model
+from edgeinfer.backend.quant.calib import paged_prefill
+from edgeinfer.backend.quant.packing import group_dequantize_tensor, to_autoawq_gemm, to_gptq
+from edgeinfer.backend.quant.quantize import quantize_checkpoint
+from edgeinfer.protocol.wire import GenerateRequest, SamplingParams
 
 VOCAB = 512
 
@@ -83,7 +83,7 @@ def _dequantized_reference(qdir: Path) -> torch.Tensor:
     for m in list(model.modules()):
         for name, child in list(m.named_children()):
             if isinstance(child, W4A16Linear):
-                from backend.model.linear import DenseLinear
+                from edgeinfer.backend.model.linear import DenseLinear
                 w = group_dequantize_tensor(child.qweight, child.scales, child.zeros, child.group_size)
                 setattr(m, name, DenseLinear(w, child.bias))
     return _logits(model)
@@ -198,7 +198,7 @@ def test_missing_quantized_tensor_is_named(quantized, tmp_path):
 def test_quantize_cli_errors(tiny, quantized, tmp_path):
     from types import SimpleNamespace
 
-    from backend.quant.quantize import main
+    from edgeinfer.backend.quant.quantize import main
     assert main(SimpleNamespace(src=str(tiny), dst=str(tmp_path / "x"), scheme="w3a16", method="rtn")) == 2
     assert main(SimpleNamespace(src=str(quantized["rtn"]), dst=str(tmp_path / "y"), scheme="w4a16-g128",
                                 method="rtn")) == 2
@@ -224,8 +224,8 @@ def test_g64_scheme_round_trip_and_load(tiny, tmp_path, method):
 
 
 def test_calibration_sources_and_interleaving(tiny, tmp_path):
-    from backend.quant.calib import calibration_sources, interleaved_chunks
-    from backend.quant.quantize import QuantizeError, calibration_chunks
+    from edgeinfer.backend.quant.calib import calibration_sources, interleaved_chunks
+    from edgeinfer.backend.quant.quantize import QuantizeError, calibration_chunks
 
     names = [n for _, n in calibration_sources("mix")]
     assert names and all(n != "CPython idlelib/NEWS.txt" and "NEWS" not in n for n in names)   # eval text is disjoint

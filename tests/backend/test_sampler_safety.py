@@ -11,10 +11,10 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from backend.engine.sampler import make_generator, sample
-from backend.engine.sequence import Sequence
-from protocol.page_id import PageKeyContext
-from protocol.wire import SamplingParams
+from edgeinfer.backend.engine.sampler import make_generator, sample
+from edgeinfer.backend.engine.sequence import Sequence
+from edgeinfer.protocol.page_id import PageKeyContext
+from edgeinfer.protocol.wire import SamplingParams
 
 CTX = PageKeyContext(b"seed", "ns", "fp", "fp32", 16)
 POISON = {"top_p": 1e-46, "temperature": 1e-40, "repetition_penalty": 1e-40}
@@ -95,7 +95,7 @@ def test_poison_values_pick_the_top_token(field):
 
 
 def test_a_row_that_cannot_be_sampled_fails_only_its_sequence():
-    from backend.engine.sampler import SamplingError
+    from edgeinfer.backend.engine.sampler import SamplingError
 
     logits = torch.linspace(-5, 5, VOCAB).repeat(3, 1)
     logits[1, 7] = float("nan")

@@ -7,11 +7,11 @@ import asyncio
 import msgspec
 import pytest
 
-from backend.engine.config import EngineConfig
-from backend.engine.engine import LLMEngine
-from backend.metrics import BackendMetrics
-from backend.server import BackendState
-from protocol.wire import StreamChunk
+from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.engine import LLMEngine
+from edgeinfer.backend.metrics import BackendMetrics
+from edgeinfer.backend.server import BackendState
+from edgeinfer.protocol.wire import StreamChunk
 from tests.backend.inproc import serve
 
 OPERATOR_KEY = "op-secret"
@@ -121,7 +121,7 @@ async def test_start_drained_node_takes_only_the_operator_canary(smol_model, smo
 
 
 def test_start_drained_needs_an_operator_key(monkeypatch, capsys):
-    from backend.server import parse_args
+    from edgeinfer.backend.server import parse_args
 
     monkeypatch.delenv("EDGEINFER_OPERATOR_KEY", raising=False)
     monkeypatch.setenv("EDGEINFER_INTERNAL_SECRET", "internal-secret-for-tests")

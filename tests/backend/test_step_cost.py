@@ -1,4 +1,4 @@
-"""backend.engine.step_cost.StepCost: the least-squares model of a step's time the fair scheduler's contended
+"""edgeinfer.backend.engine.step_cost.StepCost: the least-squares model of a step's time the fair scheduler's contended
 cap is derived from (the cap itself: tests/fairness/test_contended_budget.py)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from backend.engine.step_cost import StepCost
+from edgeinfer.backend.engine.step_cost import StepCost
 from tests.step_costs import CPU, steps
 
 

@@ -3,8 +3,8 @@ series together; events without a series (errors, fetch requests) count only in 
 
 from __future__ import annotations
 
-from backend.metrics import BackendMetrics
-from backend.store_context import PAGE_EVENTS, StoreCounters
+from edgeinfer.backend.metrics import BackendMetrics
+from edgeinfer.backend.store_context import PAGE_EVENTS, StoreCounters
 
 
 def _sample(m: BackendMetrics, name: str, **labels: str) -> float:

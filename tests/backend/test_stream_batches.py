@@ -10,11 +10,11 @@ import msgspec
 import pytest
 from aiohttp import web
 
-from backend.engine.config import EngineConfig
-from backend.engine.engine import LLMEngine
-from backend.metrics import BackendMetrics
-from backend.server import BackendState
-from protocol.wire import GenerateRequest, SamplingParams, StreamChunk
+from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.engine import LLMEngine
+from edgeinfer.backend.metrics import BackendMetrics
+from edgeinfer.backend.server import BackendState
+from edgeinfer.protocol.wire import GenerateRequest, SamplingParams, StreamChunk
 from tests.backend.inproc import serve
 
 PROMPT = list(range(100, 140))

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from cache_store.resilience import RedisGuard, redis_client  # noqa: E402
+from edgeinfer.cache_store.resilience import RedisGuard, redis_client  # noqa: E402
 from tests.redis_server import ValkeyCluster, ValkeyServer  # noqa: E402
 
 

@@ -4,9 +4,14 @@ import time
 import msgspec
 import pytest
 
-from cache_store.keys import KeySpace
-from cache_store.registry import InMemoryNodeRegistry, NodeRecord, RedisNodeRegistry, keep_registered
-from cache_store.resilience import RedisGuard, redis_client
+from edgeinfer.cache_store.keys import KeySpace
+from edgeinfer.cache_store.registry import (
+    InMemoryNodeRegistry,
+    NodeRecord,
+    RedisNodeRegistry,
+    keep_registered,
+)
+from edgeinfer.cache_store.resilience import RedisGuard, redis_client
 from tests.redis_server import ValkeyServer, command
 
 
@@ -121,7 +126,7 @@ SECRET = "node-registry-test-internal-secret"
 
 
 async def test_signed_heartbeat_is_verified_and_every_field_is_covered(redis, guard):
-    from cache_store.node_auth import NodeRecordKey
+    from edgeinfer.cache_store.node_auth import NodeRecordKey
 
     key = NodeRecordKey(SECRET, clock_skew_s=0.0)
     reg = RedisNodeRegistry(redis, heartbeat_s=5, guard=guard, signer=key)

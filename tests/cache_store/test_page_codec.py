@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import xxhash
 
-from cache_store import codec
-from cache_store.codec import DecodedPage, Miss, MissReason, PageFormat, PageKey
-from protocol.page_id import PageKeyContext, page_hashes
+from edgeinfer.cache_store import codec
+from edgeinfer.cache_store.codec import DecodedPage, Miss, MissReason, PageFormat, PageKey
+from edgeinfer.protocol.page_id import PageKeyContext, page_hashes
 
 KEY = PageKey.from_secret(b"codec-test-page-key")
 

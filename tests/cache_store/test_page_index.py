@@ -1,9 +1,9 @@
 import pytest
 
-from cache_store.index import InMemoryPageIndex, RedisPageIndex, leading_counts, store_and_publish
-from cache_store.keys import KeySpace
-from cache_store.store import HostPageStore, PageStore, RedisPageStore
-from protocol.page_id import PageKeyContext, page_hashes
+from edgeinfer.cache_store.index import InMemoryPageIndex, RedisPageIndex, leading_counts, store_and_publish
+from edgeinfer.cache_store.keys import KeySpace
+from edgeinfer.cache_store.store import HostPageStore, PageStore, RedisPageStore
+from edgeinfer.protocol.page_id import PageKeyContext, page_hashes
 from tests.redis_server import ValkeyServer
 
 MODEL = "smollm2-135m"
@@ -166,7 +166,7 @@ async def test_publish_only_after_ack(make_index):
 
 async def test_publish_only_after_ack_with_a_full_redis():
     """A real server refusing writes (maxmemory + noeviction): refused pages are never indexed."""
-    from cache_store.resilience import RedisGuard, redis_client
+    from edgeinfer.cache_store.resilience import RedisGuard, redis_client
 
     with ValkeyServer(maxmemory="3mb", maxmemory_policy="noeviction") as server:
         client = redis_client(server.url)

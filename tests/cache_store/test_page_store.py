@@ -3,9 +3,9 @@ import threading
 
 import pytest
 
-from cache_store.codec import Miss, PageFormat, PageKey, decode, encode
-from cache_store.keys import KeySpace
-from cache_store.store import HostPageStore, RedisPageStore
+from edgeinfer.cache_store.codec import Miss, PageFormat, PageKey, decode, encode
+from edgeinfer.cache_store.keys import KeySpace
+from edgeinfer.cache_store.store import HostPageStore, RedisPageStore
 
 FMT = PageFormat(model_fingerprint="m@1", kv_dtype="bfloat16", num_layers=2, kv_heads=1, head_dim=8)
 KEY = PageKey.from_secret(b"page-store-test-key")
@@ -157,7 +157,7 @@ def test_rejects_nonsense_settings():
 
 
 async def test_tiered_store_reads_nearest_first_writes_all_and_deletes_per_tier(redis, guard):
-    from cache_store.store import HostPageStore, RedisPageStore, TieredPageStore
+    from edgeinfer.cache_store.store import HostPageStore, RedisPageStore, TieredPageStore
 
     host = HostPageStore(1 << 20)
     remote = RedisPageStore(redis, guard=guard, timeout_s=2.0)

@@ -7,10 +7,10 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-from cache_store.index import RedisPageIndex
-from cache_store.registry import NodeRecord, RedisNodeRegistry
-from cache_store.resilience import RedisGuard, redis_client
-from cache_store.store import RedisPageStore
+from edgeinfer.cache_store.index import RedisPageIndex
+from edgeinfer.cache_store.registry import NodeRecord, RedisNodeRegistry
+from edgeinfer.cache_store.resilience import RedisGuard, redis_client
+from edgeinfer.cache_store.store import RedisPageStore
 from tests.redis_server import ValkeyServer, command
 
 H = [bytes([i]) * 16 for i in range(8)]

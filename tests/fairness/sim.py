@@ -7,13 +7,13 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 
-from backend.engine.block_manager import BlockManager
-from backend.engine.config import EngineConfig
-from backend.engine.fair import make_scheduler
-from backend.engine.scheduler import Scheduler
-from backend.engine.sequence import Sequence
-from protocol.page_id import PageKeyContext
-from protocol.wire import SamplingParams, TenantSpec
+from edgeinfer.backend.engine.block_manager import BlockManager
+from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.fair import make_scheduler
+from edgeinfer.backend.engine.scheduler import Scheduler
+from edgeinfer.backend.engine.sequence import Sequence
+from edgeinfer.protocol.page_id import PageKeyContext
+from edgeinfer.protocol.wire import SamplingParams, TenantSpec
 
 _ids = itertools.count()
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from backend.engine.backlog import Backlog
-from backend.engine.config import EngineConfig
-from backend.engine.fair import CONTENDED_MIN_TOKENS
-from backend.server import parse_args
-from protocol.wire import TenantSpec
+from edgeinfer.backend.engine.backlog import Backlog
+from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.fair import CONTENDED_MIN_TOKENS
+from edgeinfer.backend.server import parse_args
+from edgeinfer.protocol.wire import TenantSpec
 from tests.fairness.sim import Sim, seq
 from tests.step_costs import measured
 

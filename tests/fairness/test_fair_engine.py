@@ -9,9 +9,9 @@ from collections import Counter
 import pytest
 import torch
 
-from backend.engine.config import EngineConfig
-from backend.engine.engine import EngineObserver, LLMEngine, RequestError
-from protocol.wire import GenerateRequest, SamplingParams, TenantSpec
+from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.engine import EngineObserver, LLMEngine, RequestError
+from edgeinfer.protocol.wire import GenerateRequest, SamplingParams, TenantSpec
 
 _ids = itertools.count()
 
@@ -118,7 +118,7 @@ def test_the_contended_cap_comes_from_measured_steps(smol_model, smol_tokenizer,
     something measurable on a CPU); then a and b together: every contended step's prefill is within the cap
     derived from that fit (a few dozen tokens on a CPU, not 200), greedy outputs equal their solo runs, and the
     metrics show the cap and the fit."""
-    from backend.metrics import BackendMetrics
+    from edgeinfer.backend.metrics import BackendMetrics
 
     eng = LLMEngine(smol_model, smol_tokenizer, EngineConfig(max_num_batched_tokens=256, contended_window_s=0.0,
                                                              contended_step_tokens=200, enable_prefix_cache=False))
@@ -167,7 +167,7 @@ def test_the_contended_cap_comes_from_measured_steps(smol_model, smol_tokenizer,
 
 
 def test_per_tenant_metrics(smol_model, smol_tokenizer):
-    from backend.metrics import BackendMetrics
+    from edgeinfer.backend.metrics import BackendMetrics
 
     eng = LLMEngine(smol_model, smol_tokenizer, EngineConfig(max_num_seqs=2, max_num_batched_tokens=64))
     metrics, served = BackendMetrics("m"), ServedTokens()

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from protocol.wire import TenantSpec
+from edgeinfer.protocol.wire import TenantSpec
 from tests.fairness.sim import Sim, seq
 
 A, B = TenantSpec("a"), TenantSpec("b")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from backend.engine.fair import FairScheduler
-from backend.engine.scheduler import Scheduler
-from protocol.wire import TenantSpec
+from edgeinfer.backend.engine.fair import FairScheduler
+from edgeinfer.backend.engine.scheduler import Scheduler
+from edgeinfer.protocol.wire import TenantSpec
 from tests.fairness.sim import Sim, seq
 
 A, B = TenantSpec("a"), TenantSpec("b")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from backend.engine.block_manager import BlockManager
-from protocol.wire import TenantSpec
+from edgeinfer.backend.engine.block_manager import BlockManager
+from edgeinfer.protocol.wire import TenantSpec
 from tests.fairness.sim import seq
 
 

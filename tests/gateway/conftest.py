@@ -6,8 +6,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from gateway import config as config_mod
-from gateway.app import GatewayRunner, create_app
+from edgeinfer.gateway import config as config_mod
+from edgeinfer.gateway.app import GatewayRunner, create_app
 from tests.gateway.server_thread import ServerThread
 from tests.gateway.stub_backend import StubBackend
 
@@ -36,7 +36,7 @@ def tokenizer_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer(tokenizer_dir):
-    from protocol.tokenizer import Tokenizer
+    from edgeinfer.protocol.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(tokenizer_dir)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from protocol.wire import (
+from edgeinfer.protocol.wire import (
     AbortRequest,
     BackendInfo,
     StreamChunk,

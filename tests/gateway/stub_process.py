@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 async def serve(args: argparse.Namespace) -> None:
-    from protocol.tokenizer import Tokenizer
+    from edgeinfer.protocol.tokenizer import Tokenizer
 
     stub = StubBackend(args.node_id, Tokenizer.from_dir(args.tokenizer))
     stub.behaviour.first_token_delay_s = args.first_token_delay
@@ -50,9 +50,9 @@ async def serve(args: argparse.Namespace) -> None:
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     beats = registry = None
     if args.redis_url:
-        from cache_store.node_auth import NodeRecordKey
-        from cache_store.registry import NodeRecord, RedisNodeRegistry, keep_registered
-        from cache_store.resilience import RedisGuard, redis_client
+        from edgeinfer.cache_store.node_auth import NodeRecordKey
+        from edgeinfer.cache_store.registry import NodeRecord, RedisNodeRegistry, keep_registered
+        from edgeinfer.cache_store.resilience import RedisGuard, redis_client
 
         registry = RedisNodeRegistry(redis_client(args.redis_url), heartbeat_s=args.heartbeat,
                                      guard=RedisGuard(timeout_s=0.5),

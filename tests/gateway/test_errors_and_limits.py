@@ -6,7 +6,7 @@ import openai
 import pytest
 import requests
 
-from gateway import config as config_mod
+from edgeinfer.gateway import config as config_mod
 from tests.conftest import wait_until
 from tests.gateway.conftest import DEMO_KEY, MODEL, OTHER_KEY, client, tenant
 
@@ -121,8 +121,8 @@ def test_remaining_requests_is_whole_at_any_clock_value():
     30000.000000004, so without a tolerance one request held read as 0.9999999 of one
     (x-ratelimit-remaining-requests 0 after the first of 2; seen once in CI) and the second of 2 requests at
     the same instant was refused. Also at a fractional interval (7 per minute)."""
-    from gateway.admission.ratelimit import LocalLimiter
-    from gateway.config import TenantConfig
+    from edgeinfer.gateway.admission.ratelimit import LocalLimiter
+    from edgeinfer.gateway.config import TenantConfig
 
     for now_s in (67106.83814093204, 32412.345678, 1.5):
         for per_min in (2, 7):
@@ -210,7 +210,7 @@ def test_concurrent_stream_limit_shared_by_two_gateways_in_redis(harness, valkey
 
 
 def _redis_admission(client, ttl_s: float):
-    from gateway.admission import RedisAdmission
+    from edgeinfer.gateway.admission import RedisAdmission
 
     return RedisAdmission(client, ttl_s=ttl_s)
 
@@ -220,7 +220,7 @@ async def test_stream_leases_of_a_dead_gateway_expire(valkey):
 
     import redis.asyncio as aredis
 
-    from gateway.config import TenantConfig
+    from edgeinfer.gateway.config import TenantConfig
 
     c = aredis.Redis.from_url(valkey.url)
     await c.flushall()
@@ -248,8 +248,8 @@ async def test_stream_leases_of_a_dead_gateway_expire(valkey):
 async def test_admission_falls_back_to_in_process_limits_when_redis_is_down():
     import redis.asyncio as aredis
 
-    from gateway.admission.leases import RedisStreamLimiter
-    from gateway.config import TenantConfig
+    from edgeinfer.gateway.admission.leases import RedisStreamLimiter
+    from edgeinfer.gateway.config import TenantConfig
 
     c = aredis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.1)   # nothing listens on port 1
     adm = _redis_admission(c, ttl_s=5)

@@ -7,7 +7,7 @@ import openai
 import pytest
 import requests
 
-from gateway import config as config_mod
+from edgeinfer.gateway import config as config_mod
 from tests.conftest import wait_until
 from tests.gateway.conftest import MODEL, client, gateway_config
 

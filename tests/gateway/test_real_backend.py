@@ -32,7 +32,7 @@ class Backend(BackendProcess):
 
 @pytest.fixture(scope="module")
 def model_dir():
-    from backend.model.gguf_import import ensure_default_model
+    from edgeinfer.backend.model.gguf_import import ensure_default_model
 
     return ensure_default_model()
 
@@ -102,7 +102,7 @@ def test_second_turn_routes_to_prefix_holder_and_reports_cached_tokens(harness, 
 def test_edgeinfer_serve_runs_gateway_and_backend(tmp_path):
     port, backend_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k != "EDGEINFER_INTERNAL_SECRET"}
-    proc = subprocess.Popen([sys.executable, "-m", "ops.cli", "serve", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "edgeinfer.ops.cli", "serve", "--port", str(port),
                              "--backend-port", str(backend_port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:

@@ -13,9 +13,9 @@ import openai
 import pytest
 import requests
 
-from gateway import config as config_mod
-from gateway.nodes import Node
-from gateway.routing import affinity_node
+from edgeinfer.gateway import config as config_mod
+from edgeinfer.gateway.nodes import Node
+from edgeinfer.gateway.routing import affinity_node
 from tests.conftest import wait_until
 from tests.gateway.conftest import DEMO_KEY, MODEL, OTHER_KEY, client, gateway_config, parsed, tenant
 from tests.gateway.stub_backend import PHRASE

@@ -28,7 +28,7 @@ class Backend(BackendProcess):
 
 @pytest.fixture(scope="module")
 def model_dir():
-    from backend.model.gguf_import import ensure_default_model
+    from edgeinfer.backend.model.gguf_import import ensure_default_model
 
     return ensure_default_model()
 

@@ -8,9 +8,9 @@ import json
 import llguidance as llg
 import pytest
 
-from gateway.errors import APIError
-from gateway.structured import constraint_for
-from gateway.tools import ToolCallParser, ToolStream, plan_tools, render_messages, split_output
+from edgeinfer.gateway.errors import APIError
+from edgeinfer.gateway.structured import constraint_for
+from edgeinfer.gateway.tools import ToolCallParser, ToolStream, plan_tools, render_messages, split_output
 
 FN = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}

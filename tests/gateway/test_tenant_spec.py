@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import requests
 
-from gateway import config as config_mod
-from protocol.wire import TenantSpec
+from edgeinfer.gateway import config as config_mod
+from edgeinfer.protocol.wire import TenantSpec
 from tests.gateway.conftest import MODEL, client, gateway_config, tenant
 
 

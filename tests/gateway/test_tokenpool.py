@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent("""
     import asyncio, json, os, sys, time
-    from gateway.tokenpool import TokenizerPool
+    from edgeinfer.gateway.tokenpool import TokenizerPool
 
     def children():
         me = str(os.getpid())

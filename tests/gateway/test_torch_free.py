@@ -17,15 +17,15 @@ HEAVY = ("torch", "triton", "backend", "kernels")
 
 
 def _heavy(modules) -> list[str]:
-    return sorted(m for m in modules if m.split(".")[0] in HEAVY)
+    return sorted(m for m in modules if m.removeprefix("edgeinfer.").split(".")[0] in HEAVY)
 
 
 def test_building_the_gateway_app_imports_neither_torch_nor_backend(tokenizer_dir):
     code = f"""
 import json, sys
-import gateway.cli, gateway.tokenpool, ops.cli, ops.commands, ops.node_client
-from gateway import config as config_mod
-from gateway.app import create_app
+import edgeinfer.gateway.cli, edgeinfer.gateway.tokenpool, edgeinfer.ops.cli, edgeinfer.ops.commands, edgeinfer.ops.node_client
+from edgeinfer.gateway import config as config_mod
+from edgeinfer.gateway.app import create_app
 cfg = config_mod.parse({{"models": [{{"name": "m", "tokenizer": {str(tokenizer_dir)!r}}}],
                         "nodes": [{{"id": "n0", "url": "http://127.0.0.1:9", "model": "m"}}]}})
 create_app(cfg)
@@ -34,7 +34,7 @@ print(json.dumps(sorted(sys.modules)))
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     modules = json.loads(out.stdout.strip().splitlines()[-1])
-    assert "gateway.app" in modules and "protocol.wire" in modules
+    assert "edgeinfer.gateway.app" in modules and "edgeinfer.protocol.wire" in modules
     assert _heavy(modules) == []
 
 
@@ -50,7 +50,7 @@ def test_edgeinfer_gateway_process_never_imports_torch_or_backend(tokenizer_dir,
     port = _free_port()
     log = tmp_path / "gateway.err"
     with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "ops.cli", "gateway", "--port", str(port),
+        proc = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "edgeinfer.ops.cli", "gateway", "--port", str(port),
                                  "--model", f"m={tokenizer_dir}"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
         try:
             deadline = time.monotonic() + 60
@@ -69,5 +69,5 @@ def test_edgeinfer_gateway_process_never_imports_torch_or_backend(tokenizer_dir,
             proc.wait(timeout=30)
     imported = [line.rsplit("|", 1)[1].strip() for line in log.read_text().splitlines()
                 if line.startswith("import time:") and line.count("|") == 2]
-    assert "gateway.app" in imported and "protocol.wire" in imported
+    assert "edgeinfer.gateway.app" in imported and "edgeinfer.protocol.wire" in imported
     assert _heavy(imported) == []

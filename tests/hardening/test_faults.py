@@ -20,8 +20,8 @@ import openai
 import pytest
 import requests
 
-from cache_store.codec import DecodedPage, decode
-from protocol.page_id import page_hashes
+from edgeinfer.cache_store.codec import DecodedPage, decode
+from edgeinfer.protocol.page_id import page_hashes
 from tests.conftest import wait_until
 from tests.gateway.conftest import MODEL, client, tenant
 from tests.hardening.test_isolation import rand_prompt, run, two_nodes  # noqa: F401  (module fixture)

@@ -16,13 +16,13 @@ import time
 import pytest
 import requests
 
-from backend.engine.config import EngineConfig
-from backend.engine.engine import LLMEngine, RequestError
-from cache_store.codec import PageKey
-from gateway import config as config_mod
-from gateway.state import STATE as GW_STATE
-from protocol.page_id import PageKeyContext, page_hashes
-from protocol.wire import GenerateRequest, SamplingParams
+from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.engine import LLMEngine, RequestError
+from edgeinfer.cache_store.codec import PageKey
+from edgeinfer.gateway import config as config_mod
+from edgeinfer.gateway.state import STATE as GW_STATE
+from edgeinfer.protocol.page_id import PageKeyContext, page_hashes
+from edgeinfer.protocol.wire import GenerateRequest, SamplingParams
 from tests.backend_process import INTERNAL_AUTH, INTERNAL_SECRET
 from tests.gateway.conftest import Harness, client
 from tests.gateway.server_thread import ServerThread
@@ -176,11 +176,11 @@ PAGE_KEY = PageKey.from_secret(b"isolation-test-page-key")
 @pytest.fixture(scope="module")
 def two_nodes(smol_model, smol_tokenizer, valkey):
     """Engines A and B, each with its own KV pool and a Redis-only page store bridge on one valkey."""
-    from backend.metrics import BackendMetrics
-    from backend.store_bridge import PageStoreBridge
-    from cache_store.index import RedisPageIndex
-    from cache_store.resilience import RedisGuard, redis_client
-    from cache_store.store import RedisPageStore, TieredPageStore
+    from edgeinfer.backend.metrics import BackendMetrics
+    from edgeinfer.backend.store_bridge import PageStoreBridge
+    from edgeinfer.cache_store.index import RedisPageIndex
+    from edgeinfer.cache_store.resilience import RedisGuard, redis_client
+    from edgeinfer.cache_store.store import RedisPageStore, TieredPageStore
 
     loop = asyncio.new_event_loop()
     nodes = []
@@ -248,8 +248,8 @@ def _scan(valkey, pattern: str) -> list[bytes]:
 def stack(smol_model, smol_tokenizer, smol_dir, tokenizer, tokenizer_dir):
     """A real backend app (in-process engine) behind a real gateway with 4 tenants: alice and bob private,
     carol and dave in one cache group."""
-    from backend.metrics import BackendMetrics
-    from backend.server import BackendState, make_app
+    from edgeinfer.backend.metrics import BackendMetrics
+    from edgeinfer.backend.server import BackendState, make_app
 
     eng = LLMEngine(smol_model, smol_tokenizer, EngineConfig(num_pages=512, cache_seed=SEED.encode()),
                     model_name="smol")

@@ -22,7 +22,7 @@ import pytest
 import redis
 import requests
 
-from gateway import config as config_mod
+from edgeinfer.gateway import config as config_mod
 from tests.conftest import wait_until
 from tests.gateway.conftest import MODEL, client, tenant
 from tests.gateway.stub_process import StubProcess
@@ -227,7 +227,7 @@ def test_config_health_stale_intervals_must_be_an_integer_of_at_least_2(value):
 
 
 def test_config_health_stale_intervals_sets_the_probe_timeout_and_staleness():
-    from gateway.state import build_state
+    from edgeinfer.gateway.state import build_state
 
     cfg = config_mod.parse({"server": {"health_interval_s": 0.5, "health_stale_intervals": 5}})
     pool = build_state(cfg, models={}).pool

@@ -14,10 +14,10 @@ import requests
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
-from cache_store import codec
-from cache_store.codec import DecodedPage, Miss, PageFormat, PageKey
-from gateway import config as config_mod
-from protocol.wire import (
+from edgeinfer.cache_store import codec
+from edgeinfer.cache_store.codec import DecodedPage, Miss, PageFormat, PageKey
+from edgeinfer.gateway import config as config_mod
+from edgeinfer.protocol.wire import (
     AbortRequest,
     SamplingParams,
     chunk_decoder,

@@ -86,7 +86,7 @@ class Backend(BackendProcess):
 
 @pytest.fixture(scope="module")
 def backends():
-    from backend.model.gguf_import import ensure_default_model
+    from edgeinfer.backend.model.gguf_import import ensure_default_model
 
     model_dir = ensure_default_model()
     nodes = [Backend(model_dir, "poison-a"), Backend(model_dir, "poison-b")]

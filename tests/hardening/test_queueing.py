@@ -89,7 +89,7 @@ def test_overloaded_node_is_skipped_not_marked_down(harness):
 
 @pytest.fixture(scope="module")
 def model_dir():
-    from backend.model.gguf_import import ensure_default_model
+    from edgeinfer.backend.model.gguf_import import ensure_default_model
 
     return ensure_default_model()
 

@@ -18,9 +18,9 @@ import pytest
 import redis
 import requests
 
-from cache_store.node_auth import NodeRecordKey
-from cache_store.registry import NodeRecord
-from gateway import config as config_mod
+from edgeinfer.cache_store.node_auth import NodeRecordKey
+from edgeinfer.cache_store.registry import NodeRecord
+from edgeinfer.gateway import config as config_mod
 from tests.conftest import wait_until
 from tests.gateway.conftest import MODEL, client, tenant
 from tests.gateway.stub_process import StubProcess

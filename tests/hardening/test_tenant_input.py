@@ -18,8 +18,8 @@ import time
 import pytest
 import requests
 
-from gateway import config as config_mod
-from gateway.state import STATE
+from edgeinfer.gateway import config as config_mod
+from edgeinfer.gateway.state import STATE
 from tests.gateway.conftest import DEMO_KEY, MODEL, client, tenant
 
 AUTH = {"authorization": f"Bearer {DEMO_KEY}", "content-type": "application/json"}
@@ -351,10 +351,10 @@ def test_client_disconnect_mid_stream_logs_one_info_line(harness, caplog, delay_
 async def test_non_utf8_operator_key_at_backend_admin_drain_is_401(smol_model, smol_tokenizer):
     from aiohttp import web
 
-    from backend.engine.config import EngineConfig
-    from backend.engine.engine import LLMEngine
-    from backend.metrics import BackendMetrics
-    from backend.server import BackendState, make_app
+    from edgeinfer.backend.engine.config import EngineConfig
+    from edgeinfer.backend.engine.engine import LLMEngine
+    from edgeinfer.backend.metrics import BackendMetrics
+    from edgeinfer.backend.server import BackendState, make_app
 
     st = BackendState(engine=LLMEngine(smol_model, smol_tokenizer, EngineConfig(num_pages=16)),
                       metrics=BackendMetrics("smol"), node_id="n-utf8", operator_key="op-secret")

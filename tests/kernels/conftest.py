@@ -26,11 +26,11 @@ try:
     import triton  # noqa: F401
     import triton.experimental.gluon  # noqa: F401  (imported lazily by launches; must load under the interpreter)
 
-    import kernels._triton
+    from edgeinfer import kernels
 
     importlib.reload(kernels._triton)
     for name in ("_online_softmax", "kv_store", "w4a16_gemm", "paged_decode_attention", "paged_prefill_attention"):
-        importlib.reload(importlib.import_module(f"kernels.{name}"))
+        importlib.reload(importlib.import_module(f"edgeinfer.kernels.{name}"))
 finally:
     if _ON_GPU:
         pass

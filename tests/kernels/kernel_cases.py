@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.kv_store import kv_store_reference
+from edgeinfer.kernels.kv_store import kv_store_reference
 
 FP8 = torch.float8_e4m3fn
 # EDGEINFER_KERNEL_TEST_DEVICE=cuda runs the same tests compiled on a GPU (no interpreter)

@@ -6,9 +6,9 @@ import pytest
 import torch
 from kernel_cases import DEVICE, on_device
 
-import kernels
-from kernels._triton import tl, triton
-from kernels.kv_store import FP8, kv_store_reference, kv_store_triton
+from edgeinfer import kernels
+from edgeinfer.kernels._triton import tl, triton
+from edgeinfer.kernels.kv_store import FP8, kv_store_reference, kv_store_triton
 
 # (tokens, kv_heads, head_dim, page_size, num_pages): odd sizes, pages crossed, one and zero tokens
 SHAPES = [(11, 3, 40, 5, 6), (1, 1, 16, 16, 2), (0, 2, 64, 4, 3), (37, 8, 24, 3, 20)]

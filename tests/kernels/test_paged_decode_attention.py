@@ -8,8 +8,8 @@ import pytest
 import torch
 from kernel_cases import FP8, build_paged_kv, naive_attention, on_device
 
-import kernels
-from kernels.paged_decode_attention import (
+from edgeinfer import kernels
+from edgeinfer.kernels.paged_decode_attention import (
     paged_decode_attention_reference,
     paged_decode_attention_triton,
     pick_num_splits,

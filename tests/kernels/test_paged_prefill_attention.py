@@ -8,8 +8,11 @@ import pytest
 import torch
 from kernel_cases import FP8, build_paged_kv, naive_attention, on_device
 
-import kernels
-from kernels.paged_prefill_attention import paged_prefill_attention_reference, paged_prefill_attention_triton
+from edgeinfer import kernels
+from edgeinfer.kernels.paged_prefill_attention import (
+    paged_prefill_attention_reference,
+    paged_prefill_attention_triton,
+)
 
 # (context_len, new tokens): no new tokens, a single first token, a decode-like step after a
 # prefix, a chunk after a prefix crossing pages, a whole prompt, a chunk longer than one q block

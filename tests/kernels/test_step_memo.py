@@ -9,11 +9,11 @@ import math
 import torch
 from kernel_cases import build_paged_kv
 
-from kernels.paged_decode_attention import paged_decode_attention_reference
+from edgeinfer.kernels.paged_decode_attention import paged_decode_attention_reference
 
 # the modules (the package's attributes of these names are the dispatching functions)
-decode_mod = importlib.import_module("kernels.paged_decode_attention")
-kv_store_mod = importlib.import_module("kernels.kv_store")
+decode_mod = importlib.import_module("edgeinfer.kernels.paged_decode_attention")
+kv_store_mod = importlib.import_module("edgeinfer.kernels.kv_store")
 
 HEAD_DIM = 16
 

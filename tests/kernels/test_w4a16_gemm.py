@@ -6,8 +6,8 @@ import pytest
 import torch
 from kernel_cases import on_device
 
-import kernels
-from kernels.w4a16_gemm import (
+from edgeinfer import kernels
+from edgeinfer.kernels.w4a16_gemm import (
     DECODE,
     MIDDLE,
     PREFILL,
@@ -113,8 +113,8 @@ def test_bad_launch_raises_before_launch(change, message):
 def test_gguf_q4_1_mins_run_as_fp32_zero_points(dtype):
     """W4A16Linear on CUDA runs GGUF Q4_1 (w = q * s + m) through the kernel as (q - z) * s with z = -m / s
     kept in fp32 (an fp16 z would round); a block with s = 0 still gives m."""
-    from backend.model.linear import mins_as_zeros
-    from backend.quant.packing import group_dequantize_mins
+    from edgeinfer.backend.model.linear import mins_as_zeros
+    from edgeinfer.backend.quant.packing import group_dequantize_mins
 
     n, k, g = 48, 256, 32
     gen = torch.Generator().manual_seed(5)

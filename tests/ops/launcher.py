@@ -70,7 +70,7 @@ def main() -> int:
     stop(pidfile)
     broken = a.node_id == a.break_node and a.version == a.break_version
     model = str(state / "no-such-model") if broken else a.model
-    cmd = [sys.executable, "-m", "backend.server", "--model", model, "--port", a.port, "--node-id", a.node_id,
+    cmd = [sys.executable, "-m", "edgeinfer.backend.server", "--model", model, "--port", a.port, "--node-id", a.node_id,
            "--redis-url", a.redis_url, "--operator-key", os.environ["EDGEINFER_OPERATOR_KEY"],
            "--version", a.version, "--num-pages", "256", "--max-num-seqs", "16", "--heartbeat", a.heartbeat,
            "--log-level", "WARNING"] + (["--start-drained"] if a.start_drained else [])

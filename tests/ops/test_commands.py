@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from ops.commands import run
-from ops.node_client import NodeClient
-from ops.rollout import Rollout, RolloutOptions, Target, check_template, render
+from edgeinfer.ops.commands import run
+from edgeinfer.ops.node_client import NodeClient
+from edgeinfer.ops.rollout import Rollout, RolloutOptions, Target, check_template, render
 
 T = Target("node-a", "http://10.0.0.5:8100", "smol", "v1")
 
@@ -55,8 +55,8 @@ def test_status_leaves_out_records_not_signed_with_the_internal_secret(capsys, m
     import msgspec
     import redis
 
-    from cache_store.node_auth import NodeRecordKey
-    from cache_store.registry import NodeRecord
+    from edgeinfer.cache_store.node_auth import NodeRecordKey
+    from edgeinfer.cache_store.registry import NodeRecord
     from tests.redis_server import ValkeyServer
 
     secret = "ops-test-internal-secret-0123"

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from gateway.config import hash_key
+from edgeinfer.gateway.config import hash_key
 from tests.backend_process import INTERNAL_AUTH, INTERNAL_SECRET
 from tests.redis_server import ValkeyServer, command, free_port
 
@@ -95,7 +95,7 @@ api_key_sha256 = ["{hash_key(TENANT_KEY)}"]
 models = ["*"]
 """)
         self.gw_url = f"http://127.0.0.1:{port}"
-        self.gateway = subprocess.Popen([sys.executable, "-m", "ops.cli", "gateway", "--config", str(cfg)],
+        self.gateway = subprocess.Popen([sys.executable, "-m", "edgeinfer.ops.cli", "gateway", "--config", str(cfg)],
                                         cwd=REPO, env=_env(), stdout=subprocess.DEVNULL,
                                         stderr=open(self.tmp / "gateway.log", "ab"))
         deadline = time.monotonic() + 60
@@ -117,7 +117,7 @@ models = ["*"]
         return {n for n, d in self.gateway_nodes().items() if d["routable"]}
 
     def ops(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "ops.cli", "ops", *args, "--redis-url", self.redis.url],
+        return subprocess.run([sys.executable, "-m", "edgeinfer.ops.cli", "ops", *args, "--redis-url", self.redis.url],
                               cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
 
     def versions(self) -> dict[str, str]:
@@ -236,7 +236,7 @@ def test_status_and_operator_key(cluster):
     assert r.status_code == 401
     r = requests.get(cluster.gw_url + "/admin/nodes", headers={"authorization": f"Bearer {OPERATOR_KEY}"}, timeout=5)
     assert r.status_code == 401
-    bad = subprocess.run([sys.executable, "-m", "ops.cli", "ops", "drain", "n0", "--redis-url", cluster.redis.url],
+    bad = subprocess.run([sys.executable, "-m", "edgeinfer.ops.cli", "ops", "drain", "n0", "--redis-url", cluster.redis.url],
                          cwd=REPO, env={**_env(), "EDGEINFER_OPERATOR_KEY": TENANT_KEY}, capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 1 and "operator key" in bad.stderr

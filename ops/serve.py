@@ -1,0 +1,190 @@
+"""`edgeinfer serve`: the whole product on one machine: an embedded valkey (page store, prefix index, node
+registry), one backend on the default model (or --model DIR) and the gateway in this process.
+
+  edgeinfer serve [--port P] [--model DIR] [--config FILE] [--redis-url URL | --no-page-store]
+
+Order: the gateway's port is checked before anything loads (a port in use is one line, exit 2); valkey
+starts; the default model is imported on the first run (a progress bar); the backend starts (the first
+start compiles the CPU kernels; progress lines meanwhile); then the gateway serves. Every child is stopped
+by its pid on exit, Ctrl-C or SIGTERM, also during the first start (ops/children.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import msgspec
+
+from edgeinfer.ops.children import Children, Stopped, exit_code, raise_on_stop_signals
+from edgeinfer.ops.local_state import LocalSecrets, clear_running, write_running
+from edgeinfer.ops.local_valkey import LocalValkey, ValkeyError
+from edgeinfer.protocol.defaults import home_dir
+
+PAGE_KEY_ENV = "EDGEINFER_PAGE_KEY"     # what backend.server reads (backend/store_wiring.py)
+REDIS_URL_ENV = "EDGEINFER_REDIS_URL"   # backend.server's --redis-url default
+PROGRESS_EVERY_S = 15.0
+
+
+def say(msg: str) -> None:
+    print(f"edgeinfer serve: {msg}", flush=True)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="edgeinfer serve")
+    p.add_argument("--config", help="gateway TOML (default: built-in, with the demo tenant)")
+    p.add_argument("--host", default=None)
+    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--model", help="checkpoint directory (default: SmolLM2-135M-Instruct, imported on first use)")
+    p.add_argument("--backend-port", type=int, default=0)
+    p.add_argument("--backend-arg", action="append", default=[],
+                   help="extra flag for the backend (edgeinfer backend --help; repeatable)")
+    p.add_argument("--ready-timeout", type=float, default=900.0)
+    store = p.add_mutually_exclusive_group()
+    store.add_argument("--redis-url", default=None,
+                       help="use this Redis/valkey for the page store, index and registry instead of the embedded one")
+    store.add_argument("--no-page-store", action="store_true",
+                       help="no shared page store, index or registry (the backend's own prefix cache only)")
+    p.add_argument("--valkey-maxmemory", type=int, default=1 << 30,
+                   help="bytes the embedded valkey keeps before evicting the coldest pages (default 1 GiB)")
+    return p
+
+
+def port_in_use(host: str, port: int) -> str | None:
+    """None if host:port can be bound now, else why not."""
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
+
+
+def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
+    t0 = time.monotonic()
+    next_note = t0 + PROGRESS_EVERY_S
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"backend exited with code {proc.returncode} before it was ready (its log is above)")
+        try:
+            with urllib.request.urlopen(url + "/ready", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        now = time.monotonic()
+        if now - t0 > timeout_s:
+            raise RuntimeError(f"backend at {url} not ready after {timeout_s:.0f} s (--ready-timeout)")
+        if now >= next_note:
+            say(f"backend still starting ({now - t0:.0f} s: loading the model, on a first start compiling the "
+                "CPU kernels)")
+            next_note = now + PROGRESS_EVERY_S
+        time.sleep(0.25)
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    from edgeinfer.gateway import cli as gateway_cli
+    from edgeinfer.gateway import config as config_mod
+
+    gateway_cli.setup_logging()
+    try:
+        cfg = gateway_cli.load_config(args.config)
+    except config_mod.ConfigError as e:
+        print(f"edgeinfer serve: error: {e}", file=sys.stderr)
+        return 2
+    host, port = args.host or cfg.server.host, args.port or cfg.server.port
+    for what, h, p in (("gateway", host, port), ("backend", "127.0.0.1", args.backend_port)):
+        why = port_in_use(h, p) if p else None
+        if why:
+            print(f"edgeinfer serve: error: {what} port {h}:{p} is not free ({why}); pick another with "
+                  f"--{'port' if what == 'gateway' else 'backend-port'}", file=sys.stderr)
+            return 2
+    children = Children()
+    raise_on_stop_signals()
+    try:
+        return _start(args, cfg, children)
+    except Stopped as e:
+        say(f"stopped by {e} during start-up")
+        return exit_code(e.signum)
+    except (RuntimeError, ValueError, OSError, config_mod.ConfigError) as e:
+        print(f"edgeinfer serve: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        children.stop_all()
+        clear_running()
+
+
+def _start(args: argparse.Namespace, cfg, children: Children) -> int:
+    from edgeinfer.gateway import cli as gateway_cli
+    from edgeinfer.gateway import config as config_mod
+
+    local = LocalSecrets.load_or_create()
+    redis_url: str | None = None
+    if args.redis_url:
+        redis_url = args.redis_url
+        say("page store: the Redis at --redis-url")
+    elif not args.no_page_store:
+        try:
+            valkey = LocalValkey(home_dir() / "valkey", local.valkey_password, args.valkey_maxmemory).start(children)
+        except ValkeyError as e:
+            raise RuntimeError(f"{e} (or run with --no-page-store)") from e
+        redis_url = valkey.url
+        say(f"page store: embedded valkey on 127.0.0.1:{valkey.port} (pages kept in {valkey.data_dir})")
+    else:
+        say("page store: off (--no-page-store): no shared pages, index or registry")
+
+    if args.model:
+        model_dir = Path(args.model)
+    else:
+        from edgeinfer.backend.model.gguf_import import ensure_native_default_model
+
+        say("preparing the default model (the first run imports the GGUF, its INT4 blocks kept)")
+        model_dir = ensure_native_default_model(progress=True)
+
+    env = dict(os.environ)
+    for name, value in ((cfg.server.page_seed_env, local.cache_seed), (PAGE_KEY_ENV, local.page_key)):
+        env.setdefault(name, value)   # an operator's own value wins; else this machine's kept one
+        os.environ.setdefault(name, value)
+    secret_env = cfg.server.internal_secret_env
+    if not env.get(secret_env):   # the backend reads only the env var; a fresh one unless the config has one
+        env[secret_env] = cfg.server.internal_secret or secrets.token_hex(32)
+        os.environ[secret_env] = env[secret_env]
+    bport = args.backend_port or gateway_cli.free_port()
+    url = f"http://127.0.0.1:{bport}"
+    if redis_url:   # in the environment, not argv: the URL holds valkey's password and argv is in `ps`
+        env[REDIS_URL_ENV] = redis_url
+    else:
+        env.pop(REDIS_URL_ENV, None)
+    store_args = [] if redis_url else ["--store-tier", "none"]
+    cmd = [sys.executable, "-m", "edgeinfer.backend.server", "--model", str(model_dir), "--host", "127.0.0.1",
+           "--port", str(bport), "--node-id", "local-0", *store_args, *args.backend_arg]
+    say(f"starting the backend: {' '.join(cmd)}")
+    proc = children.start("backend", cmd, env=env)
+    wait_ready(proc, url, args.ready_timeout)
+    info = gateway_cli.backend_info(url, timeout_s=10, headers=cfg.internal_auth)
+    cfg = gateway_cli.override(cfg, args.host, args.port, [f"{info['model']}={model_dir}"], [])
+    data = msgspec.to_builtins(cfg)
+    data["nodes"] = [{"id": info.get("node_id") or "local-0", "url": url, "model": info["model"]}]
+    if redis_url:
+        data["server"]["redis_url"] = redis_url
+    cfg = config_mod.parse(data, cfg.source)
+    s = cfg.server
+    running = write_running(f"http://{s.host}:{s.port}", redis_url)
+    if redis_url:
+        say(f"`edgeinfer ops status` on this machine reads the registry from {running}")
+    gateway_cli.run_loop(gateway_cli.serve_gateway(
+        cfg, ready_line=f"edgeinfer serve: ready: http://{s.host}:{s.port}/v1 model={info['model']} "
+                        f"(demo key: {config_mod.DEMO_API_KEY})"))
+    return 0
+
+
+def run(cmd: str, argv: list[str]) -> int:
+    return main(argv)
