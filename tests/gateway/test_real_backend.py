@@ -102,6 +102,7 @@ def test_second_turn_routes_to_prefix_holder_and_reports_cached_tokens(harness, 
 def test_edgeinfer_serve_runs_gateway_and_backend(tmp_path):
     port, backend_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k != "EDGEINFER_INTERNAL_SECRET"}
+    env["EDGEINFER_HOME"] = str(tmp_path)    # its valkey's data and secrets, not the user's
     proc = subprocess.Popen([sys.executable, "-m", "edgeinfer.ops.cli", "serve", "--port", str(port),
                              "--backend-port", str(backend_port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

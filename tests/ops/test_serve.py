@@ -1,0 +1,166 @@
+"""`edgeinfer serve` as a new user runs it: the installed console script, started from a directory that is not
+the checkout, in an environment where Hugging Face's `kernels` package is installed (transformers, a test
+extra, brings it; it once shadowed our own top-level `kernels`). Its embedded valkey, its children's
+lifetimes, its first-start output and a restart that hits the pages the first run published."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.gateway.conftest import DEMO_KEY
+from tests.ops.launcher import alive
+from tests.redis_server import free_port
+
+pytestmark = pytest.mark.slow
+EDGEINFER = Path(sys.executable).with_name("edgeinfer")   # the console script pip installed
+QUESTION = [{"role": "system", "content": "You are a concise assistant. Answer in one short sentence, with the "
+             "fact the user asks for and nothing else; no lists, no preamble."},
+            {"role": "user", "content": "What is the capital of France?"}]
+
+
+def children_of(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+class Serve:
+    """One `edgeinfer serve` process, its output collected line by line on a thread."""
+
+    def __init__(self, home: Path, cwd: Path, *args: str) -> None:
+        self.port = free_port()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("EDGEINFER_")}
+        env["EDGEINFER_HOME"] = str(home)
+        self.env = env
+        self.proc = subprocess.Popen([str(EDGEINFER), "serve", "--port", str(self.port), *args], cwd=cwd, env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def wait_for(self, text: str, timeout_s: float = 600) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if text in line:
+                    return line
+            assert self.proc.poll() is None, "".join(self.lines)[-4000:]
+            time.sleep(0.1)
+        raise AssertionError(f"no {text!r} in {timeout_s} s:\n" + "".join(self.lines)[-4000:])
+
+    def ask(self) -> dict:
+        r = requests.post(f"http://127.0.0.1:{self.port}/v1/chat/completions", timeout=120,
+                          headers={"authorization": f"Bearer {DEMO_KEY}"},
+                          json={"model": "SmolLM2-135M-Instruct", "temperature": 0, "max_tokens": 16,
+                                "messages": QUESTION})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+
+def test_hugging_face_kernels_is_installed_beside_us():
+    """The condition the first-contact bug needed; the test extra installs it (pyproject)."""
+    spec = importlib.util.find_spec("kernels")
+    assert spec is not None and "edgeinfer" not in (spec.origin or "")
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    return tmp_path_factory.mktemp("edgeinfer-home")
+
+
+def test_serve_from_elsewhere_runs_the_whole_product_and_a_restart_hits_its_pages(home, tmp_path):
+    first = Serve(home, tmp_path)
+    try:
+        first.wait_for("ready:")
+        out = "".join(first.lines)
+        assert "page store: embedded valkey on 127.0.0.1:" in out
+        assert "page store on: tiers ['host', 'redis'], index redis" in out
+        a, b = first.ask(), first.ask()
+        assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+        assert a["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert b["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32   # two full pages of the prompt
+        status = subprocess.run([str(EDGEINFER), "ops", "status", "--json"], cwd=tmp_path, env=first.env,
+                                capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0, status.stderr
+        nodes = json.loads(status.stdout)
+        assert [n["node_id"] for n in nodes] == ["local-0"] and nodes[0]["state"] == "active"
+        kids = children_of(first.proc.pid)
+        assert len(kids) == 2, kids                                         # valkey and the backend
+    finally:
+        rc = first.stop()
+    assert rc == 0, "".join(first.lines)[-3000:]
+    assert not any(alive(p) for p in kids), kids
+    assert (home / "valkey" / "pages.rdb").is_file()
+    assert not (home / "serve" / "running.json").exists()
+
+    second = Serve(home, tmp_path)          # same home: same valkey data, seed and page key
+    try:
+        second.wait_for("ready:")
+        c = second.ask()
+        # a fresh backend: its own prefix cache is empty, so these pages came from the valkey the first run filled
+        assert c["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32, c["usage"]
+        assert c["choices"][0]["message"]["content"] == a["choices"][0]["message"]["content"]
+    finally:
+        assert second.stop() == 0
+
+
+def test_a_port_in_use_is_refused_in_one_line_before_anything_loads(home, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("EDGEINFER_")}
+        env["EDGEINFER_HOME"] = str(home)
+        r = subprocess.run([str(EDGEINFER), "serve", "--port", str(port)], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    lines = (r.stdout + r.stderr).strip().splitlines()
+    assert len(lines) == 1 and f"127.0.0.1:{port} is not free" in lines[0] and "--port" in lines[0], lines
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_during_the_first_start_stops_every_child(tmp_path, sig):
+    serve = Serve(tmp_path / "home", tmp_path)
+    try:
+        serve.wait_for("starting the backend")
+        deadline = time.monotonic() + 30
+        while len(children_of(serve.proc.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        kids = children_of(serve.proc.pid)
+        assert len(kids) == 2, kids
+    finally:
+        rc = serve.stop(sig)
+    assert rc == 128 + sig, "".join(serve.lines)[-2000:]
+    assert "stopped by" in "".join(serve.lines)
+    assert not any(alive(p) for p in kids), kids
