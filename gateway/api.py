@@ -34,11 +34,12 @@ from edgeinfer.gateway.schemas import (
     check_completion,
     completion_decoder,
     encode,
+    logit_bias_ids,
     message_dicts,
 )
 from edgeinfer.gateway.served_model import ServedModel
 from edgeinfer.gateway.state import STATE, GatewayState
-from edgeinfer.gateway.structured import constraint_for
+from edgeinfer.gateway.structured import constraint_for, guided_constraint
 from edgeinfer.gateway.tools import ToolPlan, ToolStream, plan_tools, render_messages, split_output
 from edgeinfer.gateway.upstream import UpstreamBroken
 from edgeinfer.protocol.wire import Constraint, SamplingParams, StreamChunk
@@ -94,6 +95,7 @@ def served_model(st: GatewayState, tenant: TenantConfig, name: str) -> ServedMod
 
 def sampling_params(req, max_tokens: int, seed: int | None, logprobs: bool, top_logprobs: int) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    bias = logit_bias_ids(req.logit_bias)
     sp = SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -104,7 +106,7 @@ def sampling_params(req, max_tokens: int, seed: int | None, logprobs: bool, top_
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         seed=seed, stop=stop, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
-        logprobs=logprobs, top_logprobs=top_logprobs)
+        logprobs=logprobs, top_logprobs=top_logprobs, logit_bias=bias)
     try:
         sp.validate()
     except ValueError as e:
@@ -125,6 +127,7 @@ class Job:
         self.headers: dict[str, str] = {}
         self.completion_tokens = 0                          # charged when the lease is given back
         self.tools: ToolPlan | None = None                  # chat with tools: output parsed into tool_calls
+        self.echo: dict[int, str] = {}                      # completions with echo: choice index -> prompt text
 
     def check_chars(self, chars: int, param: str) -> None:
         """The tenant's prompt size cap, checked before anything is tokenized."""
@@ -235,7 +238,9 @@ class Tally:
 
 
 async def execute(job: Job, runs: list[Run], n: int, stream: bool, include_usage: bool,
-                  session: str) -> web.StreamResponse:
+                  session: str, render=None) -> web.StreamResponse:
+    """Route, run and answer; `render(job, runs, tally)` writes a response of another shape (gateway/
+    responses.py) instead of a chat completion or completion."""
     st, request = job.st, job.request
     tenant, model = job.tenant, job.model
     target = Target(model.name, tenant.namespace, session, tenant.spec())
@@ -246,7 +251,9 @@ async def execute(job: Job, runs: list[Run], n: int, stream: bool, include_usage
         async with runs_open(st, target, runs):
             request["node"] = ",".join(sorted({r.node.node_id for r in runs if r.node}))
             request["route"] = runs[0].choice.decision if runs[0].choice else ""
-            if stream:
+            if render is not None:
+                resp = await render(job, runs, tally)
+            elif stream:
                 resp = await _stream(job, runs, tally, include_usage, t0)
             else:
                 resp = await _collect(job, runs, tally, t0)
@@ -331,8 +338,12 @@ def _event(job: Job, run: Run, chunk: StreamChunk, chat: bool, started: set[int]
     else:
         lp = model.completion_logprobs(chunk.logprobs, offsets[run.index]) if chunk.logprobs else None
         offsets[run.index] += len(chunk.text)
+        text = chunk.text
+        if job.echo and run.index not in started:
+            text = job.echo[run.index] + text
+            started.add(run.index)
         out = Completion(job.id, "text_completion", job.created, model.name,
-                         [CompletionChoice(run.index, chunk.text, lp, chunk.finish_reason)])
+                         [CompletionChoice(run.index, text, lp, chunk.finish_reason)])
     return b"data: " + encode(out) + b"\n\n"
 
 
@@ -384,8 +395,9 @@ async def _collect(job: Job, runs: list[Run], tally: Tally, t0: float) -> web.Re
             chat_choices.append(ChatChoice(i, message, model.chat_logprobs(lps[i]) if want_lp else None, reason))
         body = encode(ChatCompletion(job.id, job.created, model.name, chat_choices, tally.usage()))
     else:
-        choices = [CompletionChoice(i, "".join(texts[i]), model.completion_logprobs(lps[i], 0) if want_lp else None,
-                                    reasons.get(i)) for i in texts]
+        choices = [CompletionChoice(i, job.echo.get(i, "") + "".join(texts[i]),
+                                    model.completion_logprobs(lps[i], 0) if want_lp else None, reasons.get(i))
+                   for i in texts]
         body = encode(Completion(job.id, "text_completion", job.created, model.name, choices, tally.usage()))
     return web.Response(body=body, content_type="application/json",
                         headers={**job.headers, "x-request-id": job.rid})
@@ -395,14 +407,24 @@ def _message(text: str, reason: str | None, tools: ToolPlan | None) -> tuple[Ass
     """The assistant message and finish_reason of one choice ("tool_calls" when it called tools)."""
     if tools is None:
         return AssistantMessage("assistant", text), reason
-    content, calls = split_output(text)
+    content, calls = split_output(text, reason)
     if not calls:
         return AssistantMessage("assistant", content or ""), reason
     return AssistantMessage("assistant", content, calls), "tool_calls" if reason == "stop" else reason
 
 
-def _session(request: web.Request) -> str:
-    session = request.headers.get("x-session-affinity", "")[:256]
+def check_bias_ids(model: ServedModel, bias: dict[str, float] | None) -> None:
+    vocab = model.tokenizer.vocab_size
+    for t in logit_bias_ids(bias):
+        if t >= vocab:
+            raise bad_value("logit_bias", f"logit_bias token id {t} is out of range [0, {vocab})")
+
+
+def _session(request: web.Request, prompt_cache_key: str | None = None) -> str:
+    """The routing affinity key: the x-session-affinity header, else OpenAI's prompt_cache_key (the same
+    meaning: requests that share it go to the node that holds their prefix)."""
+    session = request.headers.get("x-session-affinity", "") or (prompt_cache_key or "")
+    session = session[:256]
     try:
         session.encode()
     except UnicodeEncodeError as e:   # aiohttp keeps non-UTF-8 header bytes as lone surrogates
@@ -418,8 +440,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     request["model"] = req.model
     check_chat(req, st.cfg.server.max_n)
     model = served_model(st, tenant, req.model)
+    check_bias_ids(model, req.logit_bias)
     tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
-    constraint = constraint_for(req.response_format)
+    constraint = constraint_for(req.response_format) or guided_constraint(req.guided_json, req.guided_choice,
+                                                                          req.guided_regex)
     if tools is not None and tools.mode != "auto":
         if constraint is not None:
             raise bad_value("response_format", "response_format cannot be combined with a tool_choice that "
@@ -429,11 +453,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     job = Job(request, st, tenant, model, "chat")
     job.tools = tools
     job.check_chars(sum(len(m["content"]) for m in messages), "messages")
-    session = _session(request)
+    session = _session(request, req.prompt_cache_key)
     top = req.top_logprobs or 0
     sampling_params(req, 1, req.seed, req.logprobs, top)   # a bad sampling value: 400 before admission
     async with job.admitted():
-        prompt = await model.encode_chat(messages)
+        prompt = await model.encode_chat(messages, req.chat_template_kwargs)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = job.limits([prompt], requested)
         job.check_budget(len(prompt))
@@ -454,7 +478,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     request["model"] = req.model
     check_completion(req, st.cfg.server.max_n)
     model = served_model(st, tenant, req.model)
-    constraint = constraint_for(req.response_format)
+    check_bias_ids(model, req.logit_bias)
+    constraint = constraint_for(req.response_format) or guided_constraint(req.guided_json, req.guided_choice,
+                                                                          req.guided_regex)
     p = req.prompt
     texts = [p] if isinstance(p, str) else list(p) if p and isinstance(p[0], str) else []
     count = len(texts) if texts else (1 if p and isinstance(p[0], int) else len(p))
@@ -463,7 +489,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                              f"limit of {st.cfg.server.max_n}")
     job = Job(request, st, tenant, model, "completion")
     job.check_chars(sum(len(t) for t in texts), "prompt")  # type: ignore[arg-type]
-    session = _session(request)
+    session = _session(request, req.prompt_cache_key)
     top = req.logprobs or 0
     sampling_params(req, 1, req.seed, req.logprobs is not None, top)   # a bad sampling value: 400 before admission
     async with job.admitted():
@@ -487,6 +513,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
                                    req.logprobs is not None, top)
 
         runs = job.runs(prompts, req.n, make, constraint)
+        if req.echo:   # each choice starts with its prompt, as text (token-id prompts decoded)
+            job.echo = {r.index: (texts[r.index // req.n] if texts else model.tokenizer.decode(r.prompt_ids, False))
+                        for r in runs}
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await execute(job, runs, req.n, req.stream, include_usage, session)
 

@@ -11,7 +11,7 @@ import aiohttp
 import msgspec
 from aiohttp import web, web_protocol, web_server
 
-from edgeinfer.gateway import api
+from edgeinfer.gateway import api, responses
 from edgeinfer.gateway.config import ConfigError, GatewayConfig
 from edgeinfer.gateway.errors import APIError
 from edgeinfer.gateway.openapi import openapi_document
@@ -243,6 +243,9 @@ def create_app(cfg: GatewayConfig, *, state: GatewayState | None = None, **overr
     app.router.add_post("/v1/chat/completions", api.chat_completions)
     app.router.add_post("/v1/completions", api.completions)
     app.router.add_get("/v1/models", api.list_models)
+    app.router.add_post("/v1/responses", responses.create_response)
+    app.router.add_post("/tokenize", responses.tokenize)
+    app.router.add_post("/detokenize", responses.detokenize)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)

@@ -46,12 +46,15 @@ _AT = re.compile(r" - at `\$\.?([^`]*)`$")
 
 
 def from_validation_error(e: msgspec.ValidationError) -> APIError:
-    """msgspec's 'Expected `int`, got `str` - at `$.n`' -> 422 with param='n'."""
+    """msgspec's 'Expected `int`, got `str` - at `$.n`' -> 422 with param='n'; an unknown field -> 400 naming
+    it, as OpenAI answers ('Unrecognized request argument supplied: foo')."""
     text = str(e)
     m = _AT.search(text)
     param = m.group(1) if m else None
-    if param is None and (u := re.search(r"unknown field `([^`]*)`", text)):
-        param = u.group(1)
+    if u := re.search(r"unknown field `([^`]*)`", text):
+        where = f"{param}.{u.group(1)}" if param else u.group(1)
+        return APIError(400, f"Unrecognized request argument supplied: {where}", code="unknown_parameter",
+                        param=where)
     return APIError(422, text, code="invalid_type" if "Expected" in text else "invalid_field", param=param)
 
 

@@ -1,7 +1,14 @@
 """OpenAI-compatible wire schema (requests and responses), validated with msgspec at the HTTP boundary.
 
-Rule: a body that is not JSON -> 400; a wrong type, missing or unknown field -> 422 (msgspec);
-a value out of range or an unsupported feature -> 400 (checked in validate_*).
+Rule: a body that is not JSON -> 400; an unknown field -> 400 naming it (OpenAI's answer); a wrong type or a
+missing field -> 422 (msgspec); a value out of range or an unsupported feature -> 400 (checked in check_*).
+
+Fields today's SDKs send that change nothing here are accepted with a documented meaning (docs/GATEWAY.md):
+`prompt_cache_key` is the routing affinity key (as the x-session-affinity header); `safety_identifier`, `user`,
+`verbosity`, `metadata` and `modalities: ["text"]` are accepted; `reasoning_effort` is accepted and ignored
+(the served models do not reason); `stream_options.include_obfuscation` is accepted (no obfuscation padding
+is sent). vLLM's extras: `chat_template_kwargs`, `guided_json` / `guided_choice` / `guided_regex` (onto the
+same grammar path as response_format).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+    include_obfuscation: bool | None = None    # accepted: no obfuscation padding is added to the events
 
 
 class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -53,11 +61,17 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
-    # accepted for client compatibility; only their neutral values are allowed
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None   # token id (as a string) -> bias in [-100, 100]
+    # accepted for client compatibility (see the module docstring)
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # vLLM's guided decoding (one at most; not with response_format)
+    guided_json: dict[str, Any] | str | None = None
+    guided_choice: list[str] | None = None
+    guided_regex: str | None = None
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
@@ -69,6 +83,10 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    modalities: list[str] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -80,15 +98,47 @@ class CompletionRequest(_Sampling, kw_only=True):
     response_format: dict[str, Any] | None = None
 
 
+MAX_LOGIT_BIAS = 1024    # entries; OpenAI documents the range of a value, not a count
+
+
+def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias ({"<token id>": bias in [-100, 100]}) as ids; 400 naming the bad entry."""
+    out: dict[int, float] = {}
+    if not bias:
+        return out
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise bad_value("logit_bias", f"logit_bias has {len(bias)} entries: at most {MAX_LOGIT_BIAS}")
+    for key, value in bias.items():
+        if not key.isdigit():
+            raise bad_value("logit_bias", f"logit_bias key {key!r} is invalid: expected a token id (a decimal "
+                                          "integer as a string)")
+        if not -100 <= value <= 100:
+            raise bad_value("logit_bias", f"logit_bias[{key!r}]={value!r} is invalid: expected a number in "
+                                          "[-100, 100]")
+        out[int(key)] = float(value)
+    return out
+
+
 def check_common(req: _Sampling, max_n: int) -> None:
     if not 1 <= req.n <= max_n:
         raise bad_value("n", f"n={req.n} is invalid: expected an integer in [1, {max_n}]")
     if req.stream_options is not None and not req.stream:
         raise bad_value("stream_options", "stream_options is only allowed when stream=true")
-    if req.logit_bias:
-        raise bad_value("logit_bias", "logit_bias is not supported", code="unsupported_parameter")
+    if req.temperature is not None and not 0 <= req.temperature <= 2:
+        raise bad_value("temperature", f"temperature={req.temperature!r} is invalid: expected a number in [0, 2]")
+    logit_bias_ids(req.logit_bias)
+    guided = [name for name in ("guided_json", "guided_choice", "guided_regex") if getattr(req, name) is not None]
+    if len(guided) > 1:
+        raise bad_value(guided[1], f"{guided[0]} and {guided[1]} cannot be combined: give one guided_* field")
+    if guided and getattr(req, "response_format", None) is not None:
+        raise bad_value(guided[0], f"{guided[0]} cannot be combined with response_format")
+    if req.guided_choice is not None and not req.guided_choice:
+        raise bad_value("guided_choice", "guided_choice must list at least one string")
     if req.max_tokens is not None and req.max_tokens < 1:
         raise bad_value("max_tokens", f"max_tokens={req.max_tokens} is invalid: expected an integer >= 1")
+
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 
 
 def check_chat(req: ChatCompletionRequest, max_n: int) -> None:
@@ -101,6 +151,14 @@ def check_chat(req: ChatCompletionRequest, max_n: int) -> None:
     if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
         raise bad_value("max_completion_tokens",
                         f"max_completion_tokens={req.max_completion_tokens} is invalid: expected an integer >= 1")
+    if req.reasoning_effort is not None and req.reasoning_effort not in REASONING_EFFORTS:
+        raise bad_value("reasoning_effort", f"reasoning_effort={req.reasoning_effort!r} is invalid: expected one "
+                                            f"of {', '.join(REASONING_EFFORTS)}")
+    if req.verbosity is not None and req.verbosity not in ("low", "medium", "high"):
+        raise bad_value("verbosity", f"verbosity={req.verbosity!r} is invalid: expected low, medium or high")
+    if req.modalities is not None and req.modalities != ["text"]:
+        raise bad_value("modalities", f"modalities={req.modalities!r} is not supported: this server answers "
+                                      "text only (['text'])", code="unsupported_parameter")
     for i, m in enumerate(req.messages):
         if isinstance(m.content, list):
             for j, part in enumerate(m.content):
@@ -112,8 +170,9 @@ def check_chat(req: ChatCompletionRequest, max_n: int) -> None:
 
 def check_completion(req: CompletionRequest, max_n: int) -> None:
     check_common(req, max_n)
-    if req.echo:
-        raise bad_value("echo", "echo=true is not supported", code="unsupported_parameter")
+    if req.echo and req.logprobs is not None:
+        raise bad_value("echo", "echo=true with logprobs is not supported (the prompt's logprobs are not "
+                                "computed); echo alone is", code="unsupported_parameter")
     if req.suffix:
         raise bad_value("suffix", "suffix is not supported", code="unsupported_parameter")
     if req.best_of not in (None, req.n):

@@ -66,8 +66,11 @@ class ServedModel:
         except Exception as e:  # jinja2 TemplateError (raise_exception in the template), bad input
             raise _template_error(f"{type(e).__name__}: {e}") from e
 
-    def _chat_ids(self, messages: list[dict]) -> list[int]:
-        return self._encode_text(self.tokenizer.apply_chat_template(messages))
+    def _chat_ids(self, payload: list[dict] | tuple[list[dict], dict]) -> list[int]:
+        """payload: the messages, or (messages, chat_template_kwargs): extra variables for the template
+        (vLLM's chat_template_kwargs, e.g. enable_thinking)."""
+        messages, extra = payload if isinstance(payload, tuple) else (payload, {})
+        return self._encode_text(self.tokenizer.apply_chat_template(messages, **extra))
 
     def _prompt_ids(self, prompt: str) -> list[int]:
         ids = self._encode_text(prompt)
@@ -76,9 +79,10 @@ class ServedModel:
             ids = [tok.bos_token_id, *ids]
         return ids
 
-    async def encode_chat(self, messages: list[dict]) -> Sequence[int]:
+    async def encode_chat(self, messages: list[dict], template_kwargs: dict | None = None) -> Sequence[int]:
         size = sum(len(m["content"]) for m in messages)
-        return await self._run(self._chat_ids, messages, "chat", size)
+        payload = (messages, template_kwargs) if template_kwargs else messages
+        return await self._run(self._chat_ids, payload, "chat", size)
 
     async def encode_prompt(self, prompt: str) -> Sequence[int]:
         return await self._run(self._prompt_ids, prompt, "prompt", len(prompt))

@@ -201,8 +201,13 @@ class ToolCallParser:
         self.calls += calls
         return self._content(content), calls
 
-    def finish(self) -> str:
-        """The rest as content (an unterminated call is left as text)."""
+    def finish(self, reason: str | None = None) -> str:
+        """The rest as content. A call cut off by max_tokens (reason "length": inside a call, or the start of
+        its tag) is dropped, never shown as markup in content; an unterminated call at a natural stop is left
+        as text (the model wrote it that way)."""
+        if reason == "length" and (self.inside or self.buf):
+            self.buf, self.inside = "", False
+            return ""
         rest = (OPEN if self.inside else "") + self.buf
         self.buf, self.inside = "", False
         return self._content(rest)
@@ -224,7 +229,7 @@ class ToolStream:
         base = len(self.parser.calls)
         content, calls = self.parser.push(text)
         if reason is not None:
-            content += self.parser.finish()
+            content += self.parser.finish(reason)
             if self.parser.calls and reason == "stop":
                 reason = "tool_calls"
         deltas = [ToolCallDelta(base + k, c.id, c.function) for k, c in enumerate(calls)]
@@ -238,10 +243,10 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def split_output(text: str) -> tuple[str | None, list[ToolCall]]:
-    """Whole output -> (content or None, tool calls)."""
+def split_output(text: str, reason: str | None = None) -> tuple[str | None, list[ToolCall]]:
+    """Whole output -> (content or None, tool calls); reason is the choice's finish_reason."""
     p = ToolCallParser()
     content, calls = p.push(text)
-    content += p.finish()
+    content += p.finish(reason)
     content = content.strip() if calls else content
     return (content or None), calls

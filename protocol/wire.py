@@ -33,6 +33,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    logit_bias: dict[int, float] = {}   # token id -> added to its logit before the grammar mask, in [-100, 100]
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field and what was expected."""
@@ -65,6 +66,9 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
             bad("top_logprobs", self.top_logprobs, "an integer in [0, 20]")
         if len(self.stop) > 16:
             bad("stop", f"{len(self.stop)} strings", "at most 16 stop strings")
+        for tok, bias in self.logit_bias.items():
+            if tok < 0 or not math.isfinite(bias) or not -100 <= bias <= 100:
+                bad("logit_bias", {tok: bias}, "token ids >= 0 with biases in [-100, 100]")
 
 
 class TenantSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -89,7 +93,8 @@ class TenantSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                              "(0: no cap)")
 class Constraint(msgspec.Struct, forbid_unknown_fields=True):
     """Grammar the output must match (backend/engine/grammar.py): kind "json_schema" (spec: the schema as
-    JSON text) or "lark" (spec: a Lark grammar, llguidance's dialect)."""
+    JSON text, its properties in the schema's order), "lark" (spec: a Lark grammar, llguidance's dialect) or
+    "regex" (spec: a regular expression the whole output matches)."""
     kind: str
     spec: str
 

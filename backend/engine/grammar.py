@@ -61,7 +61,9 @@ def grammar_text(c: Constraint) -> str:
             raise GrammarError(f"json_schema is not a JSON object: {e}") from e
     if c.kind == "lark":
         return llg.LLMatcher.grammar_from_lark(c.spec)
-    raise GrammarError(f"constraint kind {c.kind!r} is not supported: expected 'json_schema' or 'lark'")
+    if c.kind == "regex":
+        return llg.LLMatcher.grammar_from_regex(c.spec)
+    raise GrammarError(f"constraint kind {c.kind!r} is not supported: expected 'json_schema', 'lark' or 'regex'")
 
 
 class GrammarCompiler:

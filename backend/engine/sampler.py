@@ -111,6 +111,10 @@ def sample(seqs: list[Sequence], logits: torch.Tensor, grammars: GrammarCompiler
     """One (token, logprob) per sequence, or the SamplingError that ended that sequence alone.
     logits: [len(seqs), vocab] float32. The rows of constrained sequences are masked first, all at once."""
     out: list[Sampled | SamplingError] = []
+    with torch.inference_mode():    # the logits are an inference tensor: updated in place only in the mode
+        for i, s in enumerate(seqs):
+            if s.sampling.logit_bias:
+                _add_bias(logits[i], s.sampling.logit_bias)
     constrained = [(i, s.matcher) for i, s in enumerate(seqs) if s.matcher is not None]
     if constrained:
         assert grammars is not None, "a constrained sequence needs the engine's GrammarCompiler"
@@ -140,6 +144,16 @@ def sample(seqs: list[Sequence], logits: torch.Tensor, grammars: GrammarCompiler
             out.append(e if isinstance(e, SamplingError) else
                        SamplingError(f"request {seq.request_id}: sampling failed: {type(e).__name__}: {e}"))
     return out
+
+
+def _add_bias(row: torch.Tensor, bias: dict[int, float]) -> None:
+    """OpenAI's logit_bias on one row, before the grammar mask (a masked token stays -inf whatever its bias);
+    ids past the model's vocabulary are ignored (the gateway refuses ids past the tokenizer's)."""
+    vocab = row.shape[0]
+    ids = [t for t in bias if t < vocab]
+    if ids:
+        row.index_add_(0, torch.tensor(ids, device=row.device),
+                       torch.tensor([bias[t] for t in ids], dtype=row.dtype, device=row.device))
 
 
 def _nonfinite_picks(logits: torch.Tensor, rows: list[int], ids: list[int]) -> set[int]:

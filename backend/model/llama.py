@@ -345,7 +345,8 @@ class DecodePlan:
     def build(cls, model: LlamaModel) -> DecodePlan | None:
         layers: list[DecoderLayer] = list(model.layers)   # type: ignore[arg-type]
         norms = [layer.input_layernorm for layer in layers[1:]] + [model.norm]
-        rows, residual = [], set()
+        rows: list[tuple] = []
+        residual: set[bool] = set()
         for layer, nxt in zip(layers, norms):
             attn, mlp = layer.self_attn, layer.mlp
             linears = [m for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
