@@ -153,6 +153,35 @@ def test_x8_isa_defaults_to_the_best_this_cpu_has(isa_levels):
     assert kc.x8_isa(1) == (1 if has_avx_vnni else 0)     # a level this CPU lacks is never selected
 
 
+@pytest.mark.parametrize("m", [1, 3, 5, 32])
+@pytest.mark.parametrize("n,k", [(1, 32), (67, 96), (136, 576)])
+def test_q4_1x8_gemm_residual_matches_its_reference_and_is_closer_to_exact(m, n, k):
+    """Two int8 passes (q(x), then q of what it rounded away): the reference's numbers, every ISA level the same
+    bits, and far closer to the exact fp32 product than one pass."""
+    qweight, scales, mins = q4_weight(n, k, seed=5)
+    packed = kc.pack_q4_1x8(kc.pack_q4_1(qweight, scales, mins, 32))
+    x = activations(m, k)
+    got = kc.q4_1x8_gemm_residual(x, packed, n)
+    assert got.shape == (m, n) and close(got, ref.q4_1x8_gemm_residual(x, packed, n))
+    exact = x @ kc.q4_1x8_dequant(packed, n, torch.empty(n, k)).t()
+    one_pass = kc.q4_1x8_gemm(x, packed, n)
+    err2, err1 = float((got - exact).norm() / exact.norm()), float((one_pass - exact).norm() / exact.norm())
+    assert err2 < 1e-4 and err2 * 30 < err1, (err2, err1)
+    best = kc.x8_isa()
+    try:
+        for level in sorted({kc.x8_isa(lv) for lv in range(best + 1)}):
+            kc.x8_isa(level)
+            assert torch.equal(kc.q4_1x8_gemm_residual(x, packed, n), got), kc.ISA_NAMES[level]
+    finally:
+        kc.x8_isa(best)
+
+
+def test_activations_mode_is_validated(monkeypatch):
+    monkeypatch.setenv(kc.ACTIVATIONS_ENV, "int4")
+    with pytest.raises(ValueError, match="EDGEINFER_CPU_ACTIVATIONS='int4'; expected one of int8x2, int8"):
+        kc.activations()
+
+
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 32])
 @pytest.mark.parametrize("n,k", [(1, 32), (8, 64), (67, 96), (130, 576), (136, 576)])
 def test_x8_gemms_on_every_isa_level_are_the_avx2_kernels_bit_for_bit(isa_levels, m, n, k):
@@ -325,9 +354,11 @@ def test_mode_env_rejects_unknown_values(monkeypatch):
         kc.enabled()
 
 
+@pytest.mark.parametrize("acts", kc.ACTIVATIONS)
 @pytest.mark.parametrize("m", [1, 8, 19, 67])
-def test_w4a16_linear_prepacks_for_the_kernels_on_both_sides_of_the_dense_threshold(monkeypatch, m):
+def test_w4a16_linear_prepacks_for_the_kernels_on_both_sides_of_the_dense_threshold(monkeypatch, m, acts):
     monkeypatch.setenv(kc.MODE_ENV, "ext")
+    monkeypatch.setenv(kc.ACTIVATIONS_ENV, acts)
     monkeypatch.setattr("edgeinfer.backend.model.linear.DENSE_MIN_ROWS", 16)          # both paths (the default: never dense)
     qweight, scales, mins = q4_weight(96, 192, 64)
     bias = torch.randn(96)
@@ -339,6 +370,10 @@ def test_w4a16_linear_prepacks_for_the_kernels_on_both_sides_of_the_dense_thresh
     assert float((got - want).norm() / want.norm()) < 0.02
     if m >= 16:                                                       # dequantize + GEMM: fp32 rounding only
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    elif acts == "int8x2":                                            # two int8 passes: ~300x closer
+        assert lin.residual_activations
+        assert close(got - bias, ref.q4_1x8_gemm_residual(x, lin.q4_1x8, 96))
+        assert float((got - want).norm() / want.norm()) < 1e-4
     else:
         assert close(got - bias, ref.q4_1x8_gemm(x, lin.q4_1x8, 96))
         assert close(got - bias, ref.q4_1_gemm(x, kc.pack_q4_1(qweight, scales, mins, 64)))
