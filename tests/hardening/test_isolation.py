@@ -313,7 +313,7 @@ def test_gateway_index_uses_namespace_salted_hashes(stack):
     r = requests.post(gw.url + "/v1/chat/completions", timeout=10, headers={"authorization": f"Bearer {KEYS['alice']}"},
                       json={"model": "smol", "messages": [{"role": "user", "content": "x"}],
                             "cache_namespace": "tenant:bob"})
-    assert r.status_code == 422 and r.json()["error"]["param"] == "cache_namespace"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_namespace"
 
 
 def test_keys_never_in_logs_or_metrics(stack, caplog):
