@@ -22,7 +22,22 @@ def test_response_format_to_constraint():
     assert json.loads(constraint_for({"type": "json_object"}).spec) == {"type": "object"}
     c = constraint_for({"type": "json_schema", "json_schema": {"name": "x", "strict": True,
                                                                "schema": {"type": "integer", "maximum": 3}}})
-    assert c.kind == "json_schema" and json.loads(c.spec) == {"type": "integer", "maximum": 3}
+    # the user's bound kept, the missing one filled with JSON's safe range (structured.bounded_numbers)
+    assert c.kind == "json_schema" and json.loads(c.spec) == {"type": "integer", "maximum": 3,
+                                                              "minimum": -(2**53 - 1)}
+
+
+def test_schema_keys_keep_their_order_and_unbounded_numbers_get_the_safe_range():
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "country": {"type": "string"},
+                                               "population": {"type": "integer"}, "share": {"type": "number",
+                                                                                            "exclusiveMinimum": 0}},
+              "required": ["name", "country", "population"]}
+    c = constraint_for({"type": "json_schema", "json_schema": {"name": "City", "schema": schema}})
+    got = json.loads(c.spec)
+    assert list(got["properties"]) == ["name", "country", "population", "share"]    # not sorted
+    assert got["properties"]["population"] == {"type": "integer", "minimum": -(2**53 - 1), "maximum": 2**53 - 1}
+    assert got["properties"]["share"] == {"type": "number", "exclusiveMinimum": 0, "maximum": 2**53 - 1}
+    assert got["properties"]["name"] == {"type": "string"}
 
 
 @pytest.mark.parametrize("rf, param", [
