@@ -27,7 +27,7 @@ from benchmarks.result_file import run_stamp, write_result  # noqa: E402
 OUT = Path(__file__).parent / "results" / "bench_structured_parse.json"
 
 
-class Color(str, enum.Enum):
+class Color(enum.StrEnum):
     red = "red"
     green = "green"
     blue = "blue"
