@@ -111,10 +111,11 @@ def sample(seqs: list[Sequence], logits: torch.Tensor, grammars: GrammarCompiler
     """One (token, logprob) per sequence, or the SamplingError that ended that sequence alone.
     logits: [len(seqs), vocab] float32. The rows of constrained sequences are masked first, all at once."""
     out: list[Sampled | SamplingError] = []
-    with torch.inference_mode():    # the logits are an inference tensor: updated in place only in the mode
-        for i, s in enumerate(seqs):
-            if s.sampling.logit_bias:
-                _add_bias(logits[i], s.sampling.logit_bias)
+    biased = [(i, s.sampling.logit_bias) for i, s in enumerate(seqs) if s.sampling.logit_bias]
+    if biased:   # the logits are an inference tensor: updated in place only in the mode
+        with torch.inference_mode():
+            for i, bias in biased:
+                _add_bias(logits[i], bias)
     constrained = [(i, s.matcher) for i, s in enumerate(seqs) if s.matcher is not None]
     if constrained:
         assert grammars is not None, "a constrained sequence needs the engine's GrammarCompiler"
