@@ -51,6 +51,20 @@ def hf_smol(smol_dir):
     return LlamaForCausalLM.from_pretrained(smol_dir, torch_dtype=torch.float32).eval()
 
 
+@pytest.fixture(scope="session")
+def compat_serve(tmp_path_factory):
+    """One `edgeinfer serve` (default model, no page store) shared by the client-compatibility modules."""
+    from tests.ops.test_serve import Serve
+
+    home = tmp_path_factory.mktemp("compat-home")
+    s = Serve(home, home, "--no-page-store")
+    try:
+        s.wait_for("ready:")
+        yield s
+    finally:
+        s.stop()
+
+
 @pytest.fixture(scope="module")
 def valkey():
     """A real valkey-server on a free loopback port, one per test module."""

@@ -13,7 +13,6 @@ import requests
 from pydantic import BaseModel
 
 from tests.gateway.conftest import DEMO_KEY
-from tests.ops.test_serve import Serve
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
@@ -29,14 +28,8 @@ class City(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def serve(tmp_path_factory):
-    home = tmp_path_factory.mktemp("compat-home")
-    s = Serve(home, home, "--no-page-store")
-    try:
-        s.wait_for("ready:")
-        yield s
-    finally:
-        s.stop()
+def serve(compat_serve):
+    return compat_serve
 
 
 @pytest.fixture(scope="module")
