@@ -9,6 +9,7 @@ variable EDGEINFER_KERNELS=reference forces the reference on CUDA too):
   paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, sm_scale,
                           k_scale=None, v_scale=None) -> out
   w4a16_gemm(x, qweight, scales, zeros=None, group_size=128) -> out
+  fused_moe_w4a16(x, weights, ids, w1q, w1s, w1z, w2q, w2s, w2z, group_size=128) -> out  (kernels/fused_moe.py)
 
 Every op except kv_store also accepts out= (written and returned). EDGEINFER_KERNELS=triton
 forces the Triton kernels (on CPU only under TRITON_INTERPRET=1). Details: docs/KERNELS.md.
@@ -27,6 +28,8 @@ Layouts (shape comments are the contract):
 """
 
 from edgeinfer.kernels.dispatch import (  # noqa: F401
+    fused_moe_w4a16,
+    fused_moe_w4a16_reference,
     kv_store,
     paged_decode_attention,
     paged_prefill_attention,

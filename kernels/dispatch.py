@@ -14,6 +14,7 @@ import warnings
 import torch
 
 from edgeinfer.kernels import _triton
+from edgeinfer.kernels import fused_moe as _moe
 from edgeinfer.kernels import kv_store as _kv
 from edgeinfer.kernels import paged_decode_attention as _decode
 from edgeinfer.kernels import paged_prefill_attention as _prefill
@@ -78,3 +79,12 @@ def w4a16_gemm(x, qweight, scales, zeros=None, group_size=128, out=None):
     # x: [M, K] fp16/bf16, qweight: [N, K//2] uint8 -> [M, N]
     fn = _gemm.w4a16_gemm_triton if use_triton(x) else _gemm.w4a16_gemm_reference
     return fn(x, qweight, scales, zeros, group_size, out)
+
+
+def fused_moe_w4a16(x, weights, ids, w1q, w1s, w1z, w2q, w2s, w2z, group_size=128):
+    # x: [T, H] fp16/bf16; weights, ids: [T, k]; w1: [E, 2I, H//2] (gate rows, then up), w2: [E, H, I//2] -> [T, H]
+    fn = _moe.fused_moe_w4a16_triton if use_triton(x) else _moe.fused_moe_w4a16_reference
+    return fn(x, weights, ids, w1q, w1s, w1z, w2q, w2s, w2z, group_size)
+
+
+fused_moe_w4a16_reference = _moe.fused_moe_w4a16_reference

@@ -1,4 +1,5 @@
-"""Model config from an HF `config.json` (Llama / Mistral / Qwen2 families)."""
+"""Model config from an HF `config.json`: the dense Llama / Mistral / Qwen2 families and the Mixture-of-Experts
+Qwen3-MoE and GLM-4.5/4.6 families (field names as the transformers config classes write them)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,33 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3MoeForCausalLM",
+                           "Glm4MoeForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Glm4MoeForCausalLM")
+NEEDS_MLA = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "KimiK2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class CheckpointError(ValueError):
     pass
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The routed-expert layer (backend/model/moe.py). Qwen3-MoE: softmax over all experts, top-k, optionally
+    renormalized. GLM-4.5 / DeepSeek-V3: sigmoid scores, `e_score_correction_bias` added for the choice only,
+    the top-k taken inside the `topk_group` best of `n_group` groups (a group scores the sum of its two best),
+    the chosen sigmoid scores renormalized (norm_topk_prob) and scaled by routed_scaling_factor; shared experts."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int            # each routed expert's (moe_intermediate_size)
+    scoring: str                      # softmax | sigmoid
+    norm_topk_prob: bool
+    sparse_layers: tuple[bool, ...]   # per decoder layer: True = MoE, False = the dense MLP (intermediate_size)
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0         # one shared MLP of n_shared_experts * intermediate_size
 
 
 @dataclass(frozen=True)
@@ -33,7 +55,14 @@ class ModelConfig:
     rope_scaling: dict | None = None
     eos_token_ids: tuple[int, ...] = ()
     quantization: dict | None = None
+    qk_norm: bool = False             # RMSNorm over each q and k head before rope (Qwen3, GLM-4.5 use_qk_norm)
+    rotary_dim: int = 0               # rope on the first rotary_dim of each head (partial_rotary_factor); 0 = all
+    moe: MoEConfig | None = None
     source: str = field(default="", compare=False)
+
+    @property
+    def rope_dim(self) -> int:
+        return self.rotary_dim or self.head_dim
 
     @property
     def q_size(self) -> int:
@@ -61,6 +90,10 @@ class ModelConfig:
     def from_dict(cls, raw: dict, source: str = "config.json") -> ModelConfig:
         archs = raw.get("architectures") or []
         arch = archs[0] if archs else None
+        if arch in NEEDS_MLA:
+            raise CheckpointError(f"{source}: architecture {arch!r} uses Multi-head Latent Attention (MLA), which "
+                                  "this engine does not serve yet; its MoE routing is implemented "
+                                  "(backend/model/moe.py), its attention is not")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise CheckpointError(f"{source}: unsupported architecture {arch!r}; supported: "
                                   f"{', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -99,6 +132,15 @@ class ModelConfig:
         if sliding and raw.get("use_sliding_window", arch == "MistralForCausalLM") and sliding < max_pos:
             raise CheckpointError(f"{source}: sliding_window={sliding} < max_position_embeddings={max_pos} "
                                   "is unsupported (full attention only)")
+        head_dim = raw.get("head_dim") or hidden // heads
+        partial = raw.get("partial_rotary_factor", 1.0)
+        if isinstance(params, dict):
+            partial = params.get("partial_rotary_factor", partial)
+        rotary_dim = int(head_dim * float(partial))
+        if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+            raise CheckpointError(f"{source}: partial_rotary_factor={partial!r} gives a rotary dim of {rotary_dim}; "
+                                  f"expected an even number in (0, head_dim={head_dim}]")
+        moe = _moe_config(arch, raw, need, source) if arch in MOE_ARCHITECTURES else None
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
@@ -108,7 +150,7 @@ class ModelConfig:
             num_layers=need("num_hidden_layers"),
             num_heads=heads,
             num_kv_heads=kv_heads,
-            head_dim=raw.get("head_dim") or hidden // heads,
+            head_dim=head_dim,
             vocab_size=need("vocab_size"),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
@@ -118,13 +160,46 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             eos_token_ids=eos_ids,
             quantization=raw.get("quantization_config"),
+            qk_norm=arch == "Qwen3MoeForCausalLM" or bool(raw.get("use_qk_norm", False)),
+            rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
+            moe=moe,
             source=source,
         )
 
 
+def _moe_config(arch: str, raw: dict, need, source: str) -> MoEConfig:
+    layers = need("num_hidden_layers")
+    experts = raw.get("num_experts", raw.get("num_local_experts", raw.get("n_routed_experts")))
+    if not isinstance(experts, int) or isinstance(experts, bool) or experts <= 0:
+        raise CheckpointError(f"{source}: num_experts={experts!r} is invalid: expected a positive integer "
+                              "(num_experts, num_local_experts or n_routed_experts)")
+    top_k = need("num_experts_per_tok")
+    if top_k > experts:
+        raise CheckpointError(f"{source}: num_experts_per_tok={top_k} > num_experts={experts}")
+    inter = need("moe_intermediate_size")
+    if arch == "Qwen3MoeForCausalLM":
+        step = raw.get("decoder_sparse_step", 1) or 1
+        dense_only = set(raw.get("mlp_only_layers") or [])
+        sparse = tuple(i not in dense_only and (i + 1) % step == 0 for i in range(layers))
+        return MoEConfig(experts, top_k, inter, "softmax", bool(raw.get("norm_topk_prob", False)), sparse)
+    first_dense = raw.get("first_k_dense_replace", 0) or 0
+    n_group, topk_group = raw.get("n_group", 1) or 1, raw.get("topk_group", 1) or 1
+    if experts % n_group or not 0 < topk_group <= n_group:
+        raise CheckpointError(f"{source}: n_group={n_group}, topk_group={topk_group} do not divide "
+                              f"num_experts={experts} into groups (need n_group | num_experts, topk_group <= n_group)")
+    if topk_group * (experts // n_group) < top_k:
+        raise CheckpointError(f"{source}: topk_group={topk_group} groups of {experts // n_group} experts hold fewer "
+                              f"than num_experts_per_tok={top_k}")
+    sparse = tuple(i >= first_dense for i in range(layers))
+    return MoEConfig(experts, top_k, inter, "sigmoid", bool(raw.get("norm_topk_prob", True)), sparse,
+                     n_group=n_group, topk_group=topk_group,
+                     routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+                     n_shared_experts=int(raw.get("n_shared_experts", 0) or 0))
+
+
 def rope_inv_freq(cfg: ModelConfig) -> tuple[list[float], float]:
     """Inverse frequencies after rope scaling, and the attention scaling factor (yarn mscale)."""
-    d = cfg.head_dim
+    d = cfg.rope_dim
     base = [1.0 / (cfg.rope_theta ** (2 * i / d)) for i in range(d // 2)]
     rs = cfg.rope_scaling
     if rs is None or rs["rope_type"] == "default":

@@ -1,4 +1,6 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache.
+"""Llama-family decoder over a paged KV cache: the dense Llama, Mistral and Qwen2, and the Mixture-of-Experts
+Qwen3-MoE and GLM-4.5/4.6 (GQA attention with per-head QK-norm and partial rotary where the config asks; the MLP
+of a sparse layer is backend/model/moe.py's SparseMoE).
 
 Attention reads K/V through block tables (kernels.paged_*_attention); the model
 never holds a dense per-request KV tensor. One forward runs a flat batch of
@@ -27,6 +29,7 @@ from edgeinfer.backend.model.linear import (
     W4A16Linear,
     cpu_prepack_enabled,
 )
+from edgeinfer.backend.model.moe import DenseExperts, Int4Experts, SparseMoE
 
 
 @dataclass
@@ -91,20 +94,39 @@ class Rotary(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, qkv: nn.Module, o: nn.Module) -> None:
+    def __init__(self, cfg: ModelConfig, qkv: nn.Module, o: nn.Module, q_norm: RMSNorm | None = None,
+                 k_norm: RMSNorm | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.qkv_proj, self.o_proj = qkv, o
+        self.q_norm, self.k_norm = q_norm, k_norm
         self.scale = cfg.head_dim ** -0.5
+        # per-head QK-norm or rope on part of each head: rotated here in torch (kernels.cpu's fused rope + KV
+        # store rotates whole, un-normed heads)
+        self.rotates_in_torch = q_norm is not None or cfg.rope_dim != cfg.head_dim
+
+    def _rotated_qkv(self, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], rotary: Rotary
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # qkv: [T, q_size + 2 kv_size] -> q [T, heads, head_dim], k, v [T, kv_heads, head_dim] (k, v contiguous)
+        c = self.cfg
+        t = qkv.shape[0]
+        qk = qkv[:, : c.q_size + c.kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim)
+        v = qkv[:, c.q_size + c.kv_size:].reshape(t, c.num_kv_heads, c.head_dim).contiguous()
+        if not self.rotates_in_torch:
+            qk = rotary.rotate(cos_sin, qk)
+            return qk[:, : c.num_heads], qk[:, c.num_heads:].contiguous(), v
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, : c.num_heads]), self.k_norm(qk[:, c.num_heads:])), 1)
+        rd = c.rope_dim
+        if rd != c.head_dim:
+            qk = torch.cat((rotary.rotate(cos_sin, qk[..., :rd]), qk[..., rd:]), -1)
+        else:
+            qk = rotary.rotate(cos_sin, qk)
+        return qk[:, : c.num_heads], qk[:, c.num_heads:].contiguous(), v
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], rotary: Rotary, kv: LayerKV,
                 meta: AttentionMetadata) -> torch.Tensor:
-        c = self.cfg
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)
-        qk = rotary.rotate(cos_sin, qkv[:, : c.q_size + c.kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim))
-        q, k = qk[:, : c.num_heads], qk[:, c.num_heads:].contiguous()
-        v = qkv[:, c.q_size + c.kv_size:].reshape(t, c.num_kv_heads, c.head_dim).contiguous()
+        q, k, v = self._rotated_qkv(self.qkv_proj(x), cos_sin, rotary)
         kernels.kv_store(k, v, kv.k, kv.v, meta.slot_mapping, kv.k_scale, kv.v_scale)
         nd = meta.num_decode
         dec = None
@@ -120,6 +142,15 @@ class Attention(nn.Module):
         c = self.cfg
         t = x.shape[0]
         qkv = self.qkv_proj(x)
+        if self.rotates_in_torch:
+            q, k, v = self._rotated_qkv(qkv, rotary.lookup(positions), rotary)
+            kernels.kv_store(k, v, kv.k, kv.v, meta.slot_mapping, kv.k_scale, kv.v_scale)
+            nd = meta.num_decode
+            dec = None
+            if nd:
+                dec = ops.decode_attention(q[:nd].contiguous(), kv.k, kv.v, meta.decode_block_tables,
+                                           meta.decode_context_lens, self.scale, kv.k_scale, kv.v_scale)
+            return self._prefill_and_project(q, dec, kv, meta)
         fp8 = kv.k_scale is not None
         ops.rope_kv_store_(qkv, positions, rotary.cos, rotary.sin, None if fp8 else kv.k, None if fp8 else kv.v,
                            meta.slot_mapping, c.num_heads, c.num_kv_heads)
@@ -181,11 +212,11 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     self_attn: Attention
-    mlp: MLP
+    mlp: MLP | SparseMoE
     input_layernorm: RMSNorm
     post_attention_layernorm: RMSNorm
 
-    def __init__(self, attn: Attention, mlp: MLP, in_norm: RMSNorm, post_norm: RMSNorm) -> None:
+    def __init__(self, attn: Attention, mlp: MLP | SparseMoE, in_norm: RMSNorm, post_norm: RMSNorm) -> None:
         super().__init__()
         self.self_attn, self.mlp = attn, mlp
         self.input_layernorm, self.post_attention_layernorm = in_norm, post_norm
@@ -267,7 +298,8 @@ class LlamaModel(nn.Module):
             swapped = 1
         if self.device.type == "cpu" and self.dtype == torch.float32:
             self.step_ops = cpu_step_ops.ops()
-        packed = swapped + sum(m.prepack() for m in self.modules() if isinstance(m, DenseLinear | W4A16Linear))
+        packed = swapped + sum(m.prepack() for m in self.modules()
+                               if isinstance(m, DenseLinear | W4A16Linear | Int4Experts))
         self._decode_plan = DecodePlan.build(self) if self.step_ops is not None else None
         head = self.lm_head_linear
         if swapped and isinstance(head, Q8Linear) and linear_mod.HEAD_EXACT_CHANNELS:
@@ -349,6 +381,8 @@ class DecodePlan:
         residual: set[bool] = set()
         for layer, nxt in zip(layers, norms):
             attn, mlp = layer.self_attn, layer.mlp
+            if not isinstance(mlp, MLP) or attn.rotates_in_torch:
+                return None
             linears = [m for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
                        if isinstance(m, W4A16Linear) and m.q4_1x8 is not None and m.bias is None]
             if len(linears) != 4:
@@ -447,24 +481,33 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch
         fuse_gate_up = make_linear is not None or prepack
     make_linear = make_linear or dense
     h, c = cfg.hidden_size, cfg
+
+    def mlp(p: str, inter: int) -> MLP:   # p: "model.layers.i.mlp." (or its shared_experts.)
+        shape = (inter, h)
+        if fuse_gate_up:
+            gate_up = make_linear([p + "gate_proj", p + "up_proj"], [shape, shape])
+        else:
+            gate_up = (make_linear([p + "gate_proj"], [shape]), make_linear([p + "up_proj"], [shape]))
+        return MLP(gate_up, make_linear([p + "down_proj"], [(h, inter)]))
+
+    def norm(name: str, size: int) -> RMSNorm:
+        return RMSNorm(check(name, take(name), (size,)), cfg.rms_norm_eps)
+
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         qkv = make_linear([p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"],
                           [(c.q_size, h), (c.kv_size, h), (c.kv_size, h)], bias=cfg.attention_bias)
         o = make_linear([p + "self_attn.o_proj"], [(h, c.q_size)])
-        gate_up_shape = (c.intermediate_size, h)
-        if fuse_gate_up:
-            gate_up = make_linear([p + "mlp.gate_proj", p + "mlp.up_proj"], [gate_up_shape, gate_up_shape])
+        qk_norms = ((norm(p + "self_attn.q_norm.weight", c.head_dim), norm(p + "self_attn.k_norm.weight", c.head_dim))
+                    if cfg.qk_norm else (None, None))
+        ffn: MLP | SparseMoE
+        if cfg.moe is not None and cfg.moe.sparse_layers[i]:
+            ffn = _sparse_moe(cfg, p + "mlp.", tensors, take, mlp, make_linear, dtype, device, source)
         else:
-            gate_up = (make_linear([p + "mlp.gate_proj"], [gate_up_shape]),
-                       make_linear([p + "mlp.up_proj"], [gate_up_shape]))
-        down = make_linear([p + "mlp.down_proj"], [(h, c.intermediate_size)])
-        layers.append(DecoderLayer(
-            Attention(cfg, qkv, o), MLP(gate_up, down),
-            RMSNorm(check(p + "input_layernorm.weight", take(p + "input_layernorm.weight"), (h,)), cfg.rms_norm_eps),
-            RMSNorm(check(p + "post_attention_layernorm.weight", take(p + "post_attention_layernorm.weight"), (h,)),
-                    cfg.rms_norm_eps)))
+            ffn = mlp(p + "mlp.", c.intermediate_size)
+        layers.append(DecoderLayer(Attention(cfg, qkv, o, *qk_norms), ffn, norm(p + "input_layernorm.weight", h),
+                                   norm(p + "post_attention_layernorm.weight", h)))
     embed: torch.Tensor | Q8Embedding
     if "model.embed_tokens.weight" not in tensors and "model.embed_tokens.qweight" in tensors:
         from edgeinfer.backend.quant.loader import q8_embedding
@@ -480,6 +523,46 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch
     if prepack:
         model.prepack()
     return model
+
+
+def _sparse_moe(cfg: ModelConfig, p: str, tensors: dict[str, torch.Tensor], take, mlp, make_linear,
+                dtype: torch.dtype, device: torch.device, source: str) -> SparseMoE:
+    """The MoE block at prefix p ("model.layers.i.mlp."): router `gate.weight` [E, H] (kept fp32) and, for sigmoid
+    routing, `gate.e_score_correction_bias` [E]; the routed experts per expert (`experts.<e>.{gate,up,down}_proj`,
+    plain or quantized: INT4 ones become one Int4Experts) or fused (`experts.gate_up_proj` [E, 2I, H],
+    `experts.down_proj` [E, H, I]); `shared_experts.*` when n_shared_experts > 0."""
+    moe = cfg.moe
+    assert moe is not None
+    h, e, inter = cfg.hidden_size, moe.num_experts, moe.intermediate_size
+
+    def fp32(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = take(name)
+        if tuple(t.shape) != shape:
+            raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
+        return t.to(device=device, dtype=torch.float32)
+
+    router = fp32(p + "gate.weight", (e, h))
+    bias = fp32(p + "gate.e_score_correction_bias", (e,)) if moe.scoring == "sigmoid" else None
+    experts: DenseExperts | Int4Experts
+    if p + "experts.gate_up_proj" in tensors:
+        gate_up = take(p + "experts.gate_up_proj")
+        down = take(p + "experts.down_proj")
+        if tuple(gate_up.shape) != (e, 2 * inter, h) or tuple(down.shape) != (e, h, inter):
+            raise CheckpointError(f"{source}: {p}experts gate_up_proj {tuple(gate_up.shape)} / down_proj "
+                                  f"{tuple(down.shape)}: expected {(e, 2 * inter, h)} / {(e, h, inter)}")
+        experts = DenseExperts(gate_up.to(device=device, dtype=dtype), down.to(device=device, dtype=dtype))
+    else:
+        ep = [f"{p}experts.{j}." for j in range(e)]
+        gu = [make_linear([q + "gate_proj", q + "up_proj"], [(inter, h), (inter, h)]) for q in ep]
+        dn = [make_linear([q + "down_proj"], [(h, inter)]) for q in ep]
+        if all(isinstance(m, W4A16Linear) for m in gu + dn):
+            experts = Int4Experts.from_linears(gu, dn)
+        elif all(isinstance(m, DenseLinear) for m in gu + dn):
+            experts = DenseExperts(torch.stack([m.weight for m in gu]), torch.stack([m.weight for m in dn]))
+        else:
+            raise CheckpointError(f"{source}: {p}experts mix INT4 and unquantized experts; expected all or none")
+    shared = mlp(p + "shared_experts.", moe.n_shared_experts * inter) if moe.n_shared_experts else None
+    return SparseMoE(moe, router, experts, shared, bias)
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",

@@ -276,6 +276,13 @@ def q4_1x8_gemm_residual(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch
     return _ops().q4_1x8_gemm_residual(x, packed, n)
 
 
+def q4_1x8_moe_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, offsets: torch.Tensor,
+                    residual: bool) -> torch.Tensor:
+    """Rows of x sorted by expert (expert e: rows offsets[e] .. offsets[e+1]) against packed [E, ceil(n/8), K/32 *
+    160] (pack_q4_1x8 per expert), all experts in one call -> [M, n]; residual: two int8 activation passes."""
+    return _ops().q4_1x8_moe_gemm(x, packed, n, offsets, residual)
+
+
 def activations() -> str:
     """How the Q4 linears quantize their activations ($EDGEINFER_CPU_ACTIVATIONS, read at each model prepack):
     int8x2 (default) runs q4_1x8_gemm_residual, int8 runs q4_1x8_gemm (one pass, as llama.cpp's Q8_1).

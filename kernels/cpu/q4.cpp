@@ -690,6 +690,62 @@ void q4_1x8_run(const Q8Rows& y, int64_t M, const at::Tensor& w, int64_t n, floa
   });
 }
 
+// Mixture-of-experts: rows of x sorted by expert (expert e owns rows offsets[e] .. offsets[e + 1]), expert e's
+// weight the slab w[e] of w [E, ceil(n/8), K/32 * 160]. One call runs every expert over its own rows: the
+// activations are quantized once for all of them, and the work items (expert, group of 8 weight rows) share one
+// parallel loop, so a step's experts are not E calls from Python. Same tiles as q4_1x8_gemm (256-bit at every
+// level from 2 up: they give the same bits as level 3's pairs), with the residual two-pass activations if asked.
+at::Tensor q4_1x8_moe_gemm(const at::Tensor& x, const at::Tensor& w, int64_t n, const at::Tensor& offsets,
+                           bool residual) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 3 && w.is_contiguous() &&
+                  w.size(1) == groups_of(n) && w.size(2) % Q4X8_BYTES == 0,
+              "q4_1x8_moe_gemm: weight must be contiguous uint8 [E, ceil(", n, " / 8) = ", groups_of(n),
+              ", K/32 * ", Q4X8_BYTES, "], got ", w.scalar_type(), " ", w.sizes());
+  const int64_t E = w.size(0), G = w.size(1), nb = w.size(2) / Q4X8_BYTES, K = nb * QK;
+  check_x(x, K, "q4_1x8_moe_gemm");
+  const int64_t M = x.size(0);
+  TORCH_CHECK(offsets.device().is_cpu() && offsets.scalar_type() == at::kLong && offsets.dim() == 1 &&
+                  offsets.is_contiguous() && offsets.size(0) == E + 1,
+              "q4_1x8_moe_gemm: offsets must be contiguous int64 [E + 1 = ", E + 1, "], got ",
+              offsets.scalar_type(), " ", offsets.sizes());
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  TORCH_CHECK(off[0] == 0 && off[E] == M, "q4_1x8_moe_gemm: offsets must run from 0 to M = ", M, ", got ", off[0],
+              " .. ", off[E]);
+  for (int64_t e = 0; e < E; ++e)
+    TORCH_CHECK(off[e] <= off[e + 1], "q4_1x8_moe_gemm: offsets must not decrease (expert ", e, ")");
+  at::Tensor out = at::empty({M, n}, x.options());
+  if (M == 0 || n == 0) return out;
+  const int64_t R = residual ? 2 : 1;   // quantized rows per activation row
+  const Q8Rows y = residual ? quantize_rows_residual(x.data_ptr<float>(), M, K) : quantize_rows(x.data_ptr<float>(), M, K);
+  std::vector<float> both(residual ? 2 * M * n : 0);
+  float* op = residual ? both.data() : out.data_ptr<float>();
+  std::vector<int64_t> items;   // e * G + g for the experts that have rows
+  for (int64_t e = 0; e < E; ++e)
+    if (off[e + 1] > off[e])
+      for (int64_t g = 0; g < G; ++g) items.push_back(e * G + g);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const int isa = g_isa;
+  const int64_t I = static_cast<int64_t>(items.size());
+  at::parallel_for(0, I, std::max<int64_t>(1, I / (4 * at::get_num_threads())), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t e = items[i] / G, g = items[i] % G, r0 = R * off[e];
+      const uint8_t* wg = wp + (e * G + g) * nb * Q4X8_BYTES;
+      over_tiles(R * (off[e + 1] - off[e]), [&](auto t, int64_t m0) {
+        constexpr int T = decltype(t)::value;
+        if (isa >= 2) q4_1x8_tile_avx512vnni<T>(wg, nb, y, r0 + m0, op, n, g * X8);
+        else if (isa == 1) q4_1x8_tile_avxvnni<T>(wg, nb, y, r0 + m0, op, n, g * X8);
+        else q4_1x8_tile<T>(wg, nb, y, r0 + m0, op, n, g * X8);
+      });
+    }
+  });
+  if (residual) {
+    float* o = out.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t j = 0; j < n; ++j) o[m * n + j] = both[2 * m * n + j] + both[(2 * m + 1) * n + j];
+  }
+  return out;
+}
+
 void check_q8x8(const at::Tensor& qs, const at::Tensor& d, int64_t n, const char* op) {
   check_x8(qs, n, Q8X8_BYTES, at::kChar, op, "qs");
   const int64_t G = qs.size(0), nb = qs.size(1) / Q8X8_BYTES;
@@ -877,6 +933,7 @@ TORCH_LIBRARY(edgeinfer_cpu, m) {
   m.def("q8_0_dequant", &q8_0_dequant);
   m.def("q4_1x8_gemm", &q4_1x8_gemm);
   m.def("q4_1x8_gemm_residual", &q4_1x8_gemm_residual);
+  m.def("q4_1x8_moe_gemm", &q4_1x8_moe_gemm);
   m.def("q8_0x8_gemm", &q8_0x8_gemm);
   m.def("q8_0x8_gemm_exact", &q8_0x8_gemm_exact);
   m.def("q4_1x8_dequant", &q4_1x8_dequant);

@@ -72,6 +72,17 @@ def q4_1x8_gemm_residual(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch
     return q4_1x8_gemm(x, packed, n) + q4_1x8_gemm(rest, packed, n)
 
 
+def q4_1x8_moe_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, offsets: torch.Tensor,
+                    residual: bool) -> torch.Tensor:
+    out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    gemm = q4_1x8_gemm_residual if residual else q4_1x8_gemm
+    for e in range(packed.shape[0]):
+        r0, r1 = int(offsets[e]), int(offsets[e + 1])
+        if r1 > r0:
+            out[r0:r1] = gemm(x[r0:r1], packed[e], n)
+    return out
+
+
 def q8_0x8_gemm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, n: int) -> torch.Tensor:
     return q8_0_gemm(x, *q8_0x8_rows(qs, d, n=n))
 

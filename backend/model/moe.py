@@ -1,0 +1,250 @@
+"""Mixture-of-Experts layer: the router (Qwen3-MoE's softmax top-k; GLM-4.5's and DeepSeek-V3's sigmoid scores with
+a selection-only correction bias, group-limited top-k, renormalization and a routed scaling factor), the routed
+experts and the shared experts.
+
+The experts run grouped: the (token, slot) pairs of a step are sorted by expert once (`ExpertOrder`), every expert
+runs once over the rows it was chosen for, and the outputs are weighted and summed back into token order. There is
+no loop over tokens. Three ways to run the experts, one math:
+  - `DenseExperts` (fp32/bf16 weights [E, 2I, H] and [E, H, I]): one GEMM per expert that has rows.
+  - `Int4Experts` on CPU, prepacked: two grouped calls per layer into kernels.cpu (`q4_1x8_moe_gemm`: every
+    expert's rows against its Q4_1 x8 slab in one C++ call), silu(gate) * up between them.
+  - `Int4Experts` on CUDA (fp16/bf16): kernels.fused_moe_w4a16 (Triton; token-sorted grouped GEMMs, gate/up and
+    SiLU fused in the first); elsewhere its pure-torch reference, which dequantizes each expert.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import edgeinfer.kernels.cpu as cpu_kernels
+from edgeinfer import kernels
+from edgeinfer.backend.model.config import MoEConfig
+from edgeinfer.backend.model.linear import kernel_takes, mins_as_zeros
+
+
+def route(logits: torch.Tensor, moe: MoEConfig, correction_bias: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights [T, k] fp32, expert ids [T, k] int64), as transformers computes them.
+
+    softmax (Qwen3-MoE): top-k of softmax(logits); with norm_topk_prob the k weights are renormalized to sum 1.
+    sigmoid (GLM-4.5, DeepSeek-V3): s = sigmoid(logits); the choice ranks s + correction_bias, restricted to the
+    topk_group groups (of n_group) whose two best biased scores sum highest; the weights are the chosen experts'
+    unbiased s, renormalized (norm_topk_prob) and multiplied by routed_scaling_factor. The bias moves only the
+    choice, never a weight."""
+    logits = logits.float()
+    k = moe.top_k
+    if moe.scoring == "softmax":
+        weights, ids = torch.softmax(logits, dim=-1).topk(k, dim=-1)
+        if moe.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights, ids
+    scores = logits.sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if moe.n_group > 1:
+        t, e = choice.shape
+        per = e // moe.n_group
+        group_scores = choice.view(t, moe.n_group, per).topk(min(2, per), dim=-1)[0].sum(-1)
+        keep = group_scores.topk(moe.topk_group, dim=-1, sorted=False)[1]
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        choice = choice.masked_fill(~mask.repeat_interleave(per, dim=1), float("-inf"))
+    ids = choice.topk(k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if moe.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * moe.routed_scaling_factor, ids
+
+
+@dataclass
+class ExpertOrder:
+    """The step's (token, slot) pairs sorted by expert: pair p = token * k + slot; `pairs[i]` is the i-th pair in
+    expert order, `tokens[i]` its token, expert e owns sorted rows offsets[e] .. offsets[e + 1]."""
+    pairs: torch.Tensor     # [T*k] int64
+    tokens: torch.Tensor    # [T*k] int64
+    offsets: torch.Tensor   # [E + 1] int64
+    counts: list[int]       # rows per expert (host copy: the loops over experts skip the empty ones)
+
+    @classmethod
+    def of(cls, ids: torch.Tensor, num_experts: int) -> ExpertOrder:
+        flat = ids.reshape(-1)
+        pairs = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=num_experts)
+        offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
+        offsets[1:] = counts.cumsum(0)
+        return cls(pairs, pairs // ids.shape[1], offsets, counts.tolist())
+
+    def combine(self, rows: torch.Tensor, weights: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """rows [T*k, H] in expert order -> [T, H]: each row times its routing weight, summed per token."""
+        w = weights.reshape(-1)[self.pairs].to(rows.dtype)
+        out = torch.zeros(num_tokens, rows.shape[1], dtype=rows.dtype, device=rows.device)
+        return out.index_add_(0, self.tokens, rows * w[:, None])
+
+
+class DenseExperts(nn.Module):
+    """gate_up [E, 2I, H] (gate rows first), down [E, H, I]: transformers' fused-expert layout."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        super().__init__()
+        self.gate_up = nn.Parameter(gate_up, requires_grad=False)
+        self.down = nn.Parameter(down, requires_grad=False)
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_up.shape[0]
+
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.gate_up, self.down))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        order = ExpertOrder.of(ids, self.num_experts)
+        xs = x.index_select(0, order.tokens)
+        rows = torch.empty(xs.shape[0], self.down.shape[1], dtype=x.dtype, device=x.device)
+        start = 0
+        for e, n in enumerate(order.counts):
+            if n:
+                gate, up = (xs[start:start + n] @ self.gate_up[e].t()).chunk(2, dim=-1)
+                rows[start:start + n] = (nn.functional.silu(gate) * up) @ self.down[e].t()
+                start += n
+        return order.combine(rows, weights, x.shape[0])
+
+
+def _stack(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    return None if parts[0] is None else torch.stack(parts).contiguous()  # type: ignore[arg-type]
+
+
+class Int4Experts(nn.Module):
+    """INT4 routed experts, per expert in W4A16Linear's layout stacked along a leading expert dim: qweight
+    [E, N, K//2] uint8 (low nibble = even k), scales [E, N, K//G] fp16 and either zeros (w = (q - zero) * s),
+    mins (w = q * s + min, GGUF Q4_1) or neither (symmetric, w = (q - 8) * s). gate_up is [E, 2I, H] (gate rows
+    first), down [E, H, I]. Buffers, so the model's weight_bytes and .to() see them; None once prepacked."""
+
+    _NAMES = ("gu_q", "gu_s", "gu_z", "gu_m", "dn_q", "dn_s", "dn_z", "dn_m")
+
+    def __init__(self, gate_up: tuple, down: tuple, group_size: int) -> None:
+        super().__init__()
+        for name, t in zip(self._NAMES, (*gate_up, *down)):
+            self.register_buffer(name, t)
+        for a, b in ((self.gu_z, self.gu_m), (self.dn_z, self.dn_m)):
+            if a is not None and b is not None:
+                raise ValueError("Int4Experts takes zeros or mins, not both")
+        self.group_size = group_size
+        self.num_experts = self.gu_q.shape[0]
+        self.intermediate = self.gu_q.shape[1] // 2
+        self.hidden = self.dn_q.shape[1]
+        self.register_buffer("gu_x8", None)   # CPU prepack: [E, ceil(2I/8), H/32 * 160]
+        self.register_buffer("dn_x8", None)   # [E, ceil(H/8), I/32 * 160]
+        self.residual_activations = False
+
+    @classmethod
+    def from_linears(cls, gate_up: list, down: list) -> Int4Experts:
+        """From one fused gate_up and one down W4A16Linear per expert (the quantized loader's modules)."""
+        def stack(mods: list) -> tuple:
+            return (_stack([m.qweight for m in mods]), _stack([m.scales for m in mods]),
+                    _stack([m.zeros for m in mods]), _stack([m.mins for m in mods]))
+        groups = {m.group_size for m in gate_up + down}
+        if len(groups) != 1:
+            raise ValueError(f"experts quantized with different group sizes {sorted(groups)}")
+        return cls(stack(gate_up), stack(down), groups.pop())
+
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.buffers())
+
+    @staticmethod
+    def _mins(s: torch.Tensor, z: torch.Tensor | None, m: torch.Tensor | None) -> torch.Tensor:
+        """The Q4_1 offset: m itself; symmetric: -8 s (exact in fp16); zero points: -z * s rounded to fp16
+        (within 2^-11 of the offset, relative: the block format holds fp16, as llama.cpp's Q4_1)."""
+        if m is not None:
+            return m
+        if z is None:
+            return (-8.0 * s.float()).half()
+        return (-z.float() * s.float()).half()
+
+    def prepack(self) -> bool:
+        """CPU: pack every expert's Q4_1 form into kernels.cpu's x8 layout, [E, ceil(N/8), K/32 * 160], for the
+        grouped GEMM, and free the plain buffers. Where the group is not a multiple of 32, the device is not the
+        CPU or kernels.cpu is off, False: the reference path runs."""
+        if self.prepacked:
+            return True
+        if self.gu_q.device.type != "cpu" or self.group_size % cpu_kernels.BLOCK or not cpu_kernels.enabled():
+            return False
+        gu_m, dn_m = self._mins(self.gu_s, self.gu_z, self.gu_m), self._mins(self.dn_s, self.dn_z, self.dn_m)
+
+        def pack(q, s, m) -> torch.Tensor:
+            return torch.stack([cpu_kernels.pack_q4_1x8(cpu_kernels.pack_q4_1(q[e], s[e], m[e], self.group_size))
+                                for e in range(self.num_experts)]).contiguous()
+        self.gu_x8, self.dn_x8 = pack(self.gu_q, self.gu_s, gu_m), pack(self.dn_q, self.dn_s, dn_m)
+        self.residual_activations = cpu_kernels.activations() == "int8x2"
+        for name in self._NAMES:
+            setattr(self, name, None)
+        return True
+
+    @property
+    def prepacked(self) -> bool:
+        return self.gu_x8 is not None
+
+    def _plain(self) -> None:
+        if self.prepacked:
+            raise RuntimeError("Int4Experts: prepacked for kernels.cpu; the plain weights were freed")
+
+    def kernel_form(self) -> tuple:
+        """(qweight, scales, zeros) of gate_up and of down in kernels.fused_moe_w4a16's (q - zero) * scale form;
+        mins become fp32 zero points (-min / scale)."""
+        self._plain()
+
+        def form(q, s, z, m):
+            if m is not None:
+                s, z = mins_as_zeros(s, m)
+            return q, s, z
+        return (*form(self.gu_q, self.gu_s, self.gu_z, self.gu_m), *form(self.dn_q, self.dn_s, self.dn_z, self.dn_m))
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 gate_up [E, 2I, H] and down [E, H, I] as the INT4 weights hold them (what tests compare with)."""
+        from edgeinfer.backend.quant.packing import group_dequantize_mins
+        from edgeinfer.kernels.w4a16_gemm import group_dequantize_tensor
+
+        self._plain()
+
+        def one(q, s, z, m, e):
+            if m is not None:
+                return group_dequantize_mins(q[e], s[e], m[e], self.group_size)
+            return group_dequantize_tensor(q[e], s[e], None if z is None else z[e], self.group_size)
+        return (torch.stack([one(self.gu_q, self.gu_s, self.gu_z, self.gu_m, e) for e in range(self.num_experts)]),
+                torch.stack([one(self.dn_q, self.dn_s, self.dn_z, self.dn_m, e) for e in range(self.num_experts)]))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.gu_x8 is not None and self.dn_x8 is not None:
+            order = ExpertOrder.of(ids, self.num_experts)
+            xs = x.float().index_select(0, order.tokens).contiguous()
+            gemm = cpu_kernels.q4_1x8_moe_gemm
+            h = gemm(xs, self.gu_x8, 2 * self.intermediate, order.offsets, self.residual_activations)
+            act = (nn.functional.silu(h[:, :self.intermediate]) * h[:, self.intermediate:]).contiguous()
+            rows = gemm(act, self.dn_x8, self.hidden, order.offsets, self.residual_activations)
+            return order.combine(rows, weights, x.shape[0]).to(x.dtype)
+        fn = kernels.fused_moe_w4a16 if kernel_takes(x) else kernels.fused_moe_w4a16_reference
+        return fn(x, weights, ids, *self.kernel_form(), self.group_size)
+
+
+class SparseMoE(nn.Module):
+    """Router + routed experts (+ a shared MLP): y = sum_k w_k * expert_k(x) + shared(x)."""
+
+    def __init__(self, moe: MoEConfig, router: torch.Tensor, experts: DenseExperts | Int4Experts,
+                 shared: nn.Module | None, correction_bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.moe = moe
+        self.router = nn.Parameter(router.float(), requires_grad=False)      # [E, H], run in fp32 (as transformers)
+        self.correction_bias = (nn.Parameter(correction_bias.float(), requires_grad=False)
+                                if correction_bias is not None else None)
+        self.experts = experts
+        self.shared_experts = shared
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(x.float() @ self.router.t(), self.moe, self.correction_bias)
+        y = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y
+
+    def forward_cpu(self, x: torch.Tensor, ops) -> torch.Tensor:
+        return self.forward(x)
