@@ -19,7 +19,8 @@ from tqdm import tqdm
 
 from edgeinfer.backend.model.atomic_dir import atomic_directory
 from edgeinfer.backend.model.config import CheckpointError, ModelConfig
-from edgeinfer.backend.model.llama import LlamaModel, load_model
+from edgeinfer.backend.model.llama import MLP, LlamaModel, load_model
+from edgeinfer.backend.model.moe import DenseExperts, SparseMoE
 from edgeinfer.backend.quant.format import SCHEMES, edgeinfer_config
 from edgeinfer.backend.quant.gptq import gptq_quantize
 from edgeinfer.backend.quant.packing import effective_group_size, group_quantize_tensor
@@ -39,14 +40,51 @@ def parse_scheme(scheme: str) -> int:
     return SCHEMES[scheme]
 
 
-def _split(cfg: ModelConfig, i: int) -> dict[str, list[tuple[str, int]]]:
-    """Fused module -> [(hf prefix, rows)] in concatenation order."""
+def _weights(cfg: ModelConfig, layer, i: int) -> dict[str, tuple[torch.Tensor, torch.Tensor | None,
+                                                                  list[tuple[str, int]]]]:
+    """Each fused linear of layer i -> (weight [out, in], bias, [(hf prefix, rows)] in concatenation order). A MoE
+    layer's routed experts are one gate_up and one down per expert (`experts.<e>.gate_up`), its shared experts
+    gate_up/down as a dense MLP's."""
     p = f"model.layers.{i}."
-    return {"qkv": [(p + "self_attn.q_proj", cfg.q_size), (p + "self_attn.k_proj", cfg.kv_size),
-                    (p + "self_attn.v_proj", cfg.kv_size)],
-            "o": [(p + "self_attn.o_proj", cfg.hidden_size)],
-            "gate_up": [(p + "mlp.gate_proj", cfg.intermediate_size), (p + "mlp.up_proj", cfg.intermediate_size)],
-            "down": [(p + "mlp.down_proj", cfg.hidden_size)]}
+    attn, mlp = layer.self_attn, layer.mlp
+    out = {"qkv": (attn.qkv_proj.weight, attn.qkv_proj.bias,
+                   [(p + "self_attn.q_proj", cfg.q_size), (p + "self_attn.k_proj", cfg.kv_size),
+                    (p + "self_attn.v_proj", cfg.kv_size)]),
+           "o": (attn.o_proj.weight, attn.o_proj.bias, [(p + "self_attn.o_proj", cfg.hidden_size)])}
+
+    def dense_mlp(m: MLP, prefix: str, inter: int) -> None:
+        out["gate_up"] = (m.gate_up_proj.weight, None, [(prefix + "gate_proj", inter), (prefix + "up_proj", inter)])
+        out["down"] = (m.down_proj.weight, None, [(prefix + "down_proj", cfg.hidden_size)])
+
+    if isinstance(mlp, MLP):
+        dense_mlp(mlp, p + "mlp.", cfg.intermediate_size)
+        return out
+    if not isinstance(mlp.experts, DenseExperts):
+        raise QuantizeError(f"layer {i}: the experts are already quantized; quantize an unquantized model")
+    inter = mlp.moe.intermediate_size
+    if mlp.shared_experts is not None:
+        dense_mlp(mlp.shared_experts, p + "mlp.shared_experts.", mlp.moe.n_shared_experts * inter)
+    for e in range(mlp.experts.num_experts):
+        q = f"{p}mlp.experts.{e}."
+        out[f"experts.{e}.gate_up"] = (mlp.experts.gate_up[e], None, [(q + "gate_proj", inter), (q + "up_proj", inter)])
+        out[f"experts.{e}.down"] = (mlp.experts.down[e], None, [(q + "down_proj", cfg.hidden_size)])
+    return out
+
+
+def _kept(layer, i: int) -> dict[str, torch.Tensor]:
+    """Layer i's tensors that stay as they are: the norms and, in a MoE layer, the router (fp32) and its bias."""
+    p = f"model.layers.{i}."
+    out = {p + "input_layernorm.weight": layer.input_layernorm.weight.data.clone(),
+           p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight.data.clone()}
+    attn = layer.self_attn
+    if attn.q_norm is not None and attn.k_norm is not None:
+        out[p + "self_attn.q_norm.weight"] = attn.q_norm.weight.data.clone()
+        out[p + "self_attn.k_norm.weight"] = attn.k_norm.weight.data.clone()
+    if isinstance(layer.mlp, SparseMoE):
+        out[p + "mlp.gate.weight"] = layer.mlp.router.data.clone()
+        if layer.mlp.correction_bias is not None:
+            out[p + "mlp.gate.e_score_correction_bias"] = layer.mlp.correction_bias.data.clone()
+    return out
 
 
 def quantized_tensors(model: LlamaModel, group_size: int, clips: dict[str, torch.Tensor] | None = None,
@@ -56,10 +94,8 @@ def quantized_tensors(model: LlamaModel, group_size: int, clips: dict[str, torch
     cfg = model.cfg
     out: dict[str, torch.Tensor] = {}
     for i, layer in enumerate(tqdm(model.layers, desc="quantize", unit="layer", disable=not progress)):
-        mods = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj,
-                "gate_up": layer.mlp.gate_up_proj, "down": layer.mlp.down_proj}
-        for key, parts in _split(cfg, i).items():
-            w, b = mods[key].weight.data.float(), mods[key].bias
+        for key, (weight, b, parts) in _weights(cfg, layer, i).items():
+            w = weight.data.float()
             g = effective_group_size(w.shape[1], group_size)
             clip = clips.get(f"{i}.{key}") if clips else None
             fused = gptq_quantize(w, hessians[f"{i}.{key}"], g, clip) if hessians else None
@@ -74,9 +110,7 @@ def quantized_tensors(model: LlamaModel, group_size: int, clips: dict[str, torch
                 if b is not None:
                     out[name + ".bias"] = b.data[sl].clone()
                 row += rows
-        p = f"model.layers.{i}."
-        out[p + "input_layernorm.weight"] = layer.input_layernorm.weight.data.clone()
-        out[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight.data.clone()
+        out |= _kept(layer, i)
     embed = model.embed_tokens
     if not isinstance(embed, torch.Tensor):
         raise QuantizeError("the model's embedding is already quantized (a GGUF native import): quantize a dense one")
@@ -118,6 +152,9 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, scheme: str = "w4a16-g
         raise QuantizeError(f"{src}/config.json already has a quantization_config; quantize an unquantized model")
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise QuantizeError(f"{dst}: destination exists and is not an empty directory")
+    if cfg.moe is not None and method != "rtn":
+        raise QuantizeError(f"method {method!r} calibrates dense MLPs only; {cfg.architecture} is a Mixture-of-Experts "
+                            "model: quantize it with --method rtn (its experts are rounded to nearest per group)")
     torch.manual_seed(0)
     model = load_model(src, torch.float32, "cpu", fuse_gate_up=True, prepack=False)   # AWQ/GPTQ work on fused gate_up
     extra: dict = {"scheme": scheme}
