@@ -59,3 +59,20 @@ def build(kind: str, out: Path | None = None, seed: int = 0, sharpen: float = 3.
     if out is not None:
         model.save_pretrained(out, safe_serialization=True)
     return model
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
+
+
+def servable(kind: str, out: Path, tokenizer_dir: Path, **overrides):
+    """A tiny checkpoint with the vocabulary (and chat template) of the checkpoint at tokenizer_dir, so the engine and
+    `edgeinfer serve --model out` can run it; the tokenizer files are copied beside the weights."""
+    import json
+    import shutil
+
+    vocab = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
+    model = build(kind, out, vocab_size=vocab, **overrides)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copy2(tokenizer_dir / name, out / name)
+    return model

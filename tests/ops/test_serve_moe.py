@@ -1,0 +1,76 @@
+"""`edgeinfer serve --model DIR` on a tiny GLM-4.5 MoE checkpoint (transformers' own classes, random weights, the
+default model's tokenizer), as a user runs it: from another directory, with its embedded valkey, through the real
+`openai` client: a chat answer, a stream, a structured output, and the prompt's pages from the prefix cache."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+import torch
+
+from tests import moe_checkpoints
+from tests.gateway.conftest import DEMO_KEY
+from tests.ops.test_serve import Serve
+
+pytestmark = pytest.mark.slow
+NAME = "tiny-glm45-moe"
+LONG = [{"role": "user", "content": "Tell me everything you know about the history of the city of Paris, "
+                                    "its rivers, its bridges and its museums, in as much detail as you can."}]
+
+
+@pytest.fixture(scope="module")
+def served(smol_dir, tmp_path_factory):
+    model_dir = tmp_path_factory.mktemp("models") / NAME
+    model_dir.mkdir()
+    hf = moe_checkpoints.servable("glm4_moe", model_dir, smol_dir, max_position_embeddings=2048)
+    home = tmp_path_factory.mktemp("moe-home")
+    s = Serve(home, tmp_path_factory.mktemp("elsewhere"), "--model", str(model_dir))
+    try:
+        s.wait_for("ready:")
+        yield s, hf
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    s, _ = served
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key=DEMO_KEY, max_retries=0)
+
+
+def test_chat_answers_with_transformers_tokens_and_the_second_ask_hits_the_cache(served, client, smol_dir):
+    from edgeinfer.protocol.tokenizer import Tokenizer
+
+    _, hf = served
+    a = client.chat.completions.create(model=NAME, messages=LONG, temperature=0, max_tokens=12)
+    b = client.chat.completions.create(model=NAME, messages=LONG, temperature=0, max_tokens=12)
+    assert a.model == NAME and a.usage.completion_tokens == 12 and a.choices[0].finish_reason == "length"
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage.prompt_tokens_details.cached_tokens == 0
+    assert b.usage.prompt_tokens_details.cached_tokens >= 32
+    tok = Tokenizer.from_dir(smol_dir)
+    ids = tok.encode_chat(LONG)
+    assert len(ids) == a.usage.prompt_tokens
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=0,
+                           eos_token_id=None)[0, len(ids):].tolist()
+    assert a.choices[0].message.content == tok.decode(want)
+
+
+def test_stream_gives_the_same_text(client):
+    whole = client.chat.completions.create(model=NAME, messages=LONG, temperature=0, max_tokens=10)
+    parts = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=NAME, messages=LONG, temperature=0, max_tokens=10, stream=True) if c.choices]
+    assert "".join(parts) == whole.choices[0].message.content
+
+
+def test_structured_output_is_valid_json_from_a_random_moe(client):
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+              "required": ["answer"], "additionalProperties": False}
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Is Paris in France?"}],
+                                       temperature=0, max_tokens=32,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "a", "schema": schema}})
+    assert json.loads(r.choices[0].message.content)["answer"] in ("yes", "no")
