@@ -76,3 +76,87 @@ def servable(kind: str, out: Path, tokenizer_dir: Path, **overrides):
         if (tokenizer_dir / name).is_file():
             shutil.copy2(tokenizer_dir / name, out / name)
     return model
+
+
+# llama.cpp's glm4moe tensor names (its convert_hf_to_gguf.py), per decoder layer
+_GGUF_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias", "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+}
+
+
+def write_glm4moe_gguf(hf, path: Path, tokenizer_gguf: Path, quant: str = "Q4_0") -> Path:
+    """The GLM-4.5 model `hf` as llama.cpp's converter lays it out (arch glm4moe, expert tensors [E, N, K], no q/k
+    permutation), its 2-D decoder linears and expert tensors in `quant` (Q4_0, Q4_1 or F32), everything else F32;
+    the tokenizer fields copied from `tokenizer_gguf` (whose vocabulary the model must have)."""
+    import gguf
+    import numpy as np
+
+    c = hf.config
+    src = gguf.GGUFReader(str(tokenizer_gguf))
+    w = gguf.GGUFWriter(str(path), "glm4moe")
+    a = "glm4moe."
+    for key, value in {"block_count": c.num_hidden_layers, "context_length": c.max_position_embeddings,
+                       "embedding_length": c.hidden_size, "feed_forward_length": c.intermediate_size,
+                       "attention.head_count": c.num_attention_heads, "attention.head_count_kv": c.num_key_value_heads,
+                       "attention.key_length": c.head_dim, "attention.value_length": c.head_dim,
+                       "rope.dimension_count": int(c.head_dim * c.rope_parameters.get("partial_rotary_factor", 1.0)),
+                       "expert_count": c.n_routed_experts, "expert_used_count": c.num_experts_per_tok,
+                       "expert_group_count": c.n_group, "expert_group_used_count": c.topk_group,
+                       "expert_feed_forward_length": c.moe_intermediate_size,
+                       "expert_shared_count": c.n_shared_experts, "leading_dense_block_count": c.first_k_dense_replace,
+                       "expert_gating_func": 2, "vocab_size": c.vocab_size}.items():
+        w.add_uint32(a + key, int(value))
+    w.add_float32(a + "rope.freq_base", float(c.rope_parameters["rope_theta"]))
+    w.add_float32(a + "attention.layer_norm_rms_epsilon", float(c.rms_norm_eps))
+    w.add_float32(a + "expert_weights_scale", float(c.routed_scaling_factor))
+    w.add_bool(a + "expert_weights_norm", bool(c.norm_topk_prob))
+    for key, field in src.fields.items():
+        if key.startswith("tokenizer."):
+            kind = field.types[0]
+            if kind == gguf.GGUFValueType.ARRAY:
+                w.add_array(key, list(field.contents()))
+            elif kind == gguf.GGUFValueType.STRING:
+                w.add_string(key, field.contents())
+            elif kind == gguf.GGUFValueType.BOOL:
+                w.add_bool(key, bool(field.contents()))
+            else:
+                w.add_uint32(key, int(field.contents()))
+    kind = gguf.GGMLQuantizationType[quant]
+
+    def add(name: str, t: torch.Tensor, linear: bool) -> None:
+        arr = t.detach().float().numpy()
+        if linear and quant != "F32":
+            w.add_tensor(name, gguf.quants.quantize(arr, kind), raw_dtype=kind)
+        else:
+            w.add_tensor(name, np.ascontiguousarray(arr), raw_dtype=gguf.GGMLQuantizationType.F32)
+
+    sd = hf.state_dict()
+    add("token_embd.weight", sd["model.embed_tokens.weight"], False)
+    add("output_norm.weight", sd["model.norm.weight"], False)
+    add("output.weight", sd["lm_head.weight"], False)
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for hf_name, g_name in _GGUF_LAYER.items():
+            if p + hf_name in sd:
+                add(f"blk.{i}.{g_name}", sd[p + hf_name], hf_name.endswith("_proj.weight"))
+        if p + "mlp.experts.gate_up_proj" in sd:
+            gate_up, down = sd[p + "mlp.experts.gate_up_proj"], sd[p + "mlp.experts.down_proj"]
+            inter = gate_up.shape[1] // 2
+            add(f"blk.{i}.ffn_gate_exps.weight", gate_up[:, :inter], True)
+            add(f"blk.{i}.ffn_up_exps.weight", gate_up[:, inter:], True)
+            add(f"blk.{i}.ffn_down_exps.weight", down, True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -1,4 +1,6 @@
-"""Import a GGUF file (llama architecture) into a Hugging Face checkpoint directory.
+"""Import a GGUF file into a Hugging Face checkpoint directory: llama.cpp's `llama` architecture and the
+Mixture-of-Experts `glm4moe` (GLM-4.5/4.6) and `qwen3moe` (Qwen3-MoE), whose expert tensors (`ffn_*_exps`, one
+[E, N, K] tensor per projection) are split into per-expert HF tensors (`mlp.experts.<e>.*_proj`).
 
 Two forms: dequantized (every tensor fp32/bf16/fp16, a plain HF checkpoint; the tests' parity reference)
 or native (`native=True`, what `edgeinfer serve` runs): Q4_0/Q4_1 linears kept 4-bit in the
@@ -30,6 +32,23 @@ _TENSOR_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+_MOE_BLOCK_NAMES = {
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+    "ffn_gate_exps.weight": "mlp.experts.*.gate_proj.weight",     # [E, N, K]: one tensor per expert
+    "ffn_up_exps.weight": "mlp.experts.*.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.*.down_proj.weight",
+}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "glm4moe": "Glm4MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
 _BLOCK_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -124,35 +143,62 @@ def _open(path: Path):
     return reader
 
 
-def _config(reader, path: Path, has_output: bool) -> dict:
+def _config(reader, path: Path, names: set[str]) -> dict:
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ModelImportError(f"{path}: unsupported GGUF architecture {arch!r}; supported: 'llama'")
+    if arch not in ARCHITECTURES:
+        raise ModelImportError(f"{path}: unsupported GGUF architecture {arch!r}; supported: "
+                               f"{', '.join(repr(a) for a in ARCHITECTURES)}")
     p = f"{arch}."
     heads = int(_field(reader, p + "attention.head_count"))
     hidden = int(_field(reader, p + "embedding_length"))
     vocab = _field(reader, p + "vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    head_dim = int(_field(reader, p + "attention.key_length", 0) or _field(reader, p + "rope.dimension_count",
+                                                                          hidden // heads))
     cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": {"llama": "llama", "glm4moe": "glm4_moe", "qwen3moe": "qwen3_moe"}[arch],
         "hidden_size": hidden,
-        "intermediate_size": int(_field(reader, p + "feed_forward_length")),
+        "intermediate_size": int(_field(reader, p + "feed_forward_length", 0)),
         "num_hidden_layers": int(_field(reader, p + "block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(_field(reader, p + "attention.head_count_kv", heads)),
-        "head_dim": int(_field(reader, p + "rope.dimension_count", hidden // heads)),
+        "head_dim": head_dim,
         "max_position_embeddings": int(_field(reader, p + "context_length", 2048)),
         "rms_norm_eps": float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(_field(reader, p + "rope.freq_base", 10000.0)),
         "vocab_size": int(vocab),
         "hidden_act": "silu",
-        "tie_word_embeddings": not has_output,
+        "tie_word_embeddings": "output.weight" not in names,
         "bos_token_id": int(_field(reader, "tokenizer.ggml.bos_token_id", 1)),
         "eos_token_id": int(_field(reader, "tokenizer.ggml.eos_token_id", 2)),
         "torch_dtype": "float32",
-        "attention_bias": False,
+        "attention_bias": "blk.0.attn_q.bias" in names,
         "mlp_bias": False,
     }
+    if arch != "llama":
+        rope_dim = int(_field(reader, p + "rope.dimension_count", head_dim))
+        cfg |= {
+            "num_experts_per_tok": int(_field(reader, p + "expert_used_count")),
+            "moe_intermediate_size": int(_field(reader, p + "expert_feed_forward_length")),
+            "norm_topk_prob": bool(_field(reader, p + "expert_weights_norm", True)),
+            "partial_rotary_factor": rope_dim / head_dim,
+            "use_qk_norm": "blk.0.attn_q_norm.weight" in names,
+        }
+    if arch == "glm4moe":
+        gating = int(_field(reader, p + "expert_gating_func", 2))
+        if gating != 2:
+            raise ModelImportError(f"{path}: glm4moe.expert_gating_func={gating}; expected 2 (sigmoid)")
+        cfg |= {
+            "n_routed_experts": int(_field(reader, p + "expert_count")),
+            "n_shared_experts": int(_field(reader, p + "expert_shared_count", 0)),
+            "first_k_dense_replace": int(_field(reader, p + "leading_dense_block_count", 0)),
+            "routed_scaling_factor": float(_field(reader, p + "expert_weights_scale", 1.0)),
+            "n_group": int(_field(reader, p + "expert_group_count", 1) or 1),
+            "topk_group": int(_field(reader, p + "expert_group_used_count", 1) or 1),
+        }
+    elif arch == "qwen3moe":
+        cfg |= {"num_experts": int(_field(reader, p + "expert_count")), "decoder_sparse_step": 1,
+                "mlp_only_layers": [], "use_qk_norm": True}
     pad = _field(reader, "tokenizer.ggml.padding_token_id")
     if pad is not None:
         cfg["pad_token_id"] = int(pad)
@@ -202,20 +248,23 @@ def _tokenizer_files(reader, path: Path) -> tuple[dict, dict]:
 
 
 def _hf_name(src: Path, gguf_name: str) -> str | None:
-    """GGUF tensor name -> HF name (None: a tensor the model does not use)."""
+    """GGUF tensor name -> HF name (None: a tensor the model does not use; a `*` in it: one per expert)."""
     if gguf_name in _TENSOR_NAMES:
         return _TENSOR_NAMES[gguf_name]
     if gguf_name.startswith("blk."):
         _, idx, rest = gguf_name.split(".", 2)
         if rest in _BLOCK_NAMES:
             return f"model.layers.{idx}.{_BLOCK_NAMES[rest]}"
+        if rest in _MOE_BLOCK_NAMES:
+            return f"model.layers.{idx}.{_MOE_BLOCK_NAMES[rest]}"
     elif gguf_name == "rope_freqs.weight":
         return None
     raise ModelImportError(f"{src}: unexpected tensor {gguf_name!r}")
 
 
 def _is_linear(hf: str) -> bool:
-    return hf.startswith("model.layers.") and not hf.endswith("layernorm.weight")
+    """A decoder linear (kept INT4 by a native import): not a norm, a bias or the router."""
+    return hf.startswith("model.layers.") and hf.endswith("_proj.weight")
 
 
 def _native_linear_types(reader, src: Path) -> set[str]:
@@ -243,31 +292,70 @@ def _dense(t, hf: str, heads: int, kv_heads: int):
 
 
 def _permuted(arr: np.ndarray, hf: str, heads: int, kv_heads: int) -> np.ndarray:
-    if hf.endswith("q_proj.weight"):
+    """llama.cpp permutes q/k rows of the `llama` architecture only (heads = 0: no permutation, NEOX rope)."""
+    if heads and hf.endswith("q_proj.weight"):
         return _reverse_permute(arr, heads)
-    if hf.endswith("k_proj.weight"):
+    if heads and hf.endswith("k_proj.weight"):
         return _reverse_permute(arr, kv_heads)
     return arr
+
+
+def _per_expert(hf: str, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """{name with `*`: [E, ...]} -> one entry per expert e (`*` -> e)."""
+    out = {}
+    for name, arr in tensors.items():
+        for e in range(arr.shape[0]):
+            out[name.replace("*", str(e))] = arr[e]
+    return out
 
 
 def _native_tensors(t, hf: str, heads: int, kv_heads: int, offset: str) -> dict[str, np.ndarray]:
     """A Q4_0/Q4_1 linear -> {prefix.qweight, .scales, .mins (offset 'min')}; Q8_0 embedding -> int8 + scales."""
     from edgeinfer.backend.model import gguf_blocks
 
-    kind, (k, n) = t.tensor_type.name, (int(t.shape[0]), int(t.shape[1]))
+    kind, k = t.tensor_type.name, int(t.shape[0])
+    experts = int(t.shape[2]) if len(t.shape) == 3 else 0
+    n = int(t.shape[1]) * max(experts, 1)            # the E [N, K] matrices of an expert tensor, stacked
     prefix = hf.removesuffix(".weight")
+    if experts:
+        flat = _native_tensors_2d(t.data, kind, n, k, prefix, offset)
+        return {name: arr.reshape(experts, n // experts, *arr.shape[1:]) for name, arr in flat.items()}
     if kind == "Q8_0" and hf == "model.embed_tokens.weight":
         q8, s = gguf_blocks.q8_0(t.data, n, k)
         return {prefix + ".qweight": q8.numpy(), prefix + ".scales": s.numpy()}
+    return {name: _permuted(v, hf, heads, kv_heads)
+            for name, v in _native_tensors_2d(t.data, kind, n, k, prefix, offset).items()}
+
+
+def _native_tensors_2d(data, kind: str, n: int, k: int, prefix: str, offset: str) -> dict[str, np.ndarray]:
+    from edgeinfer.backend.model import gguf_blocks
+
     if kind == "Q4_1":
-        q, s, m = gguf_blocks.q4_1(t.data, n, k)
+        q, s, m = gguf_blocks.q4_1(data, n, k)
         parts = {".qweight": q, ".scales": s, ".mins": m}
     else:
-        q, s = gguf_blocks.q4_0(t.data, n, k)
+        q, s = gguf_blocks.q4_0(data, n, k)
         parts = {".qweight": q, ".scales": s}
-        if offset == "min":   # Q4_0 among Q4_1 tensors: d * (q - 8) = q * d + (-8 d), exact (8 d is a power-of-2 shift)
+        if offset == "min":   # Q4_0 as Q4_1: d * (q - 8) = q * d + (-8 d), exact (8 d is a power-of-2 shift)
             parts[".mins"] = -8 * s
-    return {prefix + name: _permuted(v.numpy(), hf, heads, kv_heads) for name, v in parts.items()}
+    return {prefix + name: v.numpy() for name, v in parts.items()}
+
+
+def _check_complete(src: Path, cfg: dict, tensors: dict) -> None:
+    """Every layer has its attention, norms and MLP (dense, or router + experts)."""
+    prefixes = {n.rsplit(".", 1)[0] for n in tensors}
+    missing = [n for n in ("model.embed_tokens", "model.norm") if n not in prefixes]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        need = [p + "input_layernorm", p + "post_attention_layernorm"] + [p + f"self_attn.{x}_proj" for x in "qkvo"]
+        if p + "mlp.gate" in prefixes:
+            need += [p + f"mlp.experts.{e}.{x}_proj" for e in range(cfg.get("n_routed_experts", cfg.get(
+                "num_experts", 0))) for x in ("gate", "up", "down")]
+        else:
+            need += [p + f"mlp.{x}_proj" for x in ("gate", "up", "down")]
+        missing += [n for n in need if n not in prefixes]
+    if missing:
+        raise ModelImportError(f"{src}: incomplete: {len(missing)} tensors missing, e.g. {missing[:3]}")
 
 
 def import_gguf(src: str | Path, dst: str | Path, *, dtype: str = "float32", progress: bool = True,
@@ -288,16 +376,19 @@ def import_gguf(src: str | Path, dst: str | Path, *, dtype: str = "float32", pro
         raise ModelImportError(f"{dst}: destination exists and is not empty")
     reader = _open(src)
     linear_types = _native_linear_types(reader, src) if native else set()
-    offset = "min" if "Q4_1" in linear_types else "zero"
     names = {t.name for t in reader.tensors}
-    cfg = _config(reader, src, has_output="output.weight" in names)
+    cfg = _config(reader, src, names)
+    moe = cfg["architectures"][0] != "LlamaForCausalLM"
+    # Q4_0 in the Q4_1 form (mins = -8 d, exact) wherever a Q4_1 tensor is, and in MoE models, whose experts
+    # run kernels.cpu's grouped Q4_1 GEMM
+    offset = "min" if "Q4_1" in linear_types or moe else "zero"
     cfg["torch_dtype"] = dtype
     if native:
         cfg["quantization_config"] = edgeinfer_config(
             32, "gguf", zero_point=offset == "min", offset=offset, source=src.name,
             gguf_types=sorted(linear_types))
     tok_json, tok_cfg = _tokenizer_files(reader, src)
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    heads, kv_heads = (0, 0) if moe else (cfg["num_attention_heads"], cfg["num_key_value_heads"])
 
     with atomic_directory(dst) as tmp:
         tensors: dict[str, torch.Tensor] = {}
@@ -306,15 +397,15 @@ def import_gguf(src: str | Path, dst: str | Path, *, dtype: str = "float32", pro
             if hf is None:
                 continue
             if native and (_is_linear(hf) or (hf == "model.embed_tokens.weight" and t.tensor_type.name == "Q8_0")):
-                for name, arr in _native_tensors(t, hf, heads, kv_heads, offset).items():
+                parts = _native_tensors(t, hf, heads, kv_heads, offset)
+                for name, arr in (_per_expert(hf, parts) if "*" in hf else parts).items():
                     tensors[name] = torch.from_numpy(np.array(arr, copy=True, order="C"))
                 continue
             arr = _dense(t, hf, heads, kv_heads)
-            tensors[hf] = torch.from_numpy(np.array(arr, copy=True, order="C")).to(torch_dtype)
-        expected = cfg["num_hidden_layers"] * len(_BLOCK_NAMES) + 2
-        found = len({n.rsplit(".", 1)[0] for n in tensors})
-        if found < expected:
-            raise ModelImportError(f"{src}: found {found} tensors, expected at least {expected}")
+            for name, a in (_per_expert(hf, {hf: arr}) if "*" in hf else {hf: arr}).items():
+                keep = torch.float32 if hf.endswith(("gate.weight", "e_score_correction_bias")) else torch_dtype
+                tensors[name] = torch.from_numpy(np.array(a, copy=True, order="C")).to(keep)
+        _check_complete(src, cfg, tensors)
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": src.name})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         (tmp / "tokenizer.json").write_text(json.dumps(tok_json, ensure_ascii=False))

@@ -1,0 +1,71 @@
+"""GGUF import of a GLM-4.5 MoE (llama.cpp's glm4moe layout: [E, N, K] expert tensors, exp_probs_b, shared experts):
+dequantized it is transformers' model, native it keeps the Q4_0 experts 4-bit and computes what the dequantized
+import does."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from edgeinfer.backend.model.gguf_import import ModelImportError, default_gguf_path, import_gguf
+from edgeinfer.backend.model.llama import load_model
+from edgeinfer.backend.model.moe import Int4Experts
+from tests import moe_checkpoints
+from tests.backend.dense import greedy
+
+PROMPT = list(range(200, 240))
+
+
+@pytest.fixture(scope="module")
+def glm(smol_dir, tmp_path_factory):
+    d = tmp_path_factory.mktemp("glm")
+    hf = moe_checkpoints.servable("glm4_moe", d, smol_dir)
+    return hf, tmp_path_factory.mktemp("gguf")
+
+
+def test_f32_gguf_imports_to_transformers_model(glm):
+    hf, tmp = glm
+    src = moe_checkpoints.write_glm4moe_gguf(hf, tmp / "f32.gguf", default_gguf_path(), quant="F32")
+    dst = import_gguf(src, tmp / "f32", progress=False)
+    cfg = json.loads((dst / "config.json").read_text())
+    assert cfg["architectures"] == ["Glm4MoeForCausalLM"] and cfg["partial_rotary_factor"] == 0.5
+    assert cfg["use_qk_norm"] and cfg["attention_bias"] and cfg["n_routed_experts"] == 16
+    logits, out = greedy(load_model(dst), PROMPT, 16, num_pages=8)
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPT])).logits[0]
+        theirs = hf.generate(torch.tensor([PROMPT]), max_new_tokens=16, do_sample=False, pad_token_id=0,
+                             eos_token_id=None)[0, len(PROMPT):].tolist()
+    assert (ref - logits).abs().max().item() <= 1e-4 and out == theirs
+
+
+def test_q4_0_gguf_native_keeps_experts_int4_and_equals_the_dequantized_import(glm):
+    hf, tmp = glm
+    src = moe_checkpoints.write_glm4moe_gguf(hf, tmp / "q4_0.gguf", default_gguf_path(), quant="Q4_0")
+    native = import_gguf(src, tmp / "native", native=True, progress=False)
+    dense = import_gguf(src, tmp / "dense", progress=False)
+    qc = json.loads((native / "config.json").read_text())["quantization_config"]
+    assert qc["offset"] == "min" and qc["gguf_types"] == ["Q4_0"]
+    plain = load_model(native, prepack=False)
+    experts = plain.layers[1].mlp.experts
+    assert isinstance(experts, Int4Experts) and experts.gu_m is not None
+    want, want_out = greedy(load_model(dense), PROMPT, 16, num_pages=8)
+    got, got_out = greedy(plain, PROMPT, 16, num_pages=8)
+    assert (got - want).abs().max().item() <= 1e-4 and got_out == want_out
+    packed = load_model(native)
+    assert packed.layers[1].mlp.experts.prepacked
+    fast, _ = greedy(packed, PROMPT, 4, num_pages=8)
+    assert float((fast - want).norm() / want.norm()) < 0.03    # int8 activations in the grouped kernel
+
+
+def test_unknown_architecture_is_named(tmp_path):
+    import gguf
+
+    w = gguf.GGUFWriter(str(tmp_path / "x.gguf"), "mamba")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelImportError, match="unsupported GGUF architecture 'mamba'; supported: 'llama', 'glm4moe'"):
+        import_gguf(tmp_path / "x.gguf", tmp_path / "out", progress=False)
