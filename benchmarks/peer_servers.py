@@ -57,6 +57,27 @@ def session_pids(sid: int) -> list[int]:
     return [int(p) for p in os.listdir("/proc") if p.isdigit() and _session_of(p) == sid]
 
 
+def _parent_of(pid: str) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
+def tree_pids(root: int) -> list[int]:
+    """root's session and every descendant of root: `edgeinfer serve` starts its backend and valkey in sessions
+    of their own (ops/children.py), which a session-only count missed."""
+    parents = {int(p): _parent_of(p) for p in os.listdir("/proc") if p.isdigit()}
+    found = set(session_pids(root)) | {root}
+    grew = True
+    while grew:
+        new = {p for p, pp in parents.items() if pp in found and p not in found}
+        found |= new
+        grew = bool(new)
+    return sorted(p for p in found if p in parents)
+
+
 def status_kib(pid: int, key: str) -> int:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -79,7 +100,7 @@ class RssWatch(threading.Thread):
 
     def sample(self) -> None:
         total = 0
-        for pid in session_pids(self.sid):
+        for pid in tree_pids(self.sid):
             total += status_kib(pid, "VmRSS")
             self.hwm_kib[pid] = max(self.hwm_kib.get(pid, 0), status_kib(pid, "VmHWM"))
         self.peak_sum_kib = max(self.peak_sum_kib, total)
@@ -189,16 +210,19 @@ def find_binary(name: str, *roots: Path) -> Path | None:
     return None
 
 
-def edgeinfer_spec(threads: int) -> ServerSpec:
-    """What `edgeinfer serve` serves by default (gateway + one backend, built-in config and demo key)."""
+def edgeinfer_spec(threads: int, model_dir: Path | None = None) -> ServerSpec:
+    """What `edgeinfer serve` serves by default (gateway + one backend, built-in config and demo key), on the
+    default model or `--model model_dir`."""
     import sys
 
     from edgeinfer.gateway.config import DEMO_API_KEY
 
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
-    return ServerSpec("edgeinfer", [sys.executable, "-m", "edgeinfer.ops.cli", "serve", "--port", str(port)], env, port,
-                      "/ready", DEMO_API_KEY, {"command": "edgeinfer serve (defaults)"})
+    model = ["--model", str(model_dir)] if model_dir is not None else []
+    return ServerSpec("edgeinfer", [sys.executable, "-m", "edgeinfer.ops.cli", "serve", "--port", str(port), *model],
+                      env, port, "/ready", DEMO_API_KEY, {"command": "edgeinfer serve " + (" ".join(model) or
+                                                                                          "(defaults)")})
 
 
 def llamacpp_spec(threads: int, gguf: Path, build_dir: Path, venv: Path, slots: int, ctx_per_slot: int) -> ServerSpec:

@@ -160,3 +160,54 @@ def write_glm4moe_gguf(hf, path: Path, tokenizer_gguf: Path, quant: str = "Q4_0"
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def compressed_tensors_experts(src: Path, dst: Path, group_size: int = 32) -> dict:
+    """Copy the checkpoint at src to dst with every routed expert's linears quantized as Kimi-K2-Thinking ships
+    them: compressed-tensors `pack-quantized`, symmetric int4 groups, made by the compressed-tensors library's own
+    quantize and pack_to_int32; the rest (attention, shared experts, dense MLPs, head) left dense, as its `ignore`
+    list says. Returns {expert weight name: the library's own dequantization} (the oracle)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    hide_hub_kernels()
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group_size)
+    tensors = load_file(str(src / "model.safetensors"))
+    out, oracle = {}, {}
+    for name, w in tensors.items():
+        if ".mlp.experts." not in name or not name.endswith("_proj.weight"):
+            out[name] = w
+            continue
+        n, k = w.shape
+        grouped = w.float().reshape(n, k // group_size, group_size)
+        scale, zp = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
+        q = quantize(w.float(), scale, zp, args, dtype=torch.int8)
+        prefix = name.removesuffix(".weight")
+        out[prefix + ".weight_packed"] = pack_to_int32(q, 4)
+        out[prefix + ".weight_scale"] = scale.to(torch.bfloat16)
+        out[prefix + ".weight_shape"] = torch.tensor([n, k])
+        unpacked = unpack_from_int32(out[prefix + ".weight_packed"], 4, torch.Size([n, k]))
+        assert torch.equal(unpacked, q)
+        oracle[name] = dequantize(unpacked, out[prefix + ".weight_scale"].float(), zp, args).float()
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(dst / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
+                                      "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                                  "strategy": "group", "group_size": group_size,
+                                                  "dynamic": False, "observer": "minmax"}}},
+        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*"]}
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    for f in TOKENIZER_FILES:
+        if (src / f).is_file():
+            shutil.copy2(src / f, dst / f)
+    return oracle

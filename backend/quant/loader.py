@@ -16,7 +16,12 @@ from torch import nn
 from edgeinfer.backend.model.config import CheckpointError, ModelConfig
 from edgeinfer.backend.model.linear import DenseLinear, Q8Embedding, W4A16Linear
 from edgeinfer.backend.quant.format import QuantConfig
-from edgeinfer.backend.quant.packing import effective_group_size, from_autoawq_gemm, from_gptq
+from edgeinfer.backend.quant.packing import (
+    effective_group_size,
+    from_autoawq_gemm,
+    from_compressed_tensors,
+    from_gptq,
+)
 
 Packed = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
@@ -26,6 +31,9 @@ def _to_our_layout(qc: QuantConfig, name: str, k: int, take: Callable[[str], tor
     if qc.layout == "edgeinfer":
         offset = (name + (".mins" if qc.offset == "min" else ".zeros")) if qc.zero_point else None
         return take(name + ".qweight"), take(name + ".scales"), take(offset) if offset else None
+    if qc.layout == "compressed-tensors":
+        return from_compressed_tensors(take(name + ".weight_packed"), take(name + ".weight_scale"),
+                                       take(name + ".weight_shape"))
     qweight, qzeros, scales = take(name + ".qweight"), take(name + ".qzeros"), take(name + ".scales")
     if qc.layout == "awq-gemm":
         return from_autoawq_gemm(qweight, qzeros, scales)
@@ -46,14 +54,15 @@ def quantized_linear_factory(cfg: ModelConfig, tensors: dict[str, torch.Tensor],
         return tensors.pop(name)
 
     def make_linear(names: list[str], shapes: list[tuple[int, int]], bias: bool = False) -> nn.Module:
-        has_q = [n + ".qweight" in tensors for n in names]
+        has_q = [n + qc.qweight_suffix in tensors for n in names]
         bs = [take(n + ".bias").to(device=device, dtype=dtype) for n in names] if bias else None
         if not any(has_q) and all(n + ".weight" in tensors for n in names):   # a module left unquantized
             w = torch.cat([take(n + ".weight") for n in names]).to(device=device, dtype=dtype)
             return DenseLinear(w.contiguous(), torch.cat(bs) if bs else None)
         if not all(has_q):
             missing = [n for n, q in zip(names, has_q) if not q]
-            raise CheckpointError(f"{source}: fused modules must all be quantized; no qweight for {missing}")
+            raise CheckpointError(f"{source}: fused modules must all be quantized; no {qc.qweight_suffix[1:]} for "
+                                  f"{missing}")
         parts: list[Packed] = []
         group: int | None = None
         for name, (n_out, k) in zip(names, shapes):

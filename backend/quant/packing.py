@@ -93,6 +93,23 @@ def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
     return pack_uint4(q.t()), scales.t().contiguous().half(), z.t().contiguous().half()
 
 
+def from_compressed_tensors(packed: torch.Tensor, scales: torch.Tensor, shape: torch.Tensor):
+    """compressed-tensors pack-quantized, symmetric int4: weight_packed [N, K//8] int32 with element i of a row at
+    bits 4i and stored as q + 8, weight_scale [N, K//G]: w = q * s = (u - 8) * s, our symmetric form. The nibbles
+    are already ours (low nibble = even k): only unpacked and repacked, never re-rounded. Scales (bf16 in Kimi's
+    files) become fp16, which holds every bf16 value in fp16's normal range exactly."""
+    n, k = (int(x) for x in shape.tolist())
+    if packed.dtype != torch.int32 or tuple(packed.shape) != (n, k // 8) or k % 8:
+        raise ValueError(f"weight_packed {packed.dtype} {tuple(packed.shape)} does not hold weight_shape {(n, k)} "
+                         f"(expected int32 [{n}, {k // 8}])")
+    q = _unpack_int32(packed)[:, :k]                # [N, K], element order = k
+    s = scales.to(torch.float16)
+    if not torch.isfinite(s).all() or not torch.equal(s.float(), scales.float()):
+        raise ValueError(f"weight_scale ({scales.dtype}) has values fp16 cannot hold exactly "
+                         f"(range {float(scales.float().abs().min()):.3g} .. {float(scales.float().abs().max()):.3g})")
+    return pack_uint4(q), s.contiguous(), None
+
+
 def to_autoawq_gemm(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor):
     """Our layout -> AutoAWQ GEMM tensors (used by tests and for export)."""
     order = (0, 2, 4, 6, 1, 3, 5, 7)

@@ -297,3 +297,53 @@ def test_quantizer_refuses_calibrated_methods_for_moe(tmp_path):
     assert not (tmp_path / "dst").exists()
     cfg = json.loads((tmp_path / "src" / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3MoeForCausalLM"]
+
+
+def test_compressed_tensors_pack_quantized_experts_load_int4_and_match_the_library_dequantization(tmp_path):
+    """Kimi-K2-Thinking's format: routed experts W4A16 (compressed-tensors pack-quantized, symmetric, group 32),
+    everything else dense. The experts load as Int4Experts without re-rounding: the model equals transformers'
+    with the weights the compressed-tensors library itself dequantizes."""
+    hf = moe_checkpoints.build("glm4_moe", tmp_path / "src")
+    oracle = moe_checkpoints.compressed_tensors_experts(tmp_path / "src", tmp_path / "ct")
+    ours = load_model(tmp_path / "ct", prepack=False)
+    experts = ours.layers[1].mlp.experts
+    assert isinstance(experts, Int4Experts) and experts.gu_z is None and experts.gu_m is None   # symmetric
+    assert type(ours.layers[1].self_attn.qkv_proj).__name__ == "DenseLinear"                    # ignored: dense
+    with torch.no_grad():
+        for i, layer in enumerate(hf.model.layers):
+            if not hasattr(layer.mlp, "experts"):
+                continue
+            e = hf.config.n_routed_experts
+            p = f"model.layers.{i}.mlp.experts."
+            gate = torch.stack([oracle[f"{p}{j}.gate_proj.weight"] for j in range(e)])
+            up = torch.stack([oracle[f"{p}{j}.up_proj.weight"] for j in range(e)])
+            layer.mlp.experts.gate_up_proj.copy_(torch.cat((gate, up), 1))
+            layer.mlp.experts.down_proj.copy_(torch.stack([oracle[f"{p}{j}.down_proj.weight"] for j in range(e)]))
+    gate_up, _ = experts.dequantized()
+    assert torch.equal(gate_up, hf.model.layers[1].mlp.experts.gate_up_proj.detach())
+    logits, out = greedy(ours, PROMPT, 32, num_pages=8)
+    ref_logits, theirs = hf_run(hf, PROMPT, 32)
+    assert (ref_logits - logits).abs().max().item() <= 1e-4 and out == theirs
+    packed = load_model(tmp_path / "ct")
+    assert packed.layers[1].mlp.experts.prepacked
+    fast, _ = greedy(packed, PROMPT, 2, num_pages=8)
+    assert float((fast - logits).norm() / logits.norm()) < 0.03
+
+
+def test_compressed_tensors_config_errors_name_the_field():
+    from edgeinfer.backend.quant.format import QuantConfig
+
+    good = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+            "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                                "group_size": 32}}}}
+    assert QuantConfig.from_dict(good, "c").group_size == 32
+    with pytest.raises(CheckpointError, match="format='float-quantized' is unsupported"):
+        QuantConfig.from_dict(good | {"format": "float-quantized"}, "c")
+    asym = json.loads(json.dumps(good))
+    asym["config_groups"]["g"]["weights"]["symmetric"] = False
+    with pytest.raises(CheckpointError, match="symmetric"):
+        QuantConfig.from_dict(asym, "c")
+    w8a8 = json.loads(json.dumps(good))
+    w8a8["config_groups"]["g"]["input_activations"] = {"num_bits": 8}
+    with pytest.raises(CheckpointError, match="weight-only"):
+        QuantConfig.from_dict(w8a8, "c")
