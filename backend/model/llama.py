@@ -101,9 +101,9 @@ class Attention(nn.Module):
         self.qkv_proj, self.o_proj = qkv, o
         self.q_norm, self.k_norm = q_norm, k_norm
         self.scale = cfg.head_dim ** -0.5
-        # per-head QK-norm or rope on part of each head: rotated here in torch (kernels.cpu's fused rope + KV
-        # store rotates whole, un-normed heads)
-        self.rotates_in_torch = q_norm is not None or cfg.rope_dim != cfg.head_dim
+        # per-head QK-norm or rope on part of each head: torch ops here, kernels.cpu's rope_norm_kv_store_ on the CPU
+        # path (its rope_kv_store_ rotates whole, un-normed heads)
+        self.norms_or_partial_rope = q_norm is not None or cfg.rope_dim != cfg.head_dim
 
     def _rotated_qkv(self, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], rotary: Rotary
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -112,7 +112,7 @@ class Attention(nn.Module):
         t = qkv.shape[0]
         qk = qkv[:, : c.q_size + c.kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim)
         v = qkv[:, c.q_size + c.kv_size:].reshape(t, c.num_kv_heads, c.head_dim).contiguous()
-        if not self.rotates_in_torch:
+        if not self.norms_or_partial_rope:
             qk = rotary.rotate(cos_sin, qk)
             return qk[:, : c.num_heads], qk[:, c.num_heads:].contiguous(), v
         if self.q_norm is not None and self.k_norm is not None:
@@ -142,14 +142,24 @@ class Attention(nn.Module):
         c = self.cfg
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        if self.rotates_in_torch:
-            q, k, v = self._rotated_qkv(qkv, rotary.lookup(positions), rotary)
-            kernels.kv_store(k, v, kv.k, kv.v, meta.slot_mapping, kv.k_scale, kv.v_scale)
+        if self.norms_or_partial_rope:   # QK-norm and/or partial rotary: the op's variant with both
+            fp8 = kv.k_scale is not None
+            qn, kn = self.q_norm, self.k_norm
+            ops.rope_norm_kv_store_(qkv, positions, rotary.cos, rotary.sin, None if fp8 else kv.k,
+                                    None if fp8 else kv.v, meta.slot_mapping, c.num_heads, c.num_kv_heads,
+                                    c.head_dim, None if qn is None else qn.weight, None if kn is None else kn.weight,
+                                    c.rms_norm_eps)
+            if fp8:
+                kv_end = c.q_size + c.kv_size
+                kernels.kv_store(qkv[:, c.q_size:kv_end].view(t, c.num_kv_heads, c.head_dim),
+                                 qkv[:, kv_end:].view(t, c.num_kv_heads, c.head_dim),
+                                 kv.k, kv.v, meta.slot_mapping, kv.k_scale, kv.v_scale)
+            q = qkv[:, : c.q_size].view(t, c.num_heads, c.head_dim)
             nd = meta.num_decode
             dec = None
             if nd:
-                dec = ops.decode_attention(q[:nd].contiguous(), kv.k, kv.v, meta.decode_block_tables,
-                                           meta.decode_context_lens, self.scale, kv.k_scale, kv.v_scale)
+                dec = ops.decode_attention(q[:nd], kv.k, kv.v, meta.decode_block_tables, meta.decode_context_lens,
+                                           self.scale, kv.k_scale, kv.v_scale)
             return self._prefill_and_project(q, dec, kv, meta)
         fp8 = kv.k_scale is not None
         ops.rope_kv_store_(qkv, positions, rotary.cos, rotary.sin, None if fp8 else kv.k, None if fp8 else kv.v,
@@ -381,7 +391,7 @@ class DecodePlan:
         residual: set[bool] = set()
         for layer, nxt in zip(layers, norms):
             attn, mlp = layer.self_attn, layer.mlp
-            if not isinstance(mlp, MLP) or attn.rotates_in_torch:
+            if not isinstance(mlp, MLP) or attn.norms_or_partial_rope:
                 return None
             linears = [m for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
                        if isinstance(m, W4A16Linear) and m.q4_1x8 is not None and m.bias is None]

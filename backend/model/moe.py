@@ -6,8 +6,8 @@ The experts run grouped: the (token, slot) pairs of a step are sorted by expert 
 runs once over the rows it was chosen for, and the outputs are weighted and summed back into token order. There is
 no loop over tokens. Three ways to run the experts, one math:
   - `DenseExperts` (fp32/bf16 weights [E, 2I, H] and [E, H, I]): one GEMM per expert that has rows.
-  - `Int4Experts` on CPU, prepacked: two grouped calls per layer into kernels.cpu (`q4_1x8_moe_gemm`: every
-    expert's rows against its Q4_1 x8 slab in one C++ call), silu(gate) * up between them.
+  - `Int4Experts` on CPU, prepacked: one kernels.cpu call per layer (`q4_1x8_moe`: the sort by expert, the gate/up
+    and down grouped GEMMs over every expert's Q4_1 x8 slab, silu(gate) * up and the weighted sum per token).
   - `Int4Experts` on CUDA (fp16/bf16): kernels.fused_moe_w4a16 (Triton; token-sorted grouped GEMMs, gate/up and
     SiLU fused in the first); elsewhere its pure-torch reference, which dequantizes each expert.
 """
@@ -76,10 +76,13 @@ class ExpertOrder:
         return cls(pairs, pairs // ids.shape[1], offsets, counts.tolist())
 
     def combine(self, rows: torch.Tensor, weights: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        """rows [T*k, H] in expert order -> [T, H]: each row times its routing weight, summed per token."""
-        w = weights.reshape(-1)[self.pairs].to(rows.dtype)
-        out = torch.zeros(num_tokens, rows.shape[1], dtype=rows.dtype, device=rows.device)
-        return out.index_add_(0, self.tokens, rows * w[:, None])
+        """rows [T*k, H] in expert order -> [T, H]: each row times its routing weight, summed per token. The rows
+        go back to pair order with one gather (CPU index_add_ runs as a scatter_add_, measured 0.33 ms for 8 rows
+        of 768, more than an expert's GEMM), then each token's k rows are summed."""
+        inverse = torch.empty_like(self.pairs)
+        inverse[self.pairs] = torch.arange(self.pairs.numel(), device=self.pairs.device)
+        by_pair = rows.index_select(0, inverse).view(num_tokens, -1, rows.shape[1])
+        return (by_pair * weights.to(rows.dtype)[:, :, None]).sum(1)
 
 
 class DenseExperts(nn.Module):
@@ -215,13 +218,9 @@ class Int4Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.gu_x8 is not None and self.dn_x8 is not None:
-            order = ExpertOrder.of(ids, self.num_experts)
-            xs = x.float().index_select(0, order.tokens).contiguous()
-            gemm = cpu_kernels.q4_1x8_moe_gemm
-            h = gemm(xs, self.gu_x8, 2 * self.intermediate, order.offsets, self.residual_activations)
-            act = (nn.functional.silu(h[:, :self.intermediate]) * h[:, self.intermediate:]).contiguous()
-            rows = gemm(act, self.dn_x8, self.hidden, order.offsets, self.residual_activations)
-            return order.combine(rows, weights, x.shape[0]).to(x.dtype)
+            y = cpu_kernels.q4_1x8_moe(x.float().contiguous(), ids, weights.float().contiguous(), self.gu_x8,
+                                       self.dn_x8, self.intermediate, self.residual_activations)
+            return y.to(x.dtype)
         fn = kernels.fused_moe_w4a16 if kernel_takes(x) else kernels.fused_moe_w4a16_reference
         return fn(x, weights, ids, *self.kernel_form(), self.group_size)
 

@@ -283,6 +283,14 @@ def q4_1x8_moe_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, offsets: torc
     return _ops().q4_1x8_moe_gemm(x, packed, n, offsets, residual)
 
 
+def q4_1x8_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gu: torch.Tensor, w_dn: torch.Tensor,
+               inter: int, residual: bool) -> torch.Tensor:
+    """A layer's routed experts in one call: x [T, H] fp32, ids / weights [T, k] (int64 / fp32), w_gu [E, ceil(2I/8),
+    H/32 * 160] (gate rows, then up), w_dn [E, ceil(H/8), I/32 * 160] -> sum_j weights[t, j] *
+    down(silu(gate(x[t])) * up(x[t])) [T, H] (kernels/cpu/reference.py: q4_1x8_moe)."""
+    return _ops().q4_1x8_moe(x, ids, weights, w_gu, w_dn, inter, residual)
+
+
 def activations() -> str:
     """How the Q4 linears quantize their activations ($EDGEINFER_CPU_ACTIVATIONS, read at each model prepack):
     int8x2 (default) runs q4_1x8_gemm_residual, int8 runs q4_1x8_gemm (one pass, as llama.cpp's Q8_1).

@@ -426,6 +426,96 @@ void rope_kv_store_(at::Tensor& qkv, const at::Tensor& positions, const at::Tens
   });
 }
 
+
+// rope_kv_store_ for heads of head_dim values of which the first D = cos.size(1) rotate (partial rotary, GLM-4.5),
+// each q head first RMS-normalized with q_norm [head_dim] and each k head with k_norm (QK-norm: Qwen3, GLM-4.5
+// use_qk_norm) when given; the same fp32 order as torch's rms_norm then x * cos + rotate_half(x) * sin
+void rope_norm_kv_store_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                         const std::optional<at::Tensor>& k_cache, const std::optional<at::Tensor>& v_cache,
+                         const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                         const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double eps) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.stride(1) == 1,
+              "qkv must be fp32 [tokens, (heads + 2 kv_heads) * head_dim] contiguous along the row, got ",
+              qkv.scalar_type(), " shape ", qkv.sizes(), " strides ", qkv.strides());
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.is_contiguous() && sin.is_contiguous() &&
+              cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "cos/sin must be contiguous fp32 [max_positions, rotary_dim], got ", cos.sizes(), " and ", sin.sizes());
+  const int64_t T = qkv.size(0), D = cos.size(1), Dh = head_dim, nh = num_heads + num_kv_heads;
+  TORCH_CHECK(D % 2 == 0 && D <= Dh, "rotary dim ", D, " must be even and <= head_dim ", Dh);
+  TORCH_CHECK(qkv.size(1) == (nh + num_kv_heads) * Dh, "qkv row of ", qkv.size(1), " values != (heads ", num_heads,
+              " + 2 * kv_heads ", num_kv_heads, ") * head_dim ", Dh);
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm come together");
+  for (const auto* nw : {&q_norm, &k_norm})
+    if (nw->has_value())
+      TORCH_CHECK((*nw)->dim() == 1 && (*nw)->size(0) == Dh && (*nw)->scalar_type() == at::kFloat &&
+                      (*nw)->is_contiguous(), "q_norm/k_norm must be contiguous fp32 [", Dh, "], got ",
+                  (*nw)->scalar_type(), " ", (*nw)->sizes());
+  TORCH_CHECK(positions.dim() == 1 && positions.scalar_type() == at::kLong && positions.is_contiguous() &&
+              positions.size(0) == T, "positions must be int64 [", T, "], got ", positions.scalar_type(), " shape ",
+              positions.sizes());
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+              slot_mapping.size(0) == T, "slot_mapping must be int64 [", T, "], got ", slot_mapping.scalar_type(),
+              " shape ", slot_mapping.sizes());
+  TORCH_CHECK(k_cache.has_value() == v_cache.has_value(), "k_cache and v_cache come together");
+  Kind kind = Kind::F32;
+  int64_t slots = 0;
+  if (k_cache.has_value()) {
+    check_cache(*k_cache, "k_cache");
+    check_cache(*v_cache, "v_cache");
+    kind = kind_of(*k_cache);
+    TORCH_CHECK(kind != Kind::FP8, "rope_norm_kv_store_ does not quantize to fp8 (pass no caches, then kernels.kv_store)");
+    TORCH_CHECK(k_cache->sizes() == v_cache->sizes() && k_cache->scalar_type() == v_cache->scalar_type(),
+                "v_cache ", v_cache->scalar_type(), v_cache->sizes(), " != k_cache ", k_cache->scalar_type(),
+                k_cache->sizes());
+    TORCH_CHECK(k_cache->size(2) == num_kv_heads && k_cache->size(3) == Dh, "k_cache [.., .., kv_heads, head_dim] = ",
+                k_cache->sizes(), ", expected kv_heads ", num_kv_heads, " and head_dim ", Dh);
+    slots = k_cache->size(0) * k_cache->size(1);
+  }
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  const int64_t max_pos = cos.size(0), half = D / 2, kvn = num_kv_heads * Dh;
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "positions[", t, "] = ", pos[t], " is outside [0, ", max_pos, ")");
+    TORCH_CHECK(slot[t] >= -1 && (slots == 0 || slot[t] < slots), "slot_mapping[", t, "] = ", slot[t],
+                " is outside [-1, ", slots, ")");
+  }
+  float* base = qkv.data_ptr<float>();
+  const int64_t rs = qkv.stride(0);
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const float* qn = q_norm.has_value() ? q_norm->data_ptr<float>() : nullptr;
+  const float* kn = k_norm.has_value() ? k_norm->data_ptr<float>() : nullptr;
+  const float e = static_cast<float>(eps);
+  void* kc = k_cache.has_value() ? k_cache->data_ptr() : nullptr;
+  void* vc = v_cache.has_value() ? v_cache->data_ptr() : nullptr;
+  const int64_t grain = T * nh * Dh * 4 < SMALL_WORK ? std::max<int64_t>(T, 1) : 1;
+  at::parallel_for(0, T, grain, [&](int64_t lo, int64_t hi) {
+    std::vector<float> x(Dh);
+    for (int64_t t = lo; t < hi; ++t) {
+      float* r = base + t * rs;
+      const float* c = cp + pos[t] * D;
+      const float* s = sp + pos[t] * D;
+      for (int64_t h = 0; h < nh; ++h) {
+        float* y = r + h * Dh;
+        if (qn) {
+          double ss = 0.0;
+          for (int64_t i = 0; i < Dh; ++i) ss += static_cast<double>(y[i]) * y[i];
+          const float inv = 1.0f / std::sqrt(static_cast<float>(ss / static_cast<double>(Dh)) + e);
+          const float* w = h < num_heads ? qn : kn;
+          for (int64_t i = 0; i < Dh; ++i) y[i] = (y[i] * inv) * w[i];
+        }
+        std::memcpy(x.data(), y, D * sizeof(float));
+        for (int64_t i = 0; i < half; ++i) y[i] = x[i] * c[i] + x[i + half] * s[i];
+        for (int64_t i = half; i < D; ++i) y[i] = x[i] * c[i] + x[i - half] * s[i];
+      }
+      if (kc && slot[t] >= 0) {
+        store_row(kc, kind, slot[t], r + num_heads * Dh, kvn);
+        store_row(vc, kind, slot[t], r + nh * Dh, kvn);
+      }
+    }
+  });
+}
+
 namespace {
 
 inline void norm_row(const float* x, const float* w, float eps, int64_t n, float* y) {
@@ -508,6 +598,9 @@ TORCH_LIBRARY(edgeinfer_cpu_attn, m) {
         "float sm_scale, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor", &decode_attention);
   m.def("rope_kv_store_(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(b!)? k_cache, "
         "Tensor(c!)? v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads) -> ()", &rope_kv_store_);
+  m.def("rope_norm_kv_store_(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(b!)? k_cache, "
+        "Tensor(c!)? v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads, int head_dim, Tensor? q_norm, "
+        "Tensor? k_norm, float eps) -> ()", &rope_norm_kv_store_);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()", &add_rms_norm_);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);

@@ -6,6 +6,9 @@ INT4 kernels in kernels.cpu: auto | ext | torch).
                    context_lens [B] int32, sm_scale, k_scale=None, v_scale=None) -> [B, H, D]
   rope_kv_store_(qkv [T, (H + 2 KVH) D] fp32, positions [T] int64, cos, sin [max_pos, D], k_cache, v_cache (or
                  None: rope only), slot_mapping [T] int64, num_heads, num_kv_heads) -> None   (in place)
+  rope_norm_kv_store_(qkv [T, (H + 2 KVH) Dh], positions, cos, sin [max_pos, D <= Dh], k_cache, v_cache,
+                      slot_mapping, num_heads, num_kv_heads, head_dim, q_norm [Dh] | None, k_norm, eps) -> None
+                 (QK-norm per head, then rope on the first D of each head: Qwen3, GLM-4.5)
   rms_norm(x [T, N], weight [N], eps) -> [T, N]
   add_rms_norm_(x, residual, weight, eps) -> None      (residual += x; x = rms_norm(residual) * weight)
   silu_mul(gate_up [T, 2I]) -> [T, I]                  (silu(gate) * up)

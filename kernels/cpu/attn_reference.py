@@ -27,6 +27,23 @@ def rope_kv_store_(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num
         kv_store_reference(k, v, k_cache, v_cache, slot_mapping)
 
 
+def rope_norm_kv_store_(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, head_dim,
+                        q_norm, k_norm, eps) -> None:
+    t, d = qkv.shape[0], cos.shape[1]
+    nh = num_heads + num_kv_heads
+    x = qkv[:, : nh * head_dim].view(t, nh, head_dim)
+    if q_norm is not None:
+        x[:, :num_heads] = torch.nn.functional.rms_norm(x[:, :num_heads], q_norm.shape, q_norm, eps)
+        x[:, num_heads:] = torch.nn.functional.rms_norm(x[:, num_heads:], k_norm.shape, k_norm, eps)
+    rot = x[..., :d]
+    c, s = cos.index_select(0, positions)[:, None, :], sin.index_select(0, positions)[:, None, :]
+    rot.copy_(rot * c + rot.roll(d // 2, -1) * s)
+    if k_cache is not None:
+        k = qkv[:, num_heads * head_dim: nh * head_dim].view(t, num_kv_heads, head_dim)
+        v = qkv[:, nh * head_dim:].view(t, num_kv_heads, head_dim)
+        kv_store_reference(k, v, k_cache, v_cache, slot_mapping)
+
+
 def rms_norm(x, weight, eps):
     return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
 

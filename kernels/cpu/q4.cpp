@@ -690,6 +690,38 @@ void q4_1x8_run(const Q8Rows& y, int64_t M, const at::Tensor& w, int64_t n, floa
   });
 }
 
+// Every expert e over its quantized rows R * off[e] .. R * off[e + 1] of y, against its slab w[e], into op rows of
+// n: the work items (expert, group of 8 weight rows) of the experts that have rows share one parallel loop
+void moe_tiles(const Q8Rows& y, int64_t R, const int64_t* off, int64_t E, const at::Tensor& w, int64_t n, float* op) {
+  const int64_t G = w.size(1), nb = w.size(2) / Q4X8_BYTES;
+  std::vector<int64_t> items;   // e * G + g for the experts that have rows
+  for (int64_t e = 0; e < E; ++e)
+    if (off[e + 1] > off[e])
+      for (int64_t g = 0; g < G; ++g) items.push_back(e * G + g);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const int isa = g_isa;
+  const int64_t I = static_cast<int64_t>(items.size());
+  at::parallel_for(0, I, std::max<int64_t>(1, I / (4 * at::get_num_threads())), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t e = items[i] / G, g = items[i] % G, r0 = R * off[e];
+      const uint8_t* wg = wp + (e * G + g) * nb * Q4X8_BYTES;
+      over_tiles(R * (off[e + 1] - off[e]), [&](auto t, int64_t m0) {
+        constexpr int T = decltype(t)::value;
+        if (isa >= 2) q4_1x8_tile_avx512vnni<T>(wg, nb, y, r0 + m0, op, n, g * X8);
+        else if (isa == 1) q4_1x8_tile_avxvnni<T>(wg, nb, y, r0 + m0, op, n, g * X8);
+        else q4_1x8_tile<T>(wg, nb, y, r0 + m0, op, n, g * X8);
+      });
+    }
+  });
+}
+
+void check_experts(const at::Tensor& w, int64_t n, const char* op, const char* what) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 3 && w.is_contiguous() &&
+                  w.size(1) == groups_of(n) && w.size(2) % Q4X8_BYTES == 0,
+              op, ": ", what, " must be contiguous uint8 [E, ceil(", n, " / 8) = ", groups_of(n), ", K/32 * ",
+              Q4X8_BYTES, "], got ", w.scalar_type(), " ", w.sizes());
+}
+
 // Mixture-of-experts: rows of x sorted by expert (expert e owns rows offsets[e] .. offsets[e + 1]), expert e's
 // weight the slab w[e] of w [E, ceil(n/8), K/32 * 160]. One call runs every expert over its own rows: the
 // activations are quantized once for all of them, and the work items (expert, group of 8 weight rows) share one
@@ -719,30 +751,97 @@ at::Tensor q4_1x8_moe_gemm(const at::Tensor& x, const at::Tensor& w, int64_t n, 
   const Q8Rows y = residual ? quantize_rows_residual(x.data_ptr<float>(), M, K) : quantize_rows(x.data_ptr<float>(), M, K);
   std::vector<float> both(residual ? 2 * M * n : 0);
   float* op = residual ? both.data() : out.data_ptr<float>();
-  std::vector<int64_t> items;   // e * G + g for the experts that have rows
-  for (int64_t e = 0; e < E; ++e)
-    if (off[e + 1] > off[e])
-      for (int64_t g = 0; g < G; ++g) items.push_back(e * G + g);
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const int isa = g_isa;
-  const int64_t I = static_cast<int64_t>(items.size());
-  at::parallel_for(0, I, std::max<int64_t>(1, I / (4 * at::get_num_threads())), [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t e = items[i] / G, g = items[i] % G, r0 = R * off[e];
-      const uint8_t* wg = wp + (e * G + g) * nb * Q4X8_BYTES;
-      over_tiles(R * (off[e + 1] - off[e]), [&](auto t, int64_t m0) {
-        constexpr int T = decltype(t)::value;
-        if (isa >= 2) q4_1x8_tile_avx512vnni<T>(wg, nb, y, r0 + m0, op, n, g * X8);
-        else if (isa == 1) q4_1x8_tile_avxvnni<T>(wg, nb, y, r0 + m0, op, n, g * X8);
-        else q4_1x8_tile<T>(wg, nb, y, r0 + m0, op, n, g * X8);
-      });
-    }
-  });
+  moe_tiles(y, R, off, E, w, n, op);
   if (residual) {
     float* o = out.data_ptr<float>();
     for (int64_t m = 0; m < M; ++m)
       for (int64_t j = 0; j < n; ++j) o[m * n + j] = both[2 * m * n + j] + both[(2 * m + 1) * n + j];
   }
+  return out;
+}
+
+// The whole routed-expert MLP of a layer in one call: y[t] = sum_j weights[t, j] * down_e(silu(gate_e(x[t])) *
+// up_e(x[t])), e = ids[t, j]. The (token, slot) pairs are counting-sorted by expert; each token's activations are
+// quantized once (not once per chosen expert) and their int8 rows gathered into expert order; the gate/up GEMM
+// runs every expert over its rows (moe_tiles), silu(gate) * up stays in expert order, is quantized and runs through
+// the down GEMM the same way; each token then sums its k rows in slot order times their weights. Nothing is
+// handed back to Python between the steps (the grouped GEMM alone left ~25 small torch ops per layer around it).
+at::Tensor q4_1x8_moe(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& w_gu,
+                      const at::Tensor& w_dn, int64_t inter, bool residual) {
+  const char* op = "q4_1x8_moe";
+  TORCH_CHECK(inter > 0 && inter % QK == 0, op, ": intermediate size ", inter, " must be a positive multiple of ", QK);
+  check_experts(w_gu, 2 * inter, op, "w_gu");
+  const int64_t E = w_gu.size(0), H = (w_gu.size(2) / Q4X8_BYTES) * QK;
+  check_experts(w_dn, H, op, "w_dn");
+  TORCH_CHECK(w_dn.size(0) == E && (w_dn.size(2) / Q4X8_BYTES) * QK == inter, op, ": w_dn ", w_dn.sizes(),
+              " must hold ", E, " experts of [", H, ", ", inter, "]");
+  check_x(x, H, op);
+  const int64_t T = x.size(0);
+  TORCH_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kLong && ids.dim() == 2 && ids.is_contiguous() &&
+                  ids.size(0) == T, op, ": ids must be contiguous int64 [", T, ", k], got ", ids.scalar_type(), " ",
+              ids.sizes());
+  TORCH_CHECK(weights.device().is_cpu() && weights.scalar_type() == at::kFloat && weights.is_contiguous() &&
+                  weights.sizes() == ids.sizes(), op, ": weights must be contiguous float32 ", ids.sizes(), ", got ",
+              weights.scalar_type(), " ", weights.sizes());
+  const int64_t k = ids.size(1), P = T * k, R = residual ? 2 : 1, nbh = H / QK;
+  at::Tensor out = at::zeros({T, H}, x.options());
+  if (P == 0) return out;
+  const int64_t* id = ids.data_ptr<int64_t>();
+  std::vector<int64_t> off(E + 1, 0), order(P), where(P);   // order: sorted position -> pair; where: the inverse
+  for (int64_t p = 0; p < P; ++p) {
+    TORCH_CHECK(id[p] >= 0 && id[p] < E, op, ": ids[", p / k, ", ", p % k, "] = ", id[p], " is outside [0, ", E, ")");
+    ++off[id[p] + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) off[e + 1] += off[e];
+  {
+    std::vector<int64_t> cursor(off.begin(), off.end() - 1);
+    for (int64_t p = 0; p < P; ++p) {
+      order[cursor[id[p]]] = p;
+      where[p] = cursor[id[p]]++;
+    }
+  }
+  // the tokens' quantized rows (R per token), gathered into expert order (R per pair)
+  const Q8Rows qx = residual ? quantize_rows_residual(x.data_ptr<float>(), T, H) : quantize_rows(x.data_ptr<float>(), T, H);
+  Q8Rows ys{std::vector<int8_t>(R * P * H), std::vector<float>(R * P * nbh), std::vector<float>(R * P * nbh)};
+  for (int64_t i = 0; i < P; ++i)
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t src = R * (order[i] / k) + r, dst = R * i + r;
+      std::memcpy(ys.q.data() + dst * H, qx.q.data() + src * H, H);
+      std::memcpy(ys.d.data() + dst * nbh, qx.d.data() + src * nbh, nbh * sizeof(float));
+      std::memcpy(ys.s.data() + dst * nbh, qx.s.data() + src * nbh, nbh * sizeof(float));
+    }
+  const int64_t n1 = 2 * inter;
+  std::vector<float> h(R * P * n1);
+  moe_tiles(ys, R, off.data(), E, w_gu, n1, h.data());
+  std::vector<float> act(P * inter);   // silu(gate) * up, expert order
+  at::parallel_for(0, P, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* hi = h.data() + R * i * n1;
+      for (int64_t j = 0; j < inter; ++j) {
+        float g = hi[j], u = hi[inter + j];
+        if (residual) g += hi[n1 + j], u += hi[n1 + inter + j];
+        act[i * inter + j] = g / (1.0f + std::exp(-g)) * u;
+      }
+    }
+  });
+  const Q8Rows ya = residual ? quantize_rows_residual(act.data(), P, inter) : quantize_rows(act.data(), P, inter);
+  std::vector<float> rows(R * P * H);
+  moe_tiles(ya, R, off.data(), E, w_dn, H, rows.data());
+  const float* wt = weights.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t p = t * k + j;
+        const float w = wt[p];
+        const float* a = rows.data() + R * where[p] * H;
+        float* y = o + t * H;
+        if (residual)
+          for (int64_t c = 0; c < H; ++c) y[c] += w * (a[c] + a[H + c]);
+        else
+          for (int64_t c = 0; c < H; ++c) y[c] += w * a[c];
+      }
+  });
   return out;
 }
 
@@ -934,6 +1033,7 @@ TORCH_LIBRARY(edgeinfer_cpu, m) {
   m.def("q4_1x8_gemm", &q4_1x8_gemm);
   m.def("q4_1x8_gemm_residual", &q4_1x8_gemm_residual);
   m.def("q4_1x8_moe_gemm", &q4_1x8_moe_gemm);
+  m.def("q4_1x8_moe", &q4_1x8_moe);
   m.def("q8_0x8_gemm", &q8_0x8_gemm);
   m.def("q8_0x8_gemm_exact", &q8_0x8_gemm_exact);
   m.def("q4_1x8_dequant", &q4_1x8_dequant);

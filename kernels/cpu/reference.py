@@ -83,6 +83,21 @@ def q4_1x8_moe_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, offsets: torc
     return out
 
 
+def q4_1x8_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gu: torch.Tensor, w_dn: torch.Tensor,
+               inter: int, residual: bool) -> torch.Tensor:
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    offsets = torch.zeros(w_gu.shape[0] + 1, dtype=torch.int64)
+    offsets[1:] = torch.bincount(flat, minlength=w_gu.shape[0]).cumsum(0)
+    h = q4_1x8_moe_gemm(x[order // k].contiguous(), w_gu, 2 * inter, offsets, residual)
+    act = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]).contiguous()
+    rows = q4_1x8_moe_gemm(act, w_dn, x.shape[1], offsets, residual)
+    by_pair = torch.empty_like(rows)
+    by_pair[order] = rows
+    return (by_pair.view(t, k, -1) * weights[:, :, None]).sum(1)
+
+
 def q8_0x8_gemm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, n: int) -> torch.Tensor:
     return q8_0_gemm(x, *q8_0x8_rows(qs, d, n=n))
 

@@ -118,6 +118,36 @@ def test_rope_kv_store_equals_reference_bit_for_bit(ext, dtype):
     assert not torch.equal(swapped, a)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rotary,norm", [(32, True), (64, True), (32, False)], ids=["partial+norm", "norm", "partial"])
+def test_rope_norm_kv_store_matches_reference(ext, dtype, rotary, norm):
+    """QK-norm per head, then rope on the first `rotary` of each 64-wide head (GLM-4.5: half; Qwen3: all)."""
+    heads, kv_heads, d, t = 6, 2, 64, 5
+    g = torch.Generator().manual_seed(6)
+    cos, sin = torch.randn(256, rotary, generator=g), torch.randn(256, rotary, generator=g)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g) * 3
+    qn, kn = (torch.rand(d, generator=g) + 0.5, torch.rand(d, generator=g) + 0.5) if norm else (None, None)
+    pos, slots = torch.tensor([0, 9, 255, 4, 4]), torch.tensor([0, 17, -1, 40, 63])
+    shape = (4, PAGE, kv_heads, d)
+    caches = [torch.full(shape, 0.5).to(dtype) for _ in range(4)]
+    a, b = qkv.clone(), qkv.clone()
+    ext.rope_norm_kv_store_(a, pos, cos, sin, caches[0], caches[1], slots, heads, kv_heads, d, qn, kn, 1e-6)
+    ref.rope_norm_kv_store_(b, pos, cos, sin, caches[2], caches[3], slots, heads, kv_heads, d, qn, kn, 1e-6)
+    assert rel_err(a, b) < 1e-6 and not torch.equal(a, qkv)
+    assert rel_err(caches[0].float(), caches[2].float()) < (1e-6 if dtype == torch.float32 else 1e-2)
+    assert torch.equal(a[:, (heads + kv_heads) * d:], qkv[:, (heads + kv_heads) * d:])   # v untouched
+    if not norm and rotary < d:                                                          # the rest of each head too
+        x = qkv[:, : (heads + kv_heads) * d].view(t, -1, d)
+        assert torch.equal(a[:, : (heads + kv_heads) * d].view(t, -1, d)[..., rotary:], x[..., rotary:])
+    if norm:                                                          # q and k norms the wrong way round: caught
+        c = qkv.clone()
+        ext.rope_norm_kv_store_(c, pos, cos, sin, None, None, slots, heads, kv_heads, d, kn, qn, 1e-6)
+        assert rel_err(c, b) > 1e-3
+    with pytest.raises(RuntimeError, match="rotary dim 96 must be even and <= head_dim 64"):
+        ext.rope_norm_kv_store_(qkv.clone(), pos, torch.randn(256, 96), torch.randn(256, 96), None, None, slots,
+                                heads, kv_heads, d, qn, kn, 1e-6)
+
+
 def test_norms_and_silu_match_reference(ext):
     g = torch.Generator().manual_seed(5)
     for rows in (1, 8, 33):

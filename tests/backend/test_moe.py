@@ -224,19 +224,19 @@ def test_int4_experts_prepacked_run_the_grouped_cpu_kernel_near_the_exact_weight
     assert isinstance(experts, Int4Experts) and experts.prepacked and experts.gu_q is None
     assert packed.weight_bytes() > 0
     calls = []
-    real = kc.q4_1x8_moe_gemm
+    real = kc.q4_1x8_moe
 
     def counting(*a):
         calls.append(a[0].shape[0])
         return real(*a)
-    kc.q4_1x8_moe_gemm = counting
+    kc.q4_1x8_moe = counting
     try:
         logits, out = greedy(packed, PROMPT, 8, num_pages=8)
     finally:
-        kc.q4_1x8_moe_gemm = real
+        kc.q4_1x8_moe = real
     sparse = sum(packed.cfg.moe.sparse_layers)
-    assert len(calls) == 2 * sparse * 8                   # two grouped calls per MoE layer per step, never per expert
-    assert calls[0] == len(PROMPT) * packed.cfg.moe.top_k
+    assert len(calls) == sparse * 8                       # one call per MoE layer per step, never one per expert
+    assert calls[0] == len(PROMPT)
     want, want_out = greedy(plain, PROMPT, 8, num_pages=8)
     rel = float((logits - want).norm() / want.norm())
     assert rel < 0.03, f"int8 activations moved the logits by {rel:.3%}"
@@ -273,6 +273,39 @@ def test_grouped_q4_gemm_equals_its_reference_and_per_expert_gemms(residual):
             assert float((got[r0:r1] - exact).norm() / exact.norm()) < 0.05
     with pytest.raises(RuntimeError, match="offsets must run from 0 to M"):
         kc.q4_1x8_moe_gemm(x, packed, n, offsets - 1, residual)
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["int8", "int8x2"])
+@pytest.mark.parametrize("tokens", [1, 7, 40])
+def test_fused_cpu_moe_equals_its_reference_and_the_dequantized_experts(residual, tokens):
+    e, h, inter, k = 6, 64, 96, 3
+    g = torch.Generator().manual_seed(tokens)
+
+    def slab(n: int, kk: int):
+        packs, dense = [], []
+        for _ in range(e):
+            q = torch.randint(0, 256, (n, kk // 2), dtype=torch.uint8, generator=g)
+            s = (torch.rand(n, kk // 32, generator=g) * 0.02 + 0.001).half()
+            m = (-torch.rand(n, kk // 32, generator=g) * 0.1).half()
+            packs.append(kc.pack_q4_1x8(kc.pack_q4_1(q, s, m, 32)))
+            dense.append(group_dequantize_mins(q, s, m, 32))
+        return torch.stack(packs).contiguous(), torch.stack(dense)
+    (w_gu, gu), (w_dn, dn) = slab(2 * inter, h), slab(h, inter)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k, generator=g)
+    x = torch.randn(tokens, h, generator=g)
+    got = kc.q4_1x8_moe(x, ids, weights, w_gu, w_dn, inter, residual)
+    want = ref.q4_1x8_moe(x, ids, weights, w_gu, w_dn, inter, residual)
+    scale = float(want.abs().max())
+    assert float((got - want).abs().max()) <= 1e-4 * scale
+    exact = torch.zeros(tokens, h)
+    for t in range(tokens):
+        for j in range(k):
+            hh = gu[int(ids[t, j])] @ x[t]
+            exact[t] += weights[t, j] * (dn[int(ids[t, j])] @ (torch.nn.functional.silu(hh[:inter]) * hh[inter:]))
+    assert float((got - exact).norm() / exact.norm()) < (0.01 if residual else 0.05)
+    with pytest.raises(RuntimeError, match=r"ids\[0, 0\] = 6 is outside \[0, 6\)"):
+        kc.q4_1x8_moe(x, torch.full_like(ids, 6), weights, w_gu, w_dn, inter, residual)
 
 
 # ---------------------------------------------------------------- config and quantizer errors
