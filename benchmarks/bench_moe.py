@@ -18,8 +18,9 @@ it with its defaults. Both with --threads threads, one at a time, started and st
 Load per level c (benchmarks/peer_load.py, as bench_peers.py): c streaming /v1/completions at once, token-id
 prompts that share no prefix, greedy, ignore_eos, --max-tokens each: decode tok/s while all c decode; then c
 prompts of --prefill-len tokens with max_tokens=1: prefill tok/s. Peak RSS of each server's process tree.
-Rounds alternate the order; medians over rounds. Goals (issue: the dense model's): batch-1 decode >= 1.0x
-llama.cpp, 32 sequences >= 2x. Writes --out (default benchmarks/results/bench_moe.json) and a .md table.
+Rounds alternate the order; medians over rounds. edgeinfer runs with its default int8x2 activations (two int8
+passes, docs/QUANTIZATION.md) and, as `edgeinfer-int8`, with one int8 pass like llama.cpp's Q8 activations
+(--also-activations). Goals (issue: the dense model's): batch-1 decode >= 1.0x llama.cpp, 32 sequences >= 2x. Writes --out (default benchmarks/results/bench_moe.json) and a .md table.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -109,6 +111,57 @@ def gguf_types(path: Path) -> dict[str, int]:
     return counts
 
 
+def model_steps(model_dir: Path, levels: list[int], threads: int, steps: int = 12) -> dict:
+    """edgeinfer's model alone, in this process (no server, scheduler or HTTP): ms per decode step of `b` sequences
+    at 32 tokens of context, per activation mode (each in a fresh subprocess: the mode is read at prepack)."""
+    code = f"""
+import json, sys, time, torch
+sys.path.insert(0, {str(ROOT)!r})
+torch.set_num_threads({threads})
+from edgeinfer.backend.model.llama import AttentionMetadata, load_model
+from tests.backend.dense import fresh_kv
+m = load_model({str(model_dir)!r})
+out = {{}}
+for b in {levels!r}:
+    kv = fresh_kv(m, 2 * b + 2)
+    tables = torch.arange(2 * b, dtype=torch.int32).view(b, 2)
+    meta = AttentionMetadata(tables[:, 1].long() * 16 + 15, b, tables, torch.full((b,), 32, dtype=torch.int32),
+                             torch.zeros((0, 2), dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                             torch.zeros(0, dtype=torch.int32))
+    ids, pos = torch.randint(100, 40000, (b,), generator=torch.Generator().manual_seed(b)), torch.full((b,), 31)
+    for _ in range(3):
+        m.compute_logits(m(ids, pos, kv, meta))
+    t = time.perf_counter()
+    for _ in range({steps}):
+        m.compute_logits(m(ids, pos, kv, meta))
+    out[str(b)] = round((time.perf_counter() - t) / {steps} * 1000, 2)
+print(json.dumps(out))
+"""
+    res: dict = {}
+    for acts in ("int8x2", "int8"):
+        env = {**os.environ, "EDGEINFER_CPU_ACTIVATIONS": acts, "OMP_NUM_THREADS": str(threads)}
+        p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+        if p.returncode != 0:
+            res[acts] = {"error": p.stderr[-2000:]}
+            continue
+        ms = json.loads(p.stdout.strip().splitlines()[-1])
+        res[acts] = {"step_ms": ms, "tok_s": {b: round(int(b) / v * 1000, 1) for b, v in ms.items()}}
+    return res
+
+
+def llama_bench_raw(build: Path, gguf_path: Path, threads: int) -> dict:
+    """llama.cpp's own llama-bench on the same file: pp512 and tg64 (batch-1 decode without a server)."""
+    from benchmarks.peer_llamacpp import llama_bench
+
+    binary = find_binary("llama-bench", build)
+    if binary is None:
+        return {"error": f"no llama-bench under {build}"}
+    try:
+        return llama_bench(binary, build, gguf_path, threads, 512, 64, 2, 900)
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        return {"error": str(e)[-1000:]}
+
+
 def summarize(runs: list[dict], levels: list[int]) -> dict:
     out: dict = {}
     for system in sorted({r["system"] for r in runs}):
@@ -124,27 +177,31 @@ def summarize(runs: list[dict], levels: list[int]) -> dict:
 
 
 def ratios(summary: dict, levels: list[int]) -> dict:
-    e, p = summary.get("edgeinfer"), summary.get("llamacpp")
-    if not e or not p:
-        return {}
-    out = {}
-    for c in levels:
-        for k in ("decode_tok_s", "prefill_tok_s"):
-            a, b = e["levels"][str(c)][k], p["levels"][str(c)][k]
-            out[f"{k}@{c}"] = round(a / b, 3) if a and b else None
-    if e["peak_rss_mib"] and p["peak_rss_mib"]:
-        out["peak_rss"] = round(e["peak_rss_mib"] / p["peak_rss_mib"], 3)
+    """{edgeinfer variant: {metric@level: edgeinfer / llama.cpp}}."""
+    p = summary.get("llamacpp")
+    out: dict = {}
+    for name, e in summary.items():
+        if name == "llamacpp" or not p:
+            continue
+        r = out[name] = {}
+        for c in levels:
+            for k in ("decode_tok_s", "prefill_tok_s"):
+                a, b = e["levels"][str(c)][k], p["levels"][str(c)][k]
+                r[f"{k}@{c}"] = round(a / b, 3) if a and b else None
+        if e["peak_rss_mib"] and p["peak_rss_mib"]:
+            r["peak_rss"] = round(e["peak_rss_mib"] / p["peak_rss_mib"], 3)
     return out
 
 
 def goals(rat: dict, levels: list[int]) -> dict:
     out = {}
-    if 1 in levels:
-        r = rat.get("decode_tok_s@1")
-        out["batch-1 decode >= 1.0x llama.cpp"] = {"ratio": r, "met": r is not None and r >= 1.0}
-    if 32 in levels:
-        r = rat.get("decode_tok_s@32")
-        out["32-sequence decode >= 2x llama.cpp"] = {"ratio": r, "met": r is not None and r >= 2.0}
+    for name, r in rat.items():
+        if 1 in levels:
+            x = r.get("decode_tok_s@1")
+            out[f"{name}: batch-1 decode >= 1.0x llama.cpp"] = {"ratio": x, "met": x is not None and x >= 1.0}
+        if 32 in levels:
+            x = r.get("decode_tok_s@32")
+            out[f"{name}: 32-sequence decode >= 2x llama.cpp"] = {"ratio": x, "met": x is not None and x >= 2.0}
     return out
 
 
@@ -155,9 +212,11 @@ def markdown(summary: dict, rat: dict, gl: dict, levels: list[int], title: str) 
         for k in ("decode_tok_s", "prefill_tok_s"):
             cells = [summary[system]["levels"][str(c)][k] for c in levels]
             lines.append(f"| {system} {k} | " + " | ".join("-" if x is None else f"{x:.1f}" for x in cells) + " |")
-    for k in ("decode_tok_s", "prefill_tok_s"):
-        cells = [rat.get(f"{k}@{c}") for c in levels]
-        lines.append(f"| ratio {k} | " + " | ".join("-" if x is None else f"{x:.2f}x" for x in cells) + " |")
+    for name, r in rat.items():
+        for k in ("decode_tok_s", "prefill_tok_s"):
+            cells = [r.get(f"{k}@{c}") for c in levels]
+            lines.append(f"| {name} / llama.cpp {k} | " + " | ".join("-" if x is None else f"{x:.2f}x" for x in cells)
+                         + " |")
     lines += ["", "| peak RSS MiB | " + " | ".join(f"{s}: {v['peak_rss_mib']}" for s, v in summary.items()) + " |",
               "", *(f"- {g}: {v['ratio']} -> {'met' if v['met'] else 'MISSED'}" for g, v in gl.items())]
     return "\n".join(lines) + "\n"
@@ -179,9 +238,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--work", type=Path, default=PEERS_HOME / "bench_moe")
     p.add_argument("--ready-timeout", type=float, default=900.0)
     p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--no-raw", dest="raw", action="store_false",
+                   help="skip the in-process model step timing and llama-bench")
+    p.add_argument("--also-activations", default="int8",
+                   help="comma list of EDGEINFER_CPU_ACTIVATIONS modes to run as extra edgeinfer systems besides the "
+                        "default (int8x2); int8 is one int8 pass, as llama.cpp's Q8 activations ('' for none)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_moe.json")
     a = p.parse_args(argv)
     a.levels = [int(x) for x in (a.levels or ("1,8" if a.quick else "1,8,32")).split(",")]
+    a.also_activations = [m for m in a.also_activations.split(",") if m]
+    if bad := [m for m in a.also_activations if m not in ("int8", "int8x2")]:
+        p.error(f"--also-activations: unknown {bad}; expected int8 or int8x2")
     a.rounds = a.rounds or (1 if a.quick else 2)
     a.max_tokens = a.max_tokens or (16 if a.quick else 64)
     if a.quick:
@@ -223,30 +290,45 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = work / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
 
-    def spec(name: str) -> ServerSpec:
-        if name == "edgeinfer":
-            return edgeinfer_spec(a.threads, native)
+    def spec(name: str, rnd: int) -> ServerSpec:
+        if name.startswith("edgeinfer"):   # a fresh home per run: an empty page store, nothing earlier hits
+            home = work / f"home-{rnd}"
+            shutil.rmtree(home, ignore_errors=True)
+            s = edgeinfer_spec(a.threads, native, home)
+            acts = name.partition("-")[2] or "int8x2"
+            return replace(s, name=name, env={**s.env, "EDGEINFER_CPU_ACTIVATIONS": acts},
+                           notes={**s.notes, "activations": acts})
         return llamacpp_spec(a.threads, gguf_path, a.llamacpp_build, PEERS_HOME / "llamacpp", slots, ctx)
 
     la = SimpleNamespace(levels=a.levels, decode_prompt_len=a.decode_prompt_len, prefill_len=a.prefill_len,
                          max_tokens=a.max_tokens, request_timeout=a.request_timeout)
     runs: list[dict] = []
-    systems = ["edgeinfer", "llamacpp"]
+    systems = ["edgeinfer", *(f"edgeinfer-{m}" for m in a.also_activations), "llamacpp"]
     for rnd in range(a.rounds):
         for name in systems if rnd % 2 == 0 else systems[::-1]:
-            s = spec(name)
+            s = spec(name, rnd)
             say(f"round {rnd + 1}/{a.rounds}: {name}")
             run: dict = {"round": rnd + 1, "system": name, "command": s.cmd}
             try:
                 with Running(s, log_dir, a.ready_timeout) as srv:
                     run["startup_s"] = round(srv.startup_s, 1)
-                    run["levels"] = run_levels(srv, la, Prompts(ids), tok)
+                    run["levels"] = run_levels(srv, la, Prompts(ids, rnd), tok)
                 run["memory"] = srv.memory
                 say(f"  {name}: peak RSS {run['memory'].get('peak_rss_mib')} MiB")
             except (RuntimeError, TimeoutError) as e:
                 run["error"] = str(e)[-3000:]
                 say(f"  {name} FAILED: {str(e)[:500]}")
             runs.append(run)
+    raw: dict = {}
+    if a.raw:
+        say("raw engines: edgeinfer's model alone per activation mode, llama-bench")
+        raw = {"edgeinfer_model_step": model_steps(native, a.levels, a.threads),
+               "llama_bench": llama_bench_raw(a.llamacpp_build, gguf_path, a.threads)}
+        tg = [r["tok_s"] for r in raw["llama_bench"].get("rows", []) if r["test"] == "tg64"]
+        for acts, r in raw["edgeinfer_model_step"].items():
+            if tg and "tok_s" in r and "1" in r["tok_s"]:
+                raw[f"batch-1 model step {acts} / llama-bench tg64"] = round(r["tok_s"]["1"] / tg[0], 3)
+        say(f"  {json.dumps({k: v for k, v in raw.items() if k != 'llama_bench'})}")
     summary = summarize(runs, a.levels)
     rat = ratios(summary, a.levels)
     gl = goals(rat, a.levels)
@@ -260,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
                   "config": {k: model_info["config"].get(k) for k in (*SHAPE, "first_k_dense_replace",
                                                                        "n_shared_experts", "tie_word_embeddings")}},
               "gguf": str(gguf_path), "gguf_tensor_types": gguf_types(gguf_path), "summary": summary, "ratios": rat,
-              "goals": gl, "runs": runs, **run_stamp(t0, load0)}
+              "goals": gl, "raw": raw, "runs": runs, **run_stamp(t0, load0)}
     write_result(result, a.out, echo=False)
     a.out.with_suffix(".md").write_text(md)
     say(f"wrote {a.out}")

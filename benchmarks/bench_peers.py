@@ -76,8 +76,10 @@ def say(msg: str) -> None:
 class Prompts:
     """Token-id prompts cut from one long real text, none starting where another does."""
 
-    def __init__(self, ids: list[int]) -> None:
-        self.ids, self.pos = ids, 0
+    def __init__(self, ids: list[int], round_index: int = 0) -> None:
+        # each round starts elsewhere in the text: a round's prompts are not the pages an earlier round published
+        # (edgeinfer serve's page store outlives a restart, and would serve them)
+        self.ids, self.pos = ids, (round_index * 7919) % max(1, len(ids) // 2)
 
     def take(self, n: int, count: int) -> list[list[int]]:
         out = []
@@ -448,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
                     with Running(spec, log_dir, a.ready_timeout) as srv:
                         run["startup_s"] = round(srv.startup_s, 1)
                         run["model"] = srv.model
-                        run["levels"] = run_levels(srv, a, Prompts(ids), tok)
+                        run["levels"] = run_levels(srv, a, Prompts(ids, rnd), tok)
                     run["memory"] = srv.memory
                     if name == "edgeinfer":
                         run["weights"] = edgeinfer_weights(srv.log_tail(1 << 20))

@@ -210,15 +210,17 @@ def find_binary(name: str, *roots: Path) -> Path | None:
     return None
 
 
-def edgeinfer_spec(threads: int, model_dir: Path | None = None) -> ServerSpec:
+def edgeinfer_spec(threads: int, model_dir: Path | None = None, home: Path | None = None) -> ServerSpec:
     """What `edgeinfer serve` serves by default (gateway + one backend, built-in config and demo key), on the
-    default model or `--model model_dir`."""
+    default model or `--model model_dir`; `home` as its EDGEINFER_HOME (a fresh one: an empty page store)."""
     import sys
 
     from edgeinfer.gateway.config import DEMO_API_KEY
 
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
+    if home is not None:
+        env["EDGEINFER_HOME"] = str(home)
     model = ["--model", str(model_dir)] if model_dir is not None else []
     return ServerSpec("edgeinfer", [sys.executable, "-m", "edgeinfer.ops.cli", "serve", "--port", str(port), *model],
                       env, port, "/ready", DEMO_API_KEY, {"command": "edgeinfer serve " + (" ".join(model) or

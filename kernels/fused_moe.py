@@ -44,11 +44,12 @@ def _check(x, weights, ids, w1q, w1s, w1z, w2q, w2s, w2z, group_size) -> None:
     for name, s, z, n, k in (("w1", w1s, w1z, two_i, h), ("w2", w2s, w2z, h, inter)):
         check_tensor(f"{name} scales", s, dtypes=(torch.float16,), ndim=3, contiguous=True, device=x.device)
         check(tuple(s.shape) == (e, n, k // group_size),
-              lambda: f"{name} scales {tuple(s.shape)} must be [{e}, {n}, {k // group_size}]")
+              lambda name=name, s=s, n=n, k=k: f"{name} scales {tuple(s.shape)} must be [{e}, {n}, {k // group_size}]")
         if z is not None:
             check_tensor(f"{name} zeros", z, dtypes=(torch.float16, torch.float32), ndim=3, contiguous=True,
                          device=x.device)
-            check(z.shape == s.shape, lambda: f"{name} zeros {tuple(z.shape)} != scales {tuple(s.shape)}")
+            check(z.shape == s.shape,
+                  lambda name=name, z=z, s=s: f"{name} zeros {tuple(z.shape)} != scales {tuple(s.shape)}")
 
 
 def fused_moe_w4a16_reference(x, weights, ids, w1q, w1s, w1z, w2q, w2s, w2z, group_size=128):

@@ -124,6 +124,19 @@ class Int4Experts(nn.Module):
     first), down [E, H, I]. Buffers, so the model's weight_bytes and .to() see them; None once prepacked."""
 
     _NAMES = ("gu_q", "gu_s", "gu_z", "gu_m", "dn_q", "dn_s", "dn_z", "dn_m")
+    gu_q: torch.Tensor            # buffers (register_buffer in __init__); None once prepacked
+    gu_s: torch.Tensor
+    gu_z: torch.Tensor | None
+    gu_m: torch.Tensor | None
+    dn_q: torch.Tensor
+    dn_s: torch.Tensor
+    dn_z: torch.Tensor | None
+    dn_m: torch.Tensor | None
+    gu_x8: torch.Tensor | None
+    dn_x8: torch.Tensor | None
+    num_experts: int
+    intermediate: int
+    hidden: int
 
     def __init__(self, gate_up: tuple, down: tuple, group_size: int) -> None:
         super().__init__()
@@ -133,9 +146,9 @@ class Int4Experts(nn.Module):
             if a is not None and b is not None:
                 raise ValueError("Int4Experts takes zeros or mins, not both")
         self.group_size = group_size
-        self.num_experts = self.gu_q.shape[0]
-        self.intermediate = self.gu_q.shape[1] // 2
-        self.hidden = self.dn_q.shape[1]
+        self.num_experts = int(self.gu_q.shape[0])
+        self.intermediate = int(self.gu_q.shape[1]) // 2
+        self.hidden = int(self.dn_q.shape[1])
         self.register_buffer("gu_x8", None)   # CPU prepack: [E, ceil(2I/8), H/32 * 160]
         self.register_buffer("dn_x8", None)   # [E, ceil(H/8), I/32 * 160]
         self.residual_activations = False
@@ -221,8 +234,10 @@ class Int4Experts(nn.Module):
             y = cpu_kernels.q4_1x8_moe(x.float().contiguous(), ids, weights.float().contiguous(), self.gu_x8,
                                        self.dn_x8, self.intermediate, self.residual_activations)
             return y.to(x.dtype)
-        fn = kernels.fused_moe_w4a16 if kernel_takes(x) else kernels.fused_moe_w4a16_reference
-        return fn(x, weights, ids, *self.kernel_form(), self.group_size)
+        w1q, w1s, w1z, w2q, w2s, w2z = self.kernel_form()
+        if kernel_takes(x):
+            return kernels.fused_moe_w4a16(x, weights, ids, w1q, w1s, w1z, w2q, w2s, w2z, self.group_size)
+        return kernels.fused_moe_w4a16_reference(x, weights, ids, w1q, w1s, w1z, w2q, w2s, w2z, self.group_size)
 
 
 class SparseMoE(nn.Module):

@@ -53,6 +53,7 @@ def _weights(cfg: ModelConfig, layer, i: int) -> dict[str, tuple[torch.Tensor, t
            "o": (attn.o_proj.weight, attn.o_proj.bias, [(p + "self_attn.o_proj", cfg.hidden_size)])}
 
     def dense_mlp(m: MLP, prefix: str, inter: int) -> None:
+        assert m.gate_up_proj is not None, "quantize loads the model with fuse_gate_up=True"
         out["gate_up"] = (m.gate_up_proj.weight, None, [(prefix + "gate_proj", inter), (prefix + "up_proj", inter)])
         out["down"] = (m.down_proj.weight, None, [(prefix + "down_proj", cfg.hidden_size)])
 

@@ -691,25 +691,36 @@ void q4_1x8_run(const Q8Rows& y, int64_t M, const at::Tensor& w, int64_t n, floa
 }
 
 // Every expert e over its quantized rows R * off[e] .. R * off[e + 1] of y, against its slab w[e], into op rows of
-// n: the work items (expert, group of 8 weight rows) of the experts that have rows share one parallel loop
+// n: the work items of the experts that have rows share one parallel loop. An item is (expert, group of 8 weight
+// rows), or at ISA level 3 (expert, pair of groups): 512-bit tiles for an expert with at least g_z_min_rows rows,
+// the 256-bit ones below that (both give the same bits, as in q4_1x8_run)
 void moe_tiles(const Q8Rows& y, int64_t R, const int64_t* off, int64_t E, const at::Tensor& w, int64_t n, float* op) {
   const int64_t G = w.size(1), nb = w.size(2) / Q4X8_BYTES;
-  std::vector<int64_t> items;   // e * G + g for the experts that have rows
+  const int isa = g_isa;
+  const int64_t per = isa == 3 ? 2 : 1, units = (G + per - 1) / per;   // groups per item, items per expert
+  std::vector<int64_t> items;   // e * units + u for the experts that have rows
   for (int64_t e = 0; e < E; ++e)
     if (off[e + 1] > off[e])
-      for (int64_t g = 0; g < G; ++g) items.push_back(e * G + g);
+      for (int64_t u = 0; u < units; ++u) items.push_back(e * units + u);
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const int isa = g_isa;
   const int64_t I = static_cast<int64_t>(items.size());
   at::parallel_for(0, I, std::max<int64_t>(1, I / (4 * at::get_num_threads())), [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t e = items[i] / G, g = items[i] % G, r0 = R * off[e];
+      const int64_t e = items[i] / units, g = (items[i] % units) * per, r0 = R * off[e];
+      const int64_t rows = R * (off[e + 1] - off[e]);
       const uint8_t* wg = wp + (e * G + g) * nb * Q4X8_BYTES;
-      over_tiles(R * (off[e + 1] - off[e]), [&](auto t, int64_t m0) {
+      over_tiles(rows, [&](auto t, int64_t m0) {
         constexpr int T = decltype(t)::value;
-        if (isa >= 2) q4_1x8_tile_avx512vnni<T>(wg, nb, y, r0 + m0, op, n, g * X8);
-        else if (isa == 1) q4_1x8_tile_avxvnni<T>(wg, nb, y, r0 + m0, op, n, g * X8);
-        else q4_1x8_tile<T>(wg, nb, y, r0 + m0, op, n, g * X8);
+        if (isa == 3 && g + 1 < G && rows >= g_z_min_rows) {
+          q4_1x8_pair_z<T>(wg, wg + nb * Q4X8_BYTES, nb, y, r0 + m0, op, n, g * X8);
+          return;
+        }
+        for (int64_t j = 0; j < per && g + j < G; ++j) {
+          const uint8_t* wj = wg + j * nb * Q4X8_BYTES;
+          if (isa >= 2) q4_1x8_tile_avx512vnni<T>(wj, nb, y, r0 + m0, op, n, (g + j) * X8);
+          else if (isa == 1) q4_1x8_tile_avxvnni<T>(wj, nb, y, r0 + m0, op, n, (g + j) * X8);
+          else q4_1x8_tile<T>(wj, nb, y, r0 + m0, op, n, (g + j) * X8);
+        }
       });
     }
   });
