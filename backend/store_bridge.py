@@ -17,7 +17,10 @@ bytes of ModelRunner.read_page(page) concatenated, i.e. for each layer l:
     K[l]  [page_size, kv_heads, head_dim]  in the kv dtype (C order)
     V[l]  [page_size, kv_heads, head_dim]
     fp8 only: K_scale[l] [page_size, kv_heads] bfloat16, then V_scale[l]
-scale_layout is "none" (fp32/bf16/fp16) or "per_token_kv_head_bf16" (fp8_e4m3).
+scale_layout is "none" (fp32/bf16/fp16) or "per_token_kv_head_bf16" (fp8_e4m3). An MLA model's page (kv_dtype
+"mla_<dtype>", kv_heads 1, head_dim kv_lora_rank + qk_rope_head_dim) holds per layer only
+    L[l]  [page_size, 1, latent_dim]  the latent rows in the kv dtype
+    fp8 only: L_scale[l] [page_size, 1] bfloat16   (scale_layout "per_token_latent_bf16")
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ __all__ = ["BridgeStats", "PageStoreBridge", "page_format"]
 
 def page_format(engine) -> PageFormat:
     c = engine.model.cfg
-    return PageFormat(model_fingerprint=engine.fingerprint, kv_dtype=engine.kv.name, num_layers=c.num_layers,
+    return PageFormat(model_fingerprint=engine.fingerprint, kv_dtype=engine.kv.ident, num_layers=c.num_layers,
                       kv_heads=c.num_kv_heads, head_dim=c.head_dim, page_size=engine.cfg.page_size,
                       scale_layout=engine.kv.scale_layout,
                       body_nbytes=engine.runner.page_bytes)

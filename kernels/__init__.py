@@ -10,6 +10,8 @@ variable EDGEINFER_KERNELS=reference forces the reference on CUDA too):
                           k_scale=None, v_scale=None) -> out
   w4a16_gemm(x, qweight, scales, zeros=None, group_size=128) -> out
   fused_moe_w4a16(x, weights, ids, w1q, w1s, w1z, w2q, w2s, w2z, group_size=128) -> out  (kernels/fused_moe.py)
+  paged_mla_decode_attention(q, cache, block_tables, context_lens, sm_scale, v_dim, scale=None) -> out
+  mla_latent_store(latent, cache, slot_mapping, scale=None)  (torch on every device; kernels/paged_mla_attention.py)
 
 Every op except kv_store also accepts out= (written and returned). EDGEINFER_KERNELS=triton
 forces the Triton kernels (on CPU only under TRITON_INTERPRET=1). Details: docs/KERNELS.md.
@@ -31,7 +33,9 @@ from edgeinfer.kernels.dispatch import (  # noqa: F401
     fused_moe_w4a16,
     fused_moe_w4a16_reference,
     kv_store,
+    mla_latent_store,
     paged_decode_attention,
+    paged_mla_decode_attention,
     paged_prefill_attention,
     w4a16_gemm,
 )

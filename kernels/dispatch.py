@@ -17,6 +17,7 @@ from edgeinfer.kernels import _triton
 from edgeinfer.kernels import fused_moe as _moe
 from edgeinfer.kernels import kv_store as _kv
 from edgeinfer.kernels import paged_decode_attention as _decode
+from edgeinfer.kernels import paged_mla_attention as _mla
 from edgeinfer.kernels import paged_prefill_attention as _prefill
 from edgeinfer.kernels import w4a16_gemm as _gemm
 
@@ -88,3 +89,12 @@ def fused_moe_w4a16(x, weights, ids, w1q, w1s, w1z, w2q, w2s, w2z, group_size=12
 
 
 fused_moe_w4a16_reference = _moe.fused_moe_w4a16_reference
+
+
+def paged_mla_decode_attention(q, cache, block_tables, context_lens, sm_scale, v_dim, scale=None):
+    # q: [B, H, kv_lora_rank + rope] (absorbed), cache: [P, S, 1, same] latent rows -> [B, H, v_dim]
+    fn = _mla.paged_mla_decode_attention_triton if use_triton(q) else _mla.paged_mla_decode_attention_reference
+    return fn(q, cache, block_tables, context_lens, sm_scale, v_dim, scale)
+
+
+mla_latent_store = _mla.mla_latent_store

@@ -76,7 +76,7 @@ class LLMEngine:
         self.step_cost = StepCost()                # what steps cost here (the fair scheduler's contended cap)
         self.scheduler = make_scheduler(self.cfg, self.blocks, self.step_cost)
         self.kv = self.runner.kv_format
-        self.kv_format = self.kv.name              # BackendInfo.kv_format, page identity
+        self.kv_format = self.kv.ident             # BackendInfo.kv_format, page identity
         self.fingerprint = fingerprint or f"{model.cfg.architecture}-{model.cfg.num_layers}-{model.cfg.hidden_size}"
         eos = set(model.cfg.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer else set())
         self.eos_ids = eos

@@ -1,7 +1,9 @@
-"""The KV pool: its format, one KVFormat value (dtype, scale dtype and layout, bytes per token), named as it
-travels (`BackendInfo.kv_format`, page identity, the page header's `kv_dtype`); its allocation (allocate_pool,
-called by model_runner.ModelRunner): per layer k, v `[num_pages, page_size, kv_heads, head_dim]` and, for fp8
-only, k_scale, v_scale `[num_pages, page_size, kv_heads]` in SCALE_DTYPE; and the page bodies' bytes."""
+"""The KV pool: its format, one KVFormat value (dtype, latent or K/V, scale dtype and layout, bytes per token),
+named as it travels (`KVFormat.ident`: `BackendInfo.kv_format`, page identity, the page header's `kv_dtype`); its
+allocation (allocate_pool, called by model_runner.ModelRunner): per layer k, v `[num_pages, page_size, kv_heads,
+head_dim]` and, for fp8 only, k_scale, v_scale `[num_pages, page_size, kv_heads]` in SCALE_DTYPE; for an MLA model
+(`latent`) one tensor per layer, k = the latent rows `[num_pages, page_size, 1, kv_lora_rank + qk_rope_head_dim]`
+(v None) and for fp8 one scale per token row; and the page bodies' bytes."""
 
 from __future__ import annotations
 
@@ -23,19 +25,26 @@ SCALE_DTYPE = torch.bfloat16   # fp8 scales: 2 bytes per token-head (float32 wou
 @dataclass(frozen=True)
 class KVFormat:
     name: str                  # a KV_DTYPES key
+    latent: bool = False       # MLA: one latent row per token and layer, no separate V
 
     def __post_init__(self) -> None:
         if self.name not in KV_DTYPES:
             raise ValueError(f"kv_dtype={self.name!r} is invalid: expected auto or one of {', '.join(KV_DTYPES)}")
 
     @classmethod
-    def resolve(cls, name: str, model_dtype: torch.dtype) -> KVFormat:
+    def resolve(cls, name: str, model_dtype: torch.dtype, latent: bool = False) -> KVFormat:
         """`auto`: the model's dtype."""
-        return cls.of(model_dtype) if name == "auto" else cls(name)
+        return cls.of(model_dtype, latent) if name == "auto" else cls(name, latent)
 
     @classmethod
-    def of(cls, dtype: torch.dtype) -> KVFormat:
-        return cls({v: k for k, v in KV_DTYPES.items()}[dtype])
+    def of(cls, dtype: torch.dtype, latent: bool = False) -> KVFormat:
+        return cls({v: k for k, v in KV_DTYPES.items()}[dtype], latent)
+
+    @property
+    def ident(self) -> str:
+        """The format's name where pages are identified and checked (page keys, headers, BackendInfo): a latent
+        page and a K/V page of the same dtype never share a key or pass each other's header check."""
+        return f"mla_{self.name}" if self.latent else self.name
 
     @property
     def dtype(self) -> torch.dtype:
@@ -53,16 +62,18 @@ class KVFormat:
     @property
     def scale_layout(self) -> str:
         """As the page header (cache_store.codec.PageFormat) names it."""
-        return "per_token_kv_head_bf16" if self.scaled else "none"
+        if not self.scaled:
+            return "none"
+        return "per_token_latent_bf16" if self.latent else "per_token_kv_head_bf16"
 
     def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
         scale = SCALE_DTYPE.itemsize if self.scaled else 0
-        return 2 * num_layers * num_kv_heads * (head_dim * self.dtype.itemsize + scale)
+        return (1 if self.latent else 2) * num_layers * num_kv_heads * (head_dim * self.dtype.itemsize + scale)
 
 
 def kv_bytes_per_token(model, kv_dtype: torch.dtype) -> int:
     c = model.cfg
-    return KVFormat.of(kv_dtype).bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim)
+    return KVFormat.of(kv_dtype, c.mla is not None).bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim)
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -89,6 +100,9 @@ def allocate_pool(fmt: KVFormat, num_pages: int, page_size: int, model_cfg: Mode
     def scales() -> torch.Tensor | None:
         return torch.ones(shape[:3], dtype=fmt.scale_dtype, device=device) if fmt.scaled else None
 
+    if fmt.latent:
+        return [LayerKV(lazy_zeros(shape, fmt.dtype, device), None, scales(), None)  # type: ignore[arg-type]
+                for _ in range(model_cfg.num_layers)]
     return [LayerKV(lazy_zeros(shape, fmt.dtype, device), lazy_zeros(shape, fmt.dtype, device), scales(), scales())
             for _ in range(model_cfg.num_layers)]
 
@@ -98,9 +112,7 @@ def pool_parts(runner) -> list[torch.Tensor]:
     """The KV pool tensors in body order, viewed as uint8 ([num_pages, ..., bytes]); same order as read_page."""
     parts = []
     for kv in runner.kv:
-        parts += [kv.k, kv.v]
-        if kv.k_scale is not None:
-            parts += [kv.k_scale, kv.v_scale]
+        parts += [t for t in (kv.k, kv.v, kv.k_scale, kv.v_scale) if t is not None]
     return [t.view(torch.uint8) for t in parts]
 
 

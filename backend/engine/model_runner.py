@@ -19,7 +19,7 @@ class ModelRunner:
         self.model = model
         self.cfg = cfg
         c = model.cfg
-        self.kv_format = KVFormat.resolve(cfg.kv_dtype, model.dtype)
+        self.kv_format = KVFormat.resolve(cfg.kv_dtype, model.dtype, latent=c.mla is not None)
         self.bytes_per_token = self.kv_format.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim)
         self.page_bytes = self.bytes_per_token * cfg.page_size
         self.num_pages = cfg.num_pages or max(1, cfg.kv_cache_bytes // self.page_bytes)
@@ -108,9 +108,6 @@ class ModelRunner:
     def read_page(self, page: int) -> list[torch.Tensor]:
         """All layers' K/V (and scales) of one page, on the host."""
         out = []
-        for kv in self.kv:
-            out += [kv.k[page].cpu(), kv.v[page].cpu()]
-            if kv.k_scale is not None:
-                assert kv.v_scale is not None   # both scales are allocated together (fp8 caches)
-                out += [kv.k_scale[page].cpu(), kv.v_scale[page].cpu()]
+        for kv in self.kv:   # k, v, then the fp8 scales (an MLA pool: the latent and its scale only)
+            out += [t[page].cpu() for t in (kv.k, kv.v, kv.k_scale, kv.v_scale) if t is not None]
         return out

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3MoeForCausalLM",
-                           "Glm4MoeForCausalLM")
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Glm4MoeForCausalLM")
-NEEDS_MLA = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "KimiK2ForCausalLM")
+                           "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM")
+UNSUPPORTED_MLA = ("DeepseekV2ForCausalLM",)   # MLA with V2's softmax greedy-group routing: not implemented
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -38,6 +38,27 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head Latent Attention (DeepSeek-V3, Kimi K2: backend/model/mla.py). The KV cache holds, per token and
+    layer, one row of kv_lora_rank latent values then qk_rope_head_dim rope-key values (576 for Kimi K2)."""
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None     # None: one q_proj [heads * (nope + rope), hidden]
+    rope_interleave: bool = True       # rope on (x0, x1), (x2, x3), ... pairs (the checkpoints' layout)
+    softmax_scale: float = 1.0         # (nope + rope) ** -0.5, times YaRN's mscale(factor, mscale_all_dim) ** 2
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     hidden_size: int
@@ -58,6 +79,7 @@ class ModelConfig:
     qk_norm: bool = False             # RMSNorm over each q and k head before rope (Qwen3, GLM-4.5 use_qk_norm)
     rotary_dim: int = 0               # rope on the first rotary_dim of each head (partial_rotary_factor); 0 = all
     moe: MoEConfig | None = None
+    mla: MLAConfig | None = None      # set: num_kv_heads = 1 and head_dim = the latent row (the KV pool's shape)
     source: str = field(default="", compare=False)
 
     @property
@@ -90,10 +112,9 @@ class ModelConfig:
     def from_dict(cls, raw: dict, source: str = "config.json") -> ModelConfig:
         archs = raw.get("architectures") or []
         arch = archs[0] if archs else None
-        if arch in NEEDS_MLA:
-            raise CheckpointError(f"{source}: architecture {arch!r} uses Multi-head Latent Attention (MLA), which "
-                                  "this engine does not serve yet; its MoE routing is implemented "
-                                  "(backend/model/moe.py), its attention is not")
+        if arch in UNSUPPORTED_MLA:
+            raise CheckpointError(f"{source}: architecture {arch!r} is unsupported (DeepSeek-V2's routing); "
+                                  "DeepseekV3ForCausalLM (DeepSeek-V3, Kimi K2) is supported")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise CheckpointError(f"{source}: unsupported architecture {arch!r}; supported: "
                                   f"{', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -132,11 +153,14 @@ class ModelConfig:
         if sliding and raw.get("use_sliding_window", arch == "MistralForCausalLM") and sliding < max_pos:
             raise CheckpointError(f"{source}: sliding_window={sliding} < max_position_embeddings={max_pos} "
                                   "is unsupported (full attention only)")
+        mla = _mla_config(raw, need, rope_scaling, source) if arch == "DeepseekV3ForCausalLM" else None
         head_dim = raw.get("head_dim") or hidden // heads
+        if mla is not None:   # the cache's view: one latent row per token, rope on its qk_rope_head_dim part
+            kv_heads, head_dim = 1, mla.latent_dim
         partial = raw.get("partial_rotary_factor", 1.0)
         if isinstance(params, dict):
             partial = params.get("partial_rotary_factor", partial)
-        rotary_dim = int(head_dim * float(partial))
+        rotary_dim = mla.qk_rope_head_dim if mla is not None else int(head_dim * float(partial))
         if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
             raise CheckpointError(f"{source}: partial_rotary_factor={partial!r} gives a rotary dim of {rotary_dim}; "
                                   f"expected an even number in (0, head_dim={head_dim}]")
@@ -163,6 +187,7 @@ class ModelConfig:
             qk_norm=arch == "Qwen3MoeForCausalLM" or bool(raw.get("use_qk_norm", False)),
             rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
             moe=moe,
+            mla=mla,
             source=source,
         )
 
@@ -195,6 +220,26 @@ def _moe_config(arch: str, raw: dict, need, source: str) -> MoEConfig:
                      n_group=n_group, topk_group=topk_group,
                      routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
                      n_shared_experts=int(raw.get("n_shared_experts", 0) or 0))
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def _mla_config(raw: dict, need, rope_scaling: dict | None, source: str) -> MLAConfig:
+    q_rank = raw.get("q_lora_rank")
+    if q_rank is not None and (not isinstance(q_rank, int) or isinstance(q_rank, bool) or q_rank <= 0):
+        raise CheckpointError(f"{source}: q_lora_rank={q_rank!r} is invalid: expected a positive integer or null")
+    nope, rope = need("qk_nope_head_dim"), need("qk_rope_head_dim")
+    if rope % 2:
+        raise CheckpointError(f"{source}: qk_rope_head_dim={rope} is invalid: expected an even number")
+    scale = (nope + rope) ** -0.5
+    if rope_scaling is not None and rope_scaling.get("rope_type") == "yarn" and rope_scaling.get("mscale_all_dim"):
+        m = yarn_mscale(float(rope_scaling.get("factor", 1.0)), float(rope_scaling["mscale_all_dim"]))
+        scale *= m * m
+    return MLAConfig(kv_lora_rank=need("kv_lora_rank"), qk_nope_head_dim=nope, qk_rope_head_dim=rope,
+                     v_head_dim=need("v_head_dim"), q_lora_rank=q_rank,
+                     rope_interleave=bool(raw.get("rope_interleave", True)), softmax_scale=scale)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[list[float], float]:
@@ -239,5 +284,9 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[list[float], float]:
         ramp = min(max((i - low) / (high - low), 0.0), 1.0)
         extrap = 1 - ramp
         out.append(f / factor * (1 - extrap) + f * extrap)
-    mscale = float(rs.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0))
-    return out, mscale
+    attention_factor = rs.get("attention_factor")
+    if attention_factor is None:   # transformers' rule: DeepSeek's mscale / mscale_all_dim ratio where both are set
+        m, m_all = rs.get("mscale"), rs.get("mscale_all_dim")
+        attention_factor = (yarn_mscale(factor, float(m)) / yarn_mscale(factor, float(m_all)) if m and m_all
+                            else yarn_mscale(factor))
+    return out, float(attention_factor)

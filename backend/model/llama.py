@@ -29,6 +29,7 @@ from edgeinfer.backend.model.linear import (
     W4A16Linear,
     cpu_prepack_enabled,
 )
+from edgeinfer.backend.model.mla import MLAAttention, interleave_to_halves
 from edgeinfer.backend.model.moe import DenseExperts, Int4Experts, SparseMoE
 
 
@@ -46,8 +47,8 @@ class AttentionMetadata:
 
 @dataclass
 class LayerKV:
-    k: torch.Tensor                        # [num_pages, page_size, kv_heads, head_dim]
-    v: torch.Tensor
+    k: torch.Tensor                        # [num_pages, page_size, kv_heads, head_dim]; MLA: the latent rows
+    v: torch.Tensor                        # MLA: None (its values are the latent's first kv_lora_rank columns)
     k_scale: torch.Tensor | None = None    # [num_pages, page_size, kv_heads] (fp8 only)
     v_scale: torch.Tensor | None = None
 
@@ -221,12 +222,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    self_attn: Attention
+    self_attn: Attention | MLAAttention
     mlp: MLP | SparseMoE
     input_layernorm: RMSNorm
     post_attention_layernorm: RMSNorm
 
-    def __init__(self, attn: Attention, mlp: MLP | SparseMoE, in_norm: RMSNorm, post_norm: RMSNorm) -> None:
+    def __init__(self, attn: Attention | MLAAttention, mlp: MLP | SparseMoE, in_norm: RMSNorm, post_norm: RMSNorm) -> None:
         super().__init__()
         self.self_attn, self.mlp = attn, mlp
         self.input_layernorm, self.post_attention_layernorm = in_norm, post_norm
@@ -391,7 +392,7 @@ class DecodePlan:
         residual: set[bool] = set()
         for layer, nxt in zip(layers, norms):
             attn, mlp = layer.self_attn, layer.mlp
-            if not isinstance(mlp, MLP) or attn.norms_or_partial_rope:
+            if not isinstance(mlp, MLP) or not isinstance(attn, Attention) or attn.norms_or_partial_rope:
                 return None
             linears = [m for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
                        if isinstance(m, W4A16Linear) and m.q4_1x8 is not None and m.bias is None]
@@ -506,17 +507,22 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        qkv = make_linear([p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"],
-                          [(c.q_size, h), (c.kv_size, h), (c.kv_size, h)], bias=cfg.attention_bias)
-        o = make_linear([p + "self_attn.o_proj"], [(h, c.q_size)])
-        qk_norms = ((norm(p + "self_attn.q_norm.weight", c.head_dim), norm(p + "self_attn.k_norm.weight", c.head_dim))
-                    if cfg.qk_norm else (None, None))
+        attn: Attention | MLAAttention
+        if cfg.mla is not None:
+            attn = _mla_attention(cfg, p + "self_attn.", tensors, take, norm, make_linear, dtype, device, source)
+        else:
+            qkv = make_linear([p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"],
+                              [(c.q_size, h), (c.kv_size, h), (c.kv_size, h)], bias=cfg.attention_bias)
+            o = make_linear([p + "self_attn.o_proj"], [(h, c.q_size)])
+            qk_norms = ((norm(p + "self_attn.q_norm.weight", c.head_dim),
+                         norm(p + "self_attn.k_norm.weight", c.head_dim)) if cfg.qk_norm else (None, None))
+            attn = Attention(cfg, qkv, o, *qk_norms)
         ffn: MLP | SparseMoE
         if cfg.moe is not None and cfg.moe.sparse_layers[i]:
             ffn = _sparse_moe(cfg, p + "mlp.", tensors, take, mlp, make_linear, dtype, device, source)
         else:
             ffn = mlp(p + "mlp.", c.intermediate_size)
-        layers.append(DecoderLayer(Attention(cfg, qkv, o, *qk_norms), ffn, norm(p + "input_layernorm.weight", h),
+        layers.append(DecoderLayer(attn, ffn, norm(p + "input_layernorm.weight", h),
                                    norm(p + "post_attention_layernorm.weight", h)))
     embed: torch.Tensor | Q8Embedding
     if "model.embed_tokens.weight" not in tensors and "model.embed_tokens.qweight" in tensors:
@@ -533,6 +539,66 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch
     if prepack:
         model.prepack()
     return model
+
+
+def _permute_rows(tensors: dict[str, torch.Tensor], prefix: str, perm: torch.Tensor, source: str) -> None:
+    """Reorder dim 0 of every row-indexed tensor of the linear at prefix (weight, bias, or a quantized layout's
+    qweight / scales / zeros / mins / weight_packed / weight_scale): rows are independent in all of them."""
+    n = perm.numel()
+    found = False
+    for name in [k for k in tensors if k.startswith(prefix + ".")]:
+        t = tensors[name]
+        if t.dim() >= 1 and t.shape[0] == n and not name.endswith("weight_shape"):
+            tensors[name] = t.index_select(0, perm)
+            found = True
+    if not found:
+        raise CheckpointError(f"{source}: no tensor with {n} rows under {prefix!r} to reorder for rope")
+
+
+def _mla_attention(cfg: ModelConfig, p: str, tensors: dict[str, torch.Tensor], take, norm, make_linear,
+                   dtype: torch.dtype, device: torch.device, source: str) -> MLAAttention:
+    """DeepSeek-V3 attention at prefix p ("model.layers.i.self_attn."): q_a_proj, q_a_layernorm, q_b_proj (or
+    q_proj), kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj (kept dense: decode folds it into the query and the
+    output), o_proj. Interleaved rope rows are reordered to rotate-half layout here (backend/model/mla.py)."""
+    m = cfg.mla
+    assert m is not None
+    h, heads = cfg.hidden_size, cfg.num_heads
+    q_rows = heads * m.qk_head_dim
+    q_name = p + ("q_b_proj" if m.q_lora_rank else "q_proj")
+    if m.rope_interleave:
+        halves = interleave_to_halves(m.qk_rope_head_dim)
+        per_head = torch.cat((torch.arange(m.qk_nope_head_dim), m.qk_nope_head_dim + halves))
+        _permute_rows(tensors, q_name, (torch.arange(heads)[:, None] * m.qk_head_dim + per_head).reshape(-1), source)
+        _permute_rows(tensors, p + "kv_a_proj_with_mqa",
+                      torch.cat((torch.arange(m.kv_lora_rank), m.kv_lora_rank + halves)), source)
+    if m.q_lora_rank:
+        q_a = make_linear([p + "q_a_proj"], [(m.q_lora_rank, h)], bias=cfg.attention_bias)
+        q_a_norm = norm(p + "q_a_layernorm.weight", m.q_lora_rank)
+        q_b = make_linear([q_name], [(q_rows, m.q_lora_rank)])
+    else:
+        q_a = q_a_norm = None
+        q_b = make_linear([q_name], [(q_rows, h)])
+    kv_a = make_linear([p + "kv_a_proj_with_mqa"], [(m.latent_dim, h)], bias=cfg.attention_bias)
+    kv_a_norm = norm(p + "kv_a_layernorm.weight", m.kv_lora_rank)
+    kv_b_shape = (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
+    kv_b_mod = make_linear([p + "kv_b_proj"], [kv_b_shape])
+    kv_b = dense_weight(kv_b_mod).to(device=device, dtype=dtype)
+    o = make_linear([p + "o_proj"], [(h, heads * m.v_head_dim)], bias=cfg.attention_bias)
+    return MLAAttention(cfg, q_a, q_a_norm, q_b, kv_a, kv_a_norm, kv_b, o)
+
+
+def dense_weight(linear: nn.Module) -> torch.Tensor:
+    """[out, in] of a DenseLinear or (dequantized) W4A16Linear that is not prepacked."""
+    if isinstance(linear, DenseLinear) and linear.weight is not None:
+        return linear.weight.data
+    if isinstance(linear, W4A16Linear) and not linear.prepacked:
+        from edgeinfer.backend.quant.packing import group_dequantize_mins
+        from edgeinfer.kernels.w4a16_gemm import group_dequantize_tensor
+
+        if linear.mins is not None:
+            return group_dequantize_mins(linear.qweight, linear.scales, linear.mins, linear.group_size)
+        return group_dequantize_tensor(linear.qweight, linear.scales, linear.zeros, linear.group_size)
+    raise TypeError(f"no plain weight in {type(linear).__name__} (prepacked?)")
 
 
 def _sparse_moe(cfg: ModelConfig, p: str, tensors: dict[str, torch.Tensor], take, mlp, make_linear,

@@ -1,0 +1,139 @@
+"""Multi-head Latent Attention (DeepSeek-V3, Kimi K2) over a paged latent KV cache.
+
+Per token and layer the cache holds one row: the normalized latent c = norm(W_DKV x) (kv_lora_rank values) and the
+rotated shared rope key k_pe (qk_rope_head_dim), 576 values for Kimi K2 (kernels/paged_mla_attention.py). The
+query comes through the q LoRA (q_a_proj, its RMSNorm, q_b_proj) or one q_proj; each head's query is a nope part
+and a rope part. kv_b_proj [heads * (nope + v), kv_lora_rank] holds W_UK (per head [nope, r]) and W_UV ([v, r]).
+
+- Decode uses the absorbed form: q_lat = W_UK^T q_nope per head, so every head scores [q_lat, q_pe] against the
+  latent rows themselves (kernels.paged_mla_decode_attention), and W_UV is applied to the attended latent: the
+  step reads only the latent pages, never a per-head K or V.
+- Prefill attends either expanded (the chunk's context latents -> K and V per head through kv_b_proj, then causal
+  attention; `prefill_form = "expanded"`, the default) or in the latent form as decode does (`"latent"`);
+  benchmarks/bench_mla.py measures both.
+
+RoPE: the checkpoints rotate interleaved pairs (x0, x1), (x2, x3), ... (`rope_interleave`); the loader permutes the
+rows that produce q_pe and k_pe to (x0, x2, ..., x1, x3, ...) once, so the usual rotate-half rope gives the same
+dot products (transformers computes it the same way). YaRN's mscale is in the config's softmax scale.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from edgeinfer import kernels
+from edgeinfer.backend.model.config import MLAConfig, ModelConfig
+
+
+def interleave_to_halves(rope_dim: int) -> torch.Tensor:
+    """The row order that turns interleaved rope pairs into rotate-half layout: evens, then odds."""
+    return torch.cat((torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)))
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, q_a: nn.Module | None, q_a_norm: nn.Module | None, q_b: nn.Module,
+                 kv_a: nn.Module, kv_a_norm: nn.Module, kv_b: torch.Tensor, o: nn.Module) -> None:
+        super().__init__()
+        assert cfg.mla is not None
+        self.cfg, self.mla = cfg, cfg.mla
+        m: MLAConfig = cfg.mla
+        self.q_a_proj, self.q_a_layernorm, self.q_b_proj = q_a, q_a_norm, q_b   # q_b: q_proj without a q LoRA
+        self.kv_a_proj, self.kv_a_layernorm, self.o_proj = kv_a, kv_a_norm, o
+        w = kv_b.view(cfg.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+        # W_UK [heads, nope, r] and W_UV [heads, v, r]: the absorbed decode's two per-head maps
+        self.w_uk = nn.Parameter(w[:, : m.qk_nope_head_dim].contiguous(), requires_grad=False)
+        self.w_uv = nn.Parameter(w[:, m.qk_nope_head_dim:].contiguous(), requires_grad=False)
+        self.scale = m.softmax_scale
+        self.prefill_form = "expanded"
+        self.norms_or_partial_rope = True   # never the fused GQA rope op or DecodePlan
+
+    def _q_and_latent(self, x: torch.Tensor, cos_sin, rotary) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> q_nope [T, H, nope], q_pe [T, H, rope] (rotated), latent rows [T, r + rope] (c normalized, k_pe
+        rotated)."""
+        m, t = self.mla, x.shape[0]
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_a_proj is not None else self.q_b_proj(x)
+        q = q.view(t, self.cfg.num_heads, m.qk_head_dim)
+        ckv = self.kv_a_proj(x)
+        c = self.kv_a_layernorm(ckv[:, : m.kv_lora_rank])
+        pe = rotary.rotate(cos_sin, torch.cat((q[..., m.qk_nope_head_dim:], ckv[:, None, m.kv_lora_rank:]), 1))
+        latent = torch.cat((c, pe[:, -1].to(c.dtype)), -1)
+        return q[..., : m.qk_nope_head_dim], pe[:, :-1].to(q.dtype), latent
+
+    def forward(self, x: torch.Tensor, cos_sin, rotary, kv, meta) -> torch.Tensor:
+        m, t = self.mla, x.shape[0]
+        q_nope, q_pe, latent = self._q_and_latent(x, cos_sin, rotary)
+        kernels.mla_latent_store(latent, kv.k, meta.slot_mapping, kv.k_scale)
+        nd = meta.num_decode
+        parts = []
+        if nd:
+            parts.append(self.decode(q_nope[:nd], q_pe[:nd], kv, meta))
+        if t > nd:
+            attend = self.prefill_expanded if self.prefill_form == "expanded" else self.prefill_latent
+            parts.append(attend(q_nope[nd:], q_pe[nd:], kv, meta))
+        out = torch.cat(parts) if len(parts) > 1 else parts[0]
+        return self.o_proj(out.reshape(t, self.cfg.num_heads * m.v_head_dim))
+
+    def forward_cpu(self, x: torch.Tensor, positions: torch.Tensor, rotary, kv, meta, ops) -> torch.Tensor:
+        return self.forward(x, rotary.lookup(positions), rotary, kv, meta)
+
+    # ---- the two forms
+    def absorbed_query(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
+        """[T, H, nope], [T, H, rope] -> [T, H, r + rope]: W_UK folded into the query."""
+        q_lat = torch.einsum("thn,hnr->thr", q_nope.to(self.w_uk.dtype), self.w_uk)
+        return torch.cat((q_lat, q_pe.to(q_lat.dtype)), -1)
+
+    def decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv, meta) -> torch.Tensor:
+        """One query per decoding sequence, reading only the latent pages -> [B, H, v]."""
+        q = self.absorbed_query(q_nope, q_pe)
+        o_lat = kernels.paged_mla_decode_attention(q.contiguous(), kv.k, meta.decode_block_tables,
+                                                   meta.decode_context_lens, self.scale, self.mla.kv_lora_rank,
+                                                   kv.k_scale)
+        return torch.einsum("bhr,hvr->bhv", o_lat.to(self.w_uv.dtype), self.w_uv)
+
+    def _chunks(self, meta):
+        cu = meta.prefill_cu_seqlens_q.tolist()
+        lens = meta.prefill_context_lens.tolist()
+        for j in range(len(lens)):
+            yield j, cu[j], cu[j + 1], lens[j]
+
+    def prefill_expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv, meta) -> torch.Tensor:
+        """Each chunk's context latents expanded through kv_b_proj to per-head K and V, causal attention."""
+        m, h = self.mla, self.cfg.num_heads
+        out = torch.empty(q_nope.shape[0], h, m.v_head_dim, dtype=q_nope.dtype, device=q_nope.device)
+        for j, a, b, n in self._chunks(meta):
+            lat = kernels_gather(kv, meta.prefill_block_tables[j], n, self.w_uk.dtype)
+            c, k_pe = lat[:, : m.kv_lora_rank], lat[:, m.kv_lora_rank:]
+            k_nope = torch.einsum("hnr,cr->hcn", self.w_uk, c)
+            v = torch.einsum("hvr,cr->hcv", self.w_uv, c)
+            q = torch.cat((q_nope[a:b], q_pe[a:b]), -1).transpose(0, 1).to(c.dtype)      # [H, L, nope + rope]
+            k = torch.cat((k_nope, k_pe[None].expand(h, -1, -1)), -1)                      # [H, n, nope + rope]
+            out[a:b] = _causal(q, k, v, n, self.scale).transpose(0, 1).to(out.dtype)
+        return out
+
+    def prefill_latent(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv, meta) -> torch.Tensor:
+        """The chunk attends in the latent form, as decode does (scores against the 576-wide rows)."""
+        m = self.mla
+        q_all = self.absorbed_query(q_nope, q_pe)
+        out = torch.empty(q_nope.shape[0], self.cfg.num_heads, m.v_head_dim, dtype=q_nope.dtype,
+                          device=q_nope.device)
+        for j, a, b, n in self._chunks(meta):
+            lat = kernels_gather(kv, meta.prefill_block_tables[j], n, q_all.dtype)
+            o_lat = _causal(q_all[a:b].transpose(0, 1), lat[None], lat[None, :, : m.kv_lora_rank], n, self.scale)
+            out[a:b] = torch.einsum("hlr,hvr->lhv", o_lat, self.w_uv).to(out.dtype)
+        return out
+
+
+def kernels_gather(kv, block_table: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+    from edgeinfer.kernels.paged_mla_attention import gather_latents
+
+    return gather_latents(kv.k, kv.k_scale, block_table, n, dtype)
+
+
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, scale: float) -> torch.Tensor:
+    """q [H, L, d] (the last L of n positions), k [H|1, n, d], v [H|1, n, dv] -> [H, L, dv]."""
+    length = q.shape[1]
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    visible = torch.arange(n, device=q.device)[None, :] <= torch.arange(n - length, n, device=q.device)[:, None]
+    p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.matmul(p, v.float())
