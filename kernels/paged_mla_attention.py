@@ -21,7 +21,16 @@ from __future__ import annotations
 
 import torch
 
-from edgeinfer.kernels._triton import cdiv, check, check_tensor, jit, next_pow2, require_triton, tl, upcast_dot
+from edgeinfer.kernels._triton import (
+    cdiv,
+    check,
+    check_tensor,
+    jit,
+    next_pow2,
+    require_triton,
+    tl,
+    upcast_dot,
+)
 from edgeinfer.kernels.kv_store import FP8, _kept, _rows, fp8_scale, quantize_fp8
 from edgeinfer.kernels.paged_decode_attention import dot_precision, gather_index, page_index
 

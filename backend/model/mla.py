@@ -52,7 +52,10 @@ class MLAAttention(nn.Module):
         """-> q_nope [T, H, nope], q_pe [T, H, rope] (rotated), latent rows [T, r + rope] (c normalized, k_pe
         rotated)."""
         m, t = self.mla, x.shape[0]
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_a_proj is not None else self.q_b_proj(x)
+        if self.q_a_proj is not None and self.q_a_layernorm is not None:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_b_proj(x)
         q = q.view(t, self.cfg.num_heads, m.qk_head_dim)
         ckv = self.kv_a_proj(x)
         c = self.kv_a_layernorm(ckv[:, : m.kv_lora_rank])

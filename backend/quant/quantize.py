@@ -12,6 +12,7 @@ import logging
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -19,7 +20,8 @@ from tqdm import tqdm
 
 from edgeinfer.backend.model.atomic_dir import atomic_directory
 from edgeinfer.backend.model.config import CheckpointError, ModelConfig
-from edgeinfer.backend.model.llama import MLP, LlamaModel, load_model
+from edgeinfer.backend.model.llama import MLP, Attention, LlamaModel, dense_weight, load_model
+from edgeinfer.backend.model.mla import MLAAttention
 from edgeinfer.backend.model.moe import DenseExperts, SparseMoE
 from edgeinfer.backend.quant.format import SCHEMES, edgeinfer_config
 from edgeinfer.backend.quant.gptq import gptq_quantize
@@ -40,17 +42,18 @@ def parse_scheme(scheme: str) -> int:
     return SCHEMES[scheme]
 
 
-def _weights(cfg: ModelConfig, layer, i: int) -> dict[str, tuple[torch.Tensor, torch.Tensor | None,
-                                                                  list[tuple[str, int]]]]:
+def _weights(cfg: ModelConfig, layer, i: int) -> dict[str, tuple[Any, Any, list[tuple[str, int]]]]:
     """Each fused linear of layer i -> (weight [out, in], bias, [(hf prefix, rows)] in concatenation order). A MoE
     layer's routed experts are one gate_up and one down per expert (`experts.<e>.gate_up`), its shared experts
     gate_up/down as a dense MLP's."""
     p = f"model.layers.{i}."
     attn, mlp = layer.self_attn, layer.mlp
-    out = {"qkv": (attn.qkv_proj.weight, attn.qkv_proj.bias,
-                   [(p + "self_attn.q_proj", cfg.q_size), (p + "self_attn.k_proj", cfg.kv_size),
-                    (p + "self_attn.v_proj", cfg.kv_size)]),
-           "o": (attn.o_proj.weight, attn.o_proj.bias, [(p + "self_attn.o_proj", cfg.hidden_size)])}
+    out: dict[str, tuple[Any, Any, list[tuple[str, int]]]] = {}   # (weight, bias | None, parts)
+    if isinstance(attn, Attention):   # MLA attention stays dense (_kept), as Kimi-K2-Thinking ships it
+        out["qkv"] = (attn.qkv_proj.weight, attn.qkv_proj.bias,
+                      [(p + "self_attn.q_proj", cfg.q_size), (p + "self_attn.k_proj", cfg.kv_size),
+                       (p + "self_attn.v_proj", cfg.kv_size)])
+        out["o"] = (attn.o_proj.weight, attn.o_proj.bias, [(p + "self_attn.o_proj", cfg.hidden_size)])
 
     def dense_mlp(m: MLP, prefix: str, inter: int) -> None:
         assert m.gate_up_proj is not None, "quantize loads the model with fuse_gate_up=True"
@@ -78,7 +81,22 @@ def _kept(layer, i: int) -> dict[str, torch.Tensor]:
     out = {p + "input_layernorm.weight": layer.input_layernorm.weight.data.clone(),
            p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight.data.clone()}
     attn = layer.self_attn
-    if attn.q_norm is not None and attn.k_norm is not None:
+    if isinstance(attn, MLAAttention):
+        mods = {"q_a_proj": attn.q_a_proj, "q_b_proj" if attn.q_a_proj is not None else "q_proj": attn.q_b_proj,
+                "kv_a_proj_with_mqa": attn.kv_a_proj, "o_proj": attn.o_proj}
+        for name, mod in mods.items():
+            if mod is not None:
+                out[p + f"self_attn.{name}.weight"] = dense_weight(mod).clone()
+                bias: Any = getattr(mod, "bias", None)
+                if bias is not None:
+                    out[p + f"self_attn.{name}.bias"] = bias.data.clone()
+        for name, norm in (("q_a_layernorm", attn.q_a_layernorm), ("kv_a_layernorm", attn.kv_a_layernorm)):
+            weight: Any = getattr(norm, "weight", None)
+            if weight is not None:
+                out[p + f"self_attn.{name}.weight"] = weight.data.clone()
+        out[p + "self_attn.kv_b_proj.weight"] = torch.cat((attn.w_uk, attn.w_uv), 1).reshape(
+            -1, attn.mla.kv_lora_rank).clone()
+    elif attn.q_norm is not None and attn.k_norm is not None:
         out[p + "self_attn.q_norm.weight"] = attn.q_norm.weight.data.clone()
         out[p + "self_attn.k_norm.weight"] = attn.k_norm.weight.data.clone()
     if isinstance(layer.mlp, SparseMoE):
@@ -178,6 +196,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, scheme: str = "w4a16-g
 
     raw = json.loads((src / "config.json").read_text())
     raw["quantization_config"] = edgeinfer_config(group_size, method, **extra)
+    if cfg.mla is not None:   # the loader reordered the rope rows to rotate-half layout: what is written is that
+        raw["rope_interleave"] = False
     with atomic_directory(dst) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "quantized_from": src.name})
         (tmp / "config.json").write_text(json.dumps(raw, indent=2))

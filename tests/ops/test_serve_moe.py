@@ -1,6 +1,7 @@
-"""`edgeinfer serve --model DIR` on a tiny GLM-4.5 MoE checkpoint (transformers' own classes, random weights, the
-default model's tokenizer), as a user runs it: from another directory, with its embedded valkey, through the real
-`openai` client: a chat answer, a stream, a structured output, and the prompt's pages from the prefix cache."""
+"""`edgeinfer serve --model DIR` on tiny GLM-4.5 (MoE, GQA) and DeepSeek-V3 (MoE, MLA over latent pages)
+checkpoints (transformers' own classes, random weights, the default model's tokenizer), as a user runs it: from
+another directory, with its embedded valkey, through the real `openai` client: a chat answer equal to
+transformers' greedy tokens, a stream, a structured output, and the prompt's pages from the prefix cache."""
 
 from __future__ import annotations
 
@@ -15,35 +16,41 @@ from tests.gateway.conftest import DEMO_KEY
 from tests.ops.test_serve import Serve
 
 pytestmark = pytest.mark.slow
-NAME = "tiny-glm45-moe"
+NAMES = {"glm4_moe": "tiny-glm45-moe", "deepseek_v3": "tiny-deepseek-v3"}
 LONG = [{"role": "user", "content": "Tell me everything you know about the history of the city of Paris, "
                                     "its rivers, its bridges and its museums, in as much detail as you can."}]
 
 
-@pytest.fixture(scope="module")
-def served(smol_dir, tmp_path_factory):
-    model_dir = tmp_path_factory.mktemp("models") / NAME
+@pytest.fixture(scope="module", params=list(NAMES))
+def served(request, smol_dir, tmp_path_factory):
+    name = NAMES[request.param]
+    model_dir = tmp_path_factory.mktemp("models") / name
     model_dir.mkdir()
-    hf = moe_checkpoints.servable("glm4_moe", model_dir, smol_dir, max_position_embeddings=2048)
+    hf = moe_checkpoints.servable(request.param, model_dir, smol_dir, max_position_embeddings=2048)
     home = tmp_path_factory.mktemp("moe-home")
     s = Serve(home, tmp_path_factory.mktemp("elsewhere"), "--model", str(model_dir))
     try:
         s.wait_for("ready:")
-        yield s, hf
+        yield s, hf, name
     finally:
         s.stop()
 
 
 @pytest.fixture(scope="module")
 def client(served):
-    s, _ = served
+    s, _, _ = served
     return openai.OpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key=DEMO_KEY, max_retries=0)
 
 
-def test_chat_answers_with_transformers_tokens_and_the_second_ask_hits_the_cache(served, client, smol_dir):
+@pytest.fixture(scope="module")
+def NAME(served):   # noqa: N802 (the served model's name, as the tests below use it)
+    return served[2]
+
+
+def test_chat_answers_with_transformers_tokens_and_the_second_ask_hits_the_cache(served, client, smol_dir, NAME):
     from edgeinfer.protocol.tokenizer import Tokenizer
 
-    _, hf = served
+    _, hf, _ = served
     a = client.chat.completions.create(model=NAME, messages=LONG, temperature=0, max_tokens=12)
     b = client.chat.completions.create(model=NAME, messages=LONG, temperature=0, max_tokens=12)
     assert a.model == NAME and a.usage.completion_tokens == 12 and a.choices[0].finish_reason == "length"
@@ -59,14 +66,14 @@ def test_chat_answers_with_transformers_tokens_and_the_second_ask_hits_the_cache
     assert a.choices[0].message.content == tok.decode(want)
 
 
-def test_stream_gives_the_same_text(client):
+def test_stream_gives_the_same_text(client, NAME):
     whole = client.chat.completions.create(model=NAME, messages=LONG, temperature=0, max_tokens=10)
     parts = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
         model=NAME, messages=LONG, temperature=0, max_tokens=10, stream=True) if c.choices]
     assert "".join(parts) == whole.choices[0].message.content
 
 
-def test_structured_output_is_valid_json_from_a_random_moe(client):
+def test_structured_output_is_valid_json_from_a_random_moe(client, NAME):
     schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
               "required": ["answer"], "additionalProperties": False}
     r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Is Paris in France?"}],
