@@ -46,6 +46,7 @@ class MLAAttention(nn.Module):
         self.w_uv = nn.Parameter(w[:, m.qk_nope_head_dim:].contiguous(), requires_grad=False)
         self.scale = m.softmax_scale
         self.prefill_form = "expanded"
+        self.decode_form = "absorbed"   # "expanded": re-expand every context latent each step (bench_mla's baseline)
         self.norms_or_partial_rope = True   # never the fused GQA rope op or DecodePlan
 
     def _q_and_latent(self, x: torch.Tensor, cos_sin, rotary) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -70,7 +71,8 @@ class MLAAttention(nn.Module):
         nd = meta.num_decode
         parts = []
         if nd:
-            parts.append(self.decode(q_nope[:nd], q_pe[:nd], kv, meta))
+            decode = self.decode if self.decode_form == "absorbed" else self.decode_expanded
+            parts.append(decode(q_nope[:nd], q_pe[:nd], kv, meta))
         if t > nd:
             attend = self.prefill_expanded if self.prefill_form == "expanded" else self.prefill_latent
             parts.append(attend(q_nope[nd:], q_pe[nd:], kv, meta))
@@ -93,6 +95,20 @@ class MLAAttention(nn.Module):
                                                    meta.decode_context_lens, self.scale, self.mla.kv_lora_rank,
                                                    kv.k_scale)
         return torch.einsum("bhr,hvr->bhv", o_lat.to(self.w_uv.dtype), self.w_uv)
+
+    def decode_expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv, meta) -> torch.Tensor:
+        """The non-absorbed decode, for comparison only: each sequence's context latents expanded through kv_b_proj
+        to per-head K and V every step (what a cache of expanded K/V would hold), then attention."""
+        m, h = self.mla, self.cfg.num_heads
+        out = torch.empty(q_nope.shape[0], h, m.v_head_dim, dtype=q_nope.dtype, device=q_nope.device)
+        for j, n in enumerate(meta.decode_context_lens.tolist()):
+            lat = kernels_gather(kv, meta.decode_block_tables[j], n, self.w_uk.dtype)
+            c, k_pe = lat[:, : m.kv_lora_rank], lat[:, m.kv_lora_rank:]
+            k = torch.cat((torch.einsum("hnr,cr->hcn", self.w_uk, c), k_pe[None].expand(h, -1, -1)), -1)
+            v = torch.einsum("hvr,cr->hcv", self.w_uv, c)
+            q = torch.cat((q_nope[j], q_pe[j]), -1)[:, None].to(c.dtype)                   # [H, 1, nope + rope]
+            out[j] = _causal(q, k, v, n, self.scale)[:, 0].to(out.dtype)
+        return out
 
     def _chunks(self, meta):
         cu = meta.prefill_cu_seqlens_q.tolist()

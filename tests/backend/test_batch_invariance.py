@@ -128,8 +128,10 @@ def test_decode_attention_reference_depends_on_the_longest_context_in_the_batch(
 
     base = first_row([100, 100])
     assert torch.equal(first_row([100, 50]), base)     # shorter partner: same padding, same bits
-    longer = first_row([100, 101])                     # one more key in the batch: different bits
-    assert not torch.equal(longer, base) and torch.allclose(longer, base, rtol=0, atol=1e-6)
+    longer = first_row([100, 101])                     # one more key in the batch: the padding changes
+    # whether the bits change then is the CPU's GEMM's business (they did on an AMD EPYC VM, they do not on the
+    # Intel Xeon of this wave's CI): only the size of the difference is asserted
+    assert torch.allclose(longer, base, rtol=0, atol=1e-6)
 
 
 def test_prefill_attention_reference_differs_only_for_splits_leaving_a_1_to_3_row_query_block():
@@ -147,4 +149,7 @@ def test_prefill_attention_reference_differs_only_for_splits_leaving_a_1_to_3_ro
 
     full = last_rows(n)
     differ = [m for m in range(1, n) if not torch.equal(last_rows(m), full[n - m:])]
-    assert differ == [m for m in range(1, n) if m % 32 in (1, 2, 3)], differ
+    # which of the 1-3 row remainders round differently depends on the CPU's GEMM (1-3 on an AMD EPYC VM, 1-2
+    # on the Intel Xeon of this wave's CI): never any other split, and never by more than roundoff
+    assert differ and set(differ) <= {m for m in range(1, n) if m % 32 in (1, 2, 3)}, differ
+    assert all(torch.allclose(last_rows(m), full[n - m:], rtol=0, atol=1e-5) for m in differ)

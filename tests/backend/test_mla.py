@@ -245,3 +245,14 @@ def test_int4_experts_of_deepseek_v3_keep_mla_dense_and_match_the_dequantized_mo
     # dense linears (layer 0's MLP, the shared experts) run torch's int4 GEMM in bf16 (QUANTIZATION.md), 7 % here
     assert float((got - want).norm() / want.norm()) < 0.1
     assert float((got.argmax(-1) == want.argmax(-1)).float().mean()) >= 0.9
+
+
+def test_expanded_decode_baseline_gives_the_absorbed_numbers(dsv3):
+    """bench_mla's baseline (re-expanding every latent each step) computes what the absorbed decode does."""
+    _, path = dsv3
+    model = load_model(path)
+    want, want_out = greedy(model, PROMPT, 8, num_pages=8)
+    for layer in model.layers:
+        layer.self_attn.decode_form = "expanded"
+    got, got_out = greedy(model, PROMPT, 8, num_pages=8)
+    assert torch.equal(got, want) and got_out == want_out
