@@ -78,7 +78,7 @@ def servable(kind: str, out: Path, tokenizer_dir: Path, **overrides):
     return model
 
 
-# llama.cpp's glm4moe tensor names (its convert_hf_to_gguf.py), per decoder layer
+# llama.cpp's tensor names (its convert_hf_to_gguf.py) per decoder layer: glm4moe, and deepseek2 on top
 _GGUF_LAYER = {
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
@@ -92,29 +92,47 @@ _GGUF_LAYER = {
     "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
     "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
 }
+_GGUF_MLA_LAYER = {
+    "post_attention_layernorm.weight": "ffn_norm.weight", "self_attn.q_a_proj.weight": "attn_q_a.weight",
+    "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight", "self_attn.q_b_proj.weight": "attn_q_b.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+}
 
 
-def write_glm4moe_gguf(hf, path: Path, tokenizer_gguf: Path, quant: str = "Q4_0") -> Path:
-    """The GLM-4.5 model `hf` as llama.cpp's converter lays it out (arch glm4moe, expert tensors [E, N, K], no q/k
-    permutation), its 2-D decoder linears and expert tensors in `quant` (Q4_0, Q4_1 or F32), everything else F32;
-    the tokenizer fields copied from `tokenizer_gguf` (whose vocabulary the model must have)."""
+def write_moe_gguf(hf, path: Path, tokenizer_gguf: Path, quant: str = "Q4_0") -> Path:
+    """The GLM-4.5 or DeepSeek-V3 model `hf` as llama.cpp's converter lays it out (arch glm4moe or deepseek2: expert
+    tensors [E, N, K], no q/k permutation, DeepSeek's kv_b_proj split into k_b (transposed per head) and v_b), its
+    2-D decoder linears and expert tensors in `quant` (Q4_0, Q4_1 or F32), everything else F32; the tokenizer
+    fields copied from `tokenizer_gguf` (whose vocabulary the model must have)."""
     import gguf
     import numpy as np
 
     c = hf.config
+    mla = c.model_type == "deepseek_v3"
+    arch = "deepseek2" if mla else "glm4moe"
     src = gguf.GGUFReader(str(tokenizer_gguf))
-    w = gguf.GGUFWriter(str(path), "glm4moe")
-    a = "glm4moe."
-    for key, value in {"block_count": c.num_hidden_layers, "context_length": c.max_position_embeddings,
-                       "embedding_length": c.hidden_size, "feed_forward_length": c.intermediate_size,
-                       "attention.head_count": c.num_attention_heads, "attention.head_count_kv": c.num_key_value_heads,
-                       "attention.key_length": c.head_dim, "attention.value_length": c.head_dim,
-                       "rope.dimension_count": int(c.head_dim * c.rope_parameters.get("partial_rotary_factor", 1.0)),
-                       "expert_count": c.n_routed_experts, "expert_used_count": c.num_experts_per_tok,
-                       "expert_group_count": c.n_group, "expert_group_used_count": c.topk_group,
-                       "expert_feed_forward_length": c.moe_intermediate_size,
-                       "expert_shared_count": c.n_shared_experts, "leading_dense_block_count": c.first_k_dense_replace,
-                       "expert_gating_func": 2, "vocab_size": c.vocab_size}.items():
+    w = gguf.GGUFWriter(str(path), arch)
+    a = arch + "."
+    meta = {"block_count": c.num_hidden_layers, "context_length": c.max_position_embeddings,
+            "embedding_length": c.hidden_size, "feed_forward_length": c.intermediate_size,
+            "attention.head_count": c.num_attention_heads,
+            "expert_count": c.n_routed_experts, "expert_used_count": c.num_experts_per_tok,
+            "expert_group_count": c.n_group, "expert_group_used_count": c.topk_group,
+            "expert_feed_forward_length": c.moe_intermediate_size, "expert_shared_count": c.n_shared_experts,
+            "leading_dense_block_count": c.first_k_dense_replace, "expert_gating_func": 2, "vocab_size": c.vocab_size}
+    if mla:
+        meta |= {"attention.head_count_kv": 1, "attention.key_length": c.kv_lora_rank + c.qk_rope_head_dim,
+                 "attention.value_length": c.kv_lora_rank, "attention.kv_lora_rank": c.kv_lora_rank,
+                 "attention.key_length_mla": c.qk_nope_head_dim + c.qk_rope_head_dim,
+                 "attention.value_length_mla": c.v_head_dim, "rope.dimension_count": c.qk_rope_head_dim}
+        if c.q_lora_rank:
+            meta["attention.q_lora_rank"] = c.q_lora_rank
+    else:
+        meta |= {"attention.head_count_kv": c.num_key_value_heads, "attention.key_length": c.head_dim,
+                 "attention.value_length": c.head_dim,
+                 "rope.dimension_count": int(c.head_dim * c.rope_parameters.get("partial_rotary_factor", 1.0))}
+    for key, value in meta.items():
         w.add_uint32(a + key, int(value))
     w.add_float32(a + "rope.freq_base", float(c.rope_parameters["rope_theta"]))
     w.add_float32(a + "attention.layer_norm_rms_epsilon", float(c.rms_norm_eps))
@@ -135,7 +153,7 @@ def write_glm4moe_gguf(hf, path: Path, tokenizer_gguf: Path, quant: str = "Q4_0"
 
     def add(name: str, t: torch.Tensor, linear: bool) -> None:
         arr = t.detach().float().numpy()
-        if linear and quant != "F32":
+        if linear and quant != "F32" and arr.shape[-1] % 32 == 0:
             w.add_tensor(name, gguf.quants.quantize(arr, kind), raw_dtype=kind)
         else:
             w.add_tensor(name, np.ascontiguousarray(arr), raw_dtype=gguf.GGMLQuantizationType.F32)
@@ -144,11 +162,16 @@ def write_glm4moe_gguf(hf, path: Path, tokenizer_gguf: Path, quant: str = "Q4_0"
     add("token_embd.weight", sd["model.embed_tokens.weight"], False)
     add("output_norm.weight", sd["model.norm.weight"], False)
     add("output.weight", sd["lm_head.weight"], False)
+    names = _GGUF_LAYER | (_GGUF_MLA_LAYER if mla else {})
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
-        for hf_name, g_name in _GGUF_LAYER.items():
+        for hf_name, g_name in names.items():
             if p + hf_name in sd:
-                add(f"blk.{i}.{g_name}", sd[p + hf_name], hf_name.endswith("_proj.weight"))
+                add(f"blk.{i}.{g_name}", sd[p + hf_name], hf_name.endswith(("_proj.weight", "_mqa.weight")))
+        if mla:   # kv_b_proj [H * (nope + v), r] -> k_b [H, r, nope] (transposed per head), v_b [H, v, r]
+            kv_b = sd[p + "self_attn.kv_b_proj.weight"].view(c.num_attention_heads, -1, c.kv_lora_rank)
+            add(f"blk.{i}.attn_k_b.weight", kv_b[:, : c.qk_nope_head_dim].transpose(1, 2).contiguous(), False)
+            add(f"blk.{i}.attn_v_b.weight", kv_b[:, c.qk_nope_head_dim:].contiguous(), False)
         if p + "mlp.experts.gate_up_proj" in sd:
             gate_up, down = sd[p + "mlp.experts.gate_up_proj"], sd[p + "mlp.experts.down_proj"]
             inter = gate_up.shape[1] // 2

@@ -25,6 +25,8 @@ from edgeinfer.protocol.defaults import home_dir
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 NATIVE_SUBDIR = "gguf-native"    # models_home()/gguf-native/<name>: same directory name, so the same served name
 NATIVE_LINEAR_TYPES = ("Q4_0", "Q4_1")
+DENSE_LINEAR_TYPES = ("F32", "F16", "BF16")   # a native import keeps these linears dense (llama-quantize leaves a
+                                              # linear whose rows are not a multiple of 32 in F16)
 _GGUF_MAGIC = b"GGUF"
 
 _TENSOR_NAMES = {
@@ -48,7 +50,18 @@ _MOE_BLOCK_NAMES = {
     "ffn_up_exps.weight": "mlp.experts.*.up_proj.weight",
     "ffn_down_exps.weight": "mlp.experts.*.down_proj.weight",
 }
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "glm4moe": "Glm4MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+_MLA_BLOCK_NAMES = {   # deepseek2 (DeepSeek-V3, Kimi K2): kv_b_proj arrives split, k_b transposed per head
+    "attn_q_a.weight": "self_attn.q_a_proj.weight",
+    "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn_q_b.weight": "self_attn.q_b_proj.weight",
+    "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
+    "attn_k_b.weight": "self_attn.k_b",      # [H, r, nope] (W_UK^T per head): joined with v_b into kv_b_proj
+    "attn_v_b.weight": "self_attn.v_b",      # [H, v, r]
+}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "glm4moe": "Glm4MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+                 "deepseek2": "DeepseekV3ForCausalLM"}
 _BLOCK_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -156,7 +169,8 @@ def _config(reader, path: Path, names: set[str]) -> dict:
                                                                           hidden // heads))
     cfg = {
         "architectures": [ARCHITECTURES[arch]],
-        "model_type": {"llama": "llama", "glm4moe": "glm4_moe", "qwen3moe": "qwen3_moe"}[arch],
+        "model_type": {"llama": "llama", "glm4moe": "glm4_moe", "qwen3moe": "qwen3_moe",
+                       "deepseek2": "deepseek_v3"}[arch],
         "hidden_size": hidden,
         "intermediate_size": int(_field(reader, p + "feed_forward_length", 0)),
         "num_hidden_layers": int(_field(reader, p + "block_count")),
@@ -184,10 +198,31 @@ def _config(reader, path: Path, names: set[str]) -> dict:
             "partial_rotary_factor": rope_dim / head_dim,
             "use_qk_norm": "blk.0.attn_q_norm.weight" in names,
         }
-    if arch == "glm4moe":
+    if arch == "deepseek2":
+        rope = int(_field(reader, p + "rope.dimension_count"))
+        q_rank = int(_field(reader, p + "attention.q_lora_rank", 0) or 0)
+        cfg |= {
+            "num_key_value_heads": heads, "head_dim": rope, "qk_rope_head_dim": rope,
+            "kv_lora_rank": int(_field(reader, p + "attention.kv_lora_rank")),
+            "qk_nope_head_dim": int(_field(reader, p + "attention.key_length_mla")) - rope,
+            "v_head_dim": int(_field(reader, p + "attention.value_length_mla")),
+            "q_lora_rank": q_rank or None, "rope_interleave": True, "partial_rotary_factor": 1.0,
+        }
+        cfg.pop("use_qk_norm")
+        scaling = _field(reader, p + "rope.scaling.type")
+        if scaling not in (None, "none", "yarn"):
+            raise ModelImportError(f"{path}: deepseek2 rope.scaling.type={scaling!r}; supported: none, yarn")
+        if scaling == "yarn":
+            log_mul = float(_field(reader, p + "rope.scaling.yarn_log_multiplier", 0.0))
+            cfg["rope_scaling"] = {   # llama.cpp writes 0.1 * mscale_all_dim; DeepSeek-V3 has mscale = mscale_all_dim
+                "rope_type": "yarn", "factor": float(_field(reader, p + "rope.scaling.factor")),
+                "original_max_position_embeddings": int(_field(reader, p + "rope.scaling.original_context_length")),
+                "mscale": log_mul / 0.1, "mscale_all_dim": log_mul / 0.1, "beta_fast": 32.0, "beta_slow": 1.0}
+    if arch in ("glm4moe", "deepseek2"):
         gating = int(_field(reader, p + "expert_gating_func", 2))
         if gating != 2:
-            raise ModelImportError(f"{path}: glm4moe.expert_gating_func={gating}; expected 2 (sigmoid)")
+            raise ModelImportError(f"{path}: {arch}.expert_gating_func={gating}; expected 2 (sigmoid, "
+                                   "DeepSeek-V3 / GLM-4.5 routing)")
         cfg |= {
             "n_routed_experts": int(_field(reader, p + "expert_count")),
             "n_shared_experts": int(_field(reader, p + "expert_shared_count", 0)),
@@ -257,24 +292,31 @@ def _hf_name(src: Path, gguf_name: str) -> str | None:
             return f"model.layers.{idx}.{_BLOCK_NAMES[rest]}"
         if rest in _MOE_BLOCK_NAMES:
             return f"model.layers.{idx}.{_MOE_BLOCK_NAMES[rest]}"
+        if rest in _MLA_BLOCK_NAMES:
+            return f"model.layers.{idx}.{_MLA_BLOCK_NAMES[rest]}"
     elif gguf_name == "rope_freqs.weight":
         return None
     raise ModelImportError(f"{src}: unexpected tensor {gguf_name!r}")
 
 
 def _is_linear(hf: str) -> bool:
-    """A decoder linear (kept INT4 by a native import): not a norm, a bias or the router."""
-    return hf.startswith("model.layers.") and hf.endswith("_proj.weight")
+    """A decoder linear (kept INT4 by a native import): not a norm, a bias, the router or MLA's kv_b_proj (the
+    decode folds it into the query and the output: kept dense)."""
+    return (hf.startswith("model.layers.") and hf.endswith(("_proj.weight", "_proj_with_mqa.weight"))
+            and not hf.endswith("kv_b_proj.weight"))
 
 
 def _native_linear_types(reader, src: Path) -> set[str]:
-    """The quant types of the decoder linears; every one must be Q4_0 or Q4_1 for a native import."""
+    """The quant types of the decoder linears; every one must be Q4_0 or Q4_1 (kept INT4), or F32/F16/BF16 (kept
+    dense), for a native import."""
     types: set[str] = set()
     for t in reader.tensors:
         hf = _hf_name(src, t.name)
         if hf is None or not _is_linear(hf):
             continue
         kind = t.tensor_type.name
+        if kind in DENSE_LINEAR_TYPES:
+            continue
         if kind not in NATIVE_LINEAR_TYPES:
             raise ModelImportError(
                 f"{src}: tensor {t.name!r} is {kind}; a native INT4 import takes {' or '.join(NATIVE_LINEAR_TYPES)} "
@@ -347,7 +389,10 @@ def _check_complete(src: Path, cfg: dict, tensors: dict) -> None:
     missing = [n for n in ("model.embed_tokens", "model.norm") if n not in prefixes]
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        need = [p + "input_layernorm", p + "post_attention_layernorm"] + [p + f"self_attn.{x}_proj" for x in "qkvo"]
+        attn = ([p + "self_attn.kv_a_proj_with_mqa", p + "self_attn.kv_b_proj", p + "self_attn.o_proj",
+                 p + ("self_attn.q_b_proj" if cfg.get("q_lora_rank") else "self_attn.q_proj")]
+                if "kv_lora_rank" in cfg else [p + f"self_attn.{x}_proj" for x in "qkvo"])
+        need = [p + "input_layernorm", p + "post_attention_layernorm", *attn]
         if p + "mlp.gate" in prefixes:
             need += [p + f"mlp.experts.{e}.{x}_proj" for e in range(cfg.get("n_routed_experts", cfg.get(
                 "num_experts", 0))) for x in ("gate", "up", "down")]
@@ -392,16 +437,27 @@ def import_gguf(src: str | Path, dst: str | Path, *, dtype: str = "float32", pro
 
     with atomic_directory(dst) as tmp:
         tensors: dict[str, torch.Tensor] = {}
+        split_kv_b: dict[str, np.ndarray] = {}
         for t in tqdm(reader.tensors, desc=f"import {src.name}", unit="tensor", disable=not progress):
             hf = _hf_name(src, t.name)
             if hf is None:
                 continue
-            if native and (_is_linear(hf) or (hf == "model.embed_tokens.weight" and t.tensor_type.name == "Q8_0")):
+            kind = t.tensor_type.name
+            if native and ((_is_linear(hf) and kind not in DENSE_LINEAR_TYPES)
+                           or (hf == "model.embed_tokens.weight" and kind == "Q8_0")):
                 parts = _native_tensors(t, hf, heads, kv_heads, offset)
                 for name, arr in (_per_expert(hf, parts) if "*" in hf else parts).items():
                     tensors[name] = torch.from_numpy(np.array(arr, copy=True, order="C"))
                 continue
             arr = _dense(t, hf, heads, kv_heads)
+            if hf.endswith(("self_attn.k_b", "self_attn.v_b")):
+                split_kv_b[hf] = arr
+                base = hf.rsplit(".", 1)[0]
+                if base + ".k_b" in split_kv_b and base + ".v_b" in split_kv_b:
+                    k_b, v_b = split_kv_b.pop(base + ".k_b"), split_kv_b.pop(base + ".v_b")   # [H, r, nope], [H, v, r]
+                    kv_b = np.concatenate((k_b.transpose(0, 2, 1), v_b), axis=1).reshape(-1, k_b.shape[1])
+                    tensors[base + ".kv_b_proj.weight"] = torch.from_numpy(np.ascontiguousarray(kv_b)).to(torch_dtype)
+                continue
             for name, a in (_per_expert(hf, {hf: arr}) if "*" in hf else {hf: arr}).items():
                 keep = torch.float32 if hf.endswith(("gate.weight", "e_score_correction_bias")) else torch_dtype
                 tensors[name] = torch.from_numpy(np.array(a, copy=True, order="C")).to(keep)

@@ -1,6 +1,8 @@
-"""GGUF import of a GLM-4.5 MoE (llama.cpp's glm4moe layout: [E, N, K] expert tensors, exp_probs_b, shared experts):
-dequantized it is transformers' model, native it keeps the Q4_0 experts 4-bit and computes what the dequantized
-import does."""
+"""GGUF import of a GLM-4.5 MoE (llama.cpp's glm4moe layout: [E, N, K] expert tensors, exp_probs_b, shared experts)
+and of a DeepSeek-V3 (deepseek2: MLA tensors, kv_b_proj split into k_b and v_b): dequantized it is transformers'
+model, native it keeps the Q4_0 linears and experts 4-bit and computes what the dequantized import does. (The
+layouts were also checked on llama.cpp's own convert_hf_to_gguf.py + llama-quantize output: benchmarks/bench_moe.py,
+and a DeepSeek-V3 with YaRN by hand, recorded in issue 29's note.)"""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ def glm(smol_dir, tmp_path_factory):
 
 def test_f32_gguf_imports_to_transformers_model(glm):
     hf, tmp = glm
-    src = moe_checkpoints.write_glm4moe_gguf(hf, tmp / "f32.gguf", default_gguf_path(), quant="F32")
+    src = moe_checkpoints.write_moe_gguf(hf, tmp / "f32.gguf", default_gguf_path(), quant="F32")
     dst = import_gguf(src, tmp / "f32", progress=False)
     cfg = json.loads((dst / "config.json").read_text())
     assert cfg["architectures"] == ["Glm4MoeForCausalLM"] and cfg["partial_rotary_factor"] == 0.5
@@ -42,7 +44,7 @@ def test_f32_gguf_imports_to_transformers_model(glm):
 
 def test_q4_0_gguf_native_keeps_experts_int4_and_equals_the_dequantized_import(glm):
     hf, tmp = glm
-    src = moe_checkpoints.write_glm4moe_gguf(hf, tmp / "q4_0.gguf", default_gguf_path(), quant="Q4_0")
+    src = moe_checkpoints.write_moe_gguf(hf, tmp / "q4_0.gguf", default_gguf_path(), quant="Q4_0")
     native = import_gguf(src, tmp / "native", native=True, progress=False)
     dense = import_gguf(src, tmp / "dense", progress=False)
     qc = json.loads((native / "config.json").read_text())["quantization_config"]
@@ -69,3 +71,25 @@ def test_unknown_architecture_is_named(tmp_path):
     w.close()
     with pytest.raises(ModelImportError, match="unsupported GGUF architecture 'mamba'; supported: 'llama', 'glm4moe'"):
         import_gguf(tmp_path / "x.gguf", tmp_path / "out", progress=False)
+
+
+@pytest.mark.parametrize("quant", ["F32", "Q4_0"])
+def test_deepseek2_gguf_imports_to_transformers_model_and_native_equals_dequantized(smol_dir, tmp_path, quant):
+    hf = moe_checkpoints.servable("deepseek_v3", tmp_path / "hf", smol_dir)
+    src = moe_checkpoints.write_moe_gguf(hf, tmp_path / "m.gguf", default_gguf_path(), quant=quant)
+    dense = import_gguf(src, tmp_path / "dense", progress=False)
+    cfg = json.loads((dense / "config.json").read_text())
+    assert cfg["architectures"] == ["DeepseekV3ForCausalLM"] and cfg["kv_lora_rank"] == 32 and cfg["q_lora_rank"] == 48
+    logits, out = greedy(load_model(dense), PROMPT, 16, num_pages=8)
+    if quant == "F32":
+        with torch.no_grad():
+            ref = hf(torch.tensor([PROMPT])).logits[0]
+            theirs = hf.generate(torch.tensor([PROMPT]), max_new_tokens=16, do_sample=False, pad_token_id=0,
+                                 eos_token_id=None)[0, len(PROMPT):].tolist()
+        assert (ref - logits).abs().max().item() <= 1e-4 and out == theirs
+        return
+    native = load_model(import_gguf(src, tmp_path / "native", native=True, progress=False), prepack=False)
+    assert isinstance(native.layers[1].mlp.experts, Int4Experts)
+    assert type(native.layers[1].self_attn.kv_a_proj).__name__ == "W4A16Linear"     # Q4_0 MLA linears stay 4-bit
+    got, got_out = greedy(native, PROMPT, 16, num_pages=8)
+    assert (got - logits).abs().max().item() <= 1e-4 and got_out == out
