@@ -59,8 +59,9 @@ def fused_moe_w4a16_reference(x, weights, ids, w1q, w1s, w1z, w2q, w2s, w2z, gro
     k = ids.shape[1]
     inter = w1q.shape[1] // 2
     flat = ids.reshape(-1).long()
+    flat = torch.where(flat >= 0, flat, w1q.shape[0])      # -1: an expert on another rank, sorted last, skipped
     pairs = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w1q.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=w1q.shape[0] + 1).tolist()[: w1q.shape[0]]
     rows = torch.zeros(t * k, h, dtype=torch.float32, device=x.device)
     start = 0
     for e, n in enumerate(counts):
@@ -83,15 +84,16 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M
     the bound T*k + E*(block_m - 1) rounded up to block_m: no device-to-host copy sizes the grid."""
     flat = ids.reshape(-1).long()
     tk = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)
+    flat = torch.where(flat >= 0, flat, num_experts)        # -1: an expert on another rank: never placed
+    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
     padded = (counts + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)
     starts = ends - padded
-    order = torch.argsort(flat, stable=True)
+    order = torch.argsort(flat, stable=True)[: int(counts.sum())]   # a host sync only where -1 ids are possible
     expert_of_sorted = flat[order]
     first = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
     first[1:] = counts.cumsum(0)[:-1]
-    rank = torch.arange(tk, device=ids.device) - first[expert_of_sorted]
+    rank = torch.arange(order.numel(), device=ids.device) - first[expert_of_sorted]
     size = cdiv(tk + num_experts * (block_m - 1), block_m) * block_m
     sorted_pairs = torch.full((size,), tk, dtype=torch.int32, device=ids.device)
     sorted_pairs[starts[expert_of_sorted] + rank] = order.to(torch.int32)
@@ -209,7 +211,7 @@ def fused_moe_w4a16_triton(x, weights, ids, w1q, w1s, w1z, w2q, w2s, w2z, group_
         return out
     pairs, tile_expert = sort_by_expert(ids, e, BLOCK_M)
     act = torch.empty((tk, inter), dtype=x.dtype, device=x.device)
-    rows = torch.empty((tk, h), dtype=torch.float32, device=x.device)
+    rows = torch.zeros((tk, h), dtype=torch.float32, device=x.device)   # pairs never placed (id -1) stay zero
     up = upcast_dot(x.dtype)
     block_n = 64
     _gate_up_kernel[(tile_expert.numel(), cdiv(inter, block_n))](

@@ -798,23 +798,28 @@ at::Tensor q4_1x8_moe(const at::Tensor& x, const at::Tensor& ids, const at::Tens
   at::Tensor out = at::zeros({T, H}, x.options());
   if (P == 0) return out;
   const int64_t* id = ids.data_ptr<int64_t>();
-  std::vector<int64_t> off(E + 1, 0), order(P), where(P);   // order: sorted position -> pair; where: the inverse
+  // order: sorted position -> pair; where: the inverse (-1: a pair whose expert is on another rank, id -1: skipped)
+  std::vector<int64_t> off(E + 1, 0), order, where(P, -1);
   for (int64_t p = 0; p < P; ++p) {
-    TORCH_CHECK(id[p] >= 0 && id[p] < E, op, ": ids[", p / k, ", ", p % k, "] = ", id[p], " is outside [0, ", E, ")");
-    ++off[id[p] + 1];
+    TORCH_CHECK(id[p] >= -1 && id[p] < E, op, ": ids[", p / k, ", ", p % k, "] = ", id[p], " is outside [-1, ", E,
+                ")");
+    if (id[p] >= 0) ++off[id[p] + 1];
   }
   for (int64_t e = 0; e < E; ++e) off[e + 1] += off[e];
+  order.resize(off[E]);
   {
     std::vector<int64_t> cursor(off.begin(), off.end() - 1);
-    for (int64_t p = 0; p < P; ++p) {
-      order[cursor[id[p]]] = p;
-      where[p] = cursor[id[p]]++;
-    }
+    for (int64_t p = 0; p < P; ++p)
+      if (id[p] >= 0) {
+        order[cursor[id[p]]] = p;
+        where[p] = cursor[id[p]]++;
+      }
   }
+  const int64_t S = off[E];   // the pairs this call computes
   // the tokens' quantized rows (R per token), gathered into expert order (R per pair)
   const Q8Rows qx = residual ? quantize_rows_residual(x.data_ptr<float>(), T, H) : quantize_rows(x.data_ptr<float>(), T, H);
-  Q8Rows ys{std::vector<int8_t>(R * P * H), std::vector<float>(R * P * nbh), std::vector<float>(R * P * nbh)};
-  for (int64_t i = 0; i < P; ++i)
+  Q8Rows ys{std::vector<int8_t>(R * S * H), std::vector<float>(R * S * nbh), std::vector<float>(R * S * nbh)};
+  for (int64_t i = 0; i < S; ++i)
     for (int64_t r = 0; r < R; ++r) {
       const int64_t src = R * (order[i] / k) + r, dst = R * i + r;
       std::memcpy(ys.q.data() + dst * H, qx.q.data() + src * H, H);
@@ -822,10 +827,10 @@ at::Tensor q4_1x8_moe(const at::Tensor& x, const at::Tensor& ids, const at::Tens
       std::memcpy(ys.s.data() + dst * nbh, qx.s.data() + src * nbh, nbh * sizeof(float));
     }
   const int64_t n1 = 2 * inter;
-  std::vector<float> h(R * P * n1);
+  std::vector<float> h(R * S * n1);
   moe_tiles(ys, R, off.data(), E, w_gu, n1, h.data());
-  std::vector<float> act(P * inter);   // silu(gate) * up, expert order
-  at::parallel_for(0, P, 16, [&](int64_t i0, int64_t i1) {
+  std::vector<float> act(S * inter);   // silu(gate) * up, expert order
+  at::parallel_for(0, S, 16, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const float* hi = h.data() + R * i * n1;
       for (int64_t j = 0; j < inter; ++j) {
@@ -835,8 +840,8 @@ at::Tensor q4_1x8_moe(const at::Tensor& x, const at::Tensor& ids, const at::Tens
       }
     }
   });
-  const Q8Rows ya = residual ? quantize_rows_residual(act.data(), P, inter) : quantize_rows(act.data(), P, inter);
-  std::vector<float> rows(R * P * H);
+  const Q8Rows ya = residual ? quantize_rows_residual(act.data(), S, inter) : quantize_rows(act.data(), S, inter);
+  std::vector<float> rows(R * S * H);
   moe_tiles(ya, R, off.data(), E, w_dn, H, rows.data());
   const float* wt = weights.data_ptr<float>();
   float* o = out.data_ptr<float>();
@@ -844,6 +849,7 @@ at::Tensor q4_1x8_moe(const at::Tensor& x, const at::Tensor& ids, const at::Tens
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t j = 0; j < k; ++j) {
         const int64_t p = t * k + j;
+        if (where[p] < 0) continue;
         const float w = wt[p];
         const float* a = rows.data() + R * where[p] * H;
         float* y = o + t * H;

@@ -87,15 +87,16 @@ def q4_1x8_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gu: 
                inter: int, residual: bool) -> torch.Tensor:
     t, k = ids.shape
     flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
+    valid = flat >= 0                               # -1: the expert is on another rank (expert parallelism)
+    order = torch.argsort(torch.where(valid, flat, w_gu.shape[0]), stable=True)[: int(valid.sum())]
     offsets = torch.zeros(w_gu.shape[0] + 1, dtype=torch.int64)
-    offsets[1:] = torch.bincount(flat, minlength=w_gu.shape[0]).cumsum(0)
+    offsets[1:] = torch.bincount(flat[valid], minlength=w_gu.shape[0]).cumsum(0)
     h = q4_1x8_moe_gemm(x[order // k].contiguous(), w_gu, 2 * inter, offsets, residual)
     act = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]).contiguous()
     rows = q4_1x8_moe_gemm(act, w_dn, x.shape[1], offsets, residual)
-    by_pair = torch.empty_like(rows)
+    by_pair = torch.zeros(t * k, x.shape[1])
     by_pair[order] = rows
-    return (by_pair.view(t, k, -1) * weights[:, :, None]).sum(1)
+    return (by_pair.view(t, k, -1) * torch.where(valid.view(t, k), weights, 0.0)[:, :, None]).sum(1)
 
 
 def q8_0x8_gemm(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, n: int) -> torch.Tensor:

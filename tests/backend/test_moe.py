@@ -304,8 +304,18 @@ def test_fused_cpu_moe_equals_its_reference_and_the_dequantized_experts(residual
             hh = gu[int(ids[t, j])] @ x[t]
             exact[t] += weights[t, j] * (dn[int(ids[t, j])] @ (torch.nn.functional.silu(hh[:inter]) * hh[inter:]))
     assert float((got - exact).norm() / exact.norm()) < (0.01 if residual else 0.05)
-    with pytest.raises(RuntimeError, match=r"ids\[0, 0\] = 6 is outside \[0, 6\)"):
+    with pytest.raises(RuntimeError, match=r"ids\[0, 0\] = 6 is outside \[-1, 6\)"):
         kc.q4_1x8_moe(x, torch.full_like(ids, 6), weights, w_gu, w_dn, inter, residual)
+    # expert parallelism: pairs whose expert lives on another rank come as id -1 and are skipped (weight unused);
+    # the two halves of the experts, each computed with the other half's ids at -1, sum to the whole
+    lo = torch.where(ids < 3, ids, -1)
+    hi = torch.where(ids >= 3, ids - 3, -1)
+    half = kc.q4_1x8_moe(x, lo, weights, w_gu[:3].contiguous(), w_dn[:3].contiguous(), inter, residual) + \
+        kc.q4_1x8_moe(x, hi, weights, w_gu[3:].contiguous(), w_dn[3:].contiguous(), inter, residual)
+    assert float((half - got).abs().max()) <= 1e-4 * scale
+    ref_half = ref.q4_1x8_moe(x, lo, weights, w_gu[:3].contiguous(), w_dn[:3].contiguous(), inter, residual)
+    assert float((ref_half - kc.q4_1x8_moe(x, lo, weights, w_gu[:3].contiguous(), w_dn[:3].contiguous(), inter,
+                                           residual)).abs().max()) <= 1e-4 * scale
 
 
 # ---------------------------------------------------------------- config and quantizer errors
