@@ -255,6 +255,8 @@ class LlamaModel(nn.Module):
         self.lm_head_linear: DenseLinear | Q8Linear = DenseLinear(lm_head)
         self.rotary = Rotary(cfg, device)
         self.step_ops = None   # kernels.cpu.attn's ops (or their references) once prepack() picks the CPU path
+        self.parallel = None   # backend.parallel.comm.Comm once backend.parallel.shard made this a rank's shard
+        self.vocab_range = (0, cfg.vocab_size)   # the embedding / head rows this rank holds (vocab-parallel)
         self.lean_decode = True   # decode-only steps through DecodePlan where it applies (bench_step turns it off)
         self._decode_plan: DecodePlan | None = None   # built by prepack() once the linears are packed
 
@@ -339,7 +341,7 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV],
                 meta: AttentionMetadata) -> torch.Tensor:
         # input_ids, positions: [T]  ->  hidden: [T, hidden_size]
-        x = self.embed_tokens.index_select(0, input_ids)
+        x = self.embed(input_ids)
         if self.step_ops is not None:
             plan = self._decode_plan
             if self.lean_decode and plan is not None and meta.num_decode == x.shape[0] and plan.applies(x, kv_caches):
@@ -365,9 +367,18 @@ class LlamaModel(nn.Module):
             ops.add_rms_norm_(h, x, nxt.weight, nxt.eps)
         return h
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.parallel is None:
+            return self.embed_tokens.index_select(0, input_ids)
+        a, b = self.vocab_range   # vocab-parallel: the rows another rank holds come back in the all-reduce
+        here = (input_ids >= a) & (input_ids < b)
+        x = self.embed_tokens.index_select(0, torch.where(here, input_ids - a, 0))
+        return self.parallel.all_reduce(x.masked_fill(~here[:, None], 0.0))
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head_linear(hidden).float()
+        logits = self.lm_head_linear(hidden).float()
+        return logits if self.parallel is None else self.parallel.all_gather_cat(logits, dim=-1)
 
 
 class DecodePlan:

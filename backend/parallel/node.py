@@ -1,0 +1,228 @@
+"""One backend node over several ranks (`edgeinfer backend --tensor-parallel N [--expert-parallel]`).
+
+Rank 0 is the backend process: server, scheduler, sampler, page store. It starts ranks 1..N-1 as child processes
+(`python -m edgeinfer.backend.parallel.worker`), all of them join one torch.distributed group (gloo on CPU), and
+every rank loads the checkpoint and keeps its shard (backend/parallel/shard.py). The engine on rank 0 sees a
+`TensorParallelModel`: each forward first broadcasts the step (token ids, positions, the attention metadata) and
+each logits call the rows to score, so the other ranks run the same collectives in the same order
+(`worker_loop`). Page bodies for the page store are gathered from every rank and written back to every rank
+(`gather_pages` / `scatter_pages`), so a page holds all ranks' KV heads in the TP=1 layout: a TP=2 node and a
+TP=1 node of the same model and KV format share pages (docs/CACHE_STORE.md).
+
+A rank that dies: rank 0's watchdog sees the child exit and stops the node (SIGTERM to itself, a hard exit if
+that does not finish in time); a collective that a dead rank never joins fails at the group's timeout instead of
+hanging. The gateway then sees the node fail its probes and routes elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from edgeinfer.backend.model.llama import AttentionMetadata, LayerKV, LlamaModel, load_model
+from edgeinfer.backend.parallel.comm import Comm
+from edgeinfer.backend.parallel.shard import shard_model
+
+log = logging.getLogger("edgeinfer.parallel")
+
+
+def load_shard(model_dir: str | Path, comm: Comm, expert_parallel: bool, dtype: torch.dtype = torch.float32,
+               device: str = "cpu", prepack: bool = True) -> LlamaModel:
+    model = load_model(model_dir, dtype=dtype, device=device, fuse_gate_up=True, prepack=False)
+    shard_model(model, comm, expert_parallel)
+    if prepack:
+        model.prepack()
+    return model
+
+
+class TensorParallelModel:
+    """Rank 0's face of the node: the engine's model. Its own shard computes; every call is mirrored on the other
+    ranks first. Everything else (cfg: this rank's view, dtype, device, weight_bytes, ...) is the shard's."""
+
+    def __init__(self, shard: LlamaModel, comm: Comm, full_cfg) -> None:
+        self.shard, self.comm, self.full_cfg = shard, comm, full_cfg
+        self._pool_sent = False
+
+    def __getattr__(self, name: str):
+        return getattr(self.shard, name)
+
+    def _send_pool(self, kv_caches: list[LayerKV]) -> None:
+        kv = kv_caches[0]
+        spec = [(tuple(t.shape), t.dtype) if t is not None else None for t in (kv.k, kv.v, kv.k_scale, kv.v_scale)]
+        self.comm.broadcast_object(("pool", len(kv_caches), spec))
+        self._pool_sent = True
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV],
+                 meta: AttentionMetadata) -> torch.Tensor:
+        if not self._pool_sent:
+            self._send_pool(kv_caches)
+        self.comm.broadcast_object(("step", input_ids, positions, meta))
+        return self.shard(input_ids, positions, kv_caches, meta)
+
+    forward = __call__
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.comm.broadcast_object(("logits", hidden))
+        return self.shard.compute_logits(hidden)
+
+    def stop_workers(self) -> None:
+        try:
+            self.comm.broadcast_object(("stop",))
+        except RuntimeError:
+            pass
+
+
+def worker_loop(shard: LlamaModel, comm: Comm) -> None:
+    """Ranks 1..N-1: mirror rank 0's calls until it says stop (or the group fails)."""
+    from edgeinfer.backend.engine.kv_pool import lazy_zeros
+
+    kv: list[LayerKV] = []
+    device = shard.device
+    with torch.inference_mode():
+        while True:
+            cmd = comm.broadcast_object()
+            kind = cmd[0]
+            if kind == "pool":
+                _, layers, spec = cmd
+                kv = [LayerKV(*(lazy_zeros(s[0], s[1], device) if s is not None else None for s in spec))
+                      for _ in range(layers)]
+            elif kind == "step":
+                _, ids, pos, meta = cmd
+                shard(ids, pos, kv, meta)
+            elif kind == "logits":
+                shard.compute_logits(cmd[1])
+            elif kind == "gather":
+                comm.gather_tensors(_local_rows(kv, cmd[1]))
+            elif kind == "scatter":
+                _write_local_rows(kv, cmd[1], comm.scatter_tensors(None, _local_rows(kv, cmd[1])))
+            elif kind == "stop":
+                return
+
+
+# ---- page bodies across ranks: every rank's KV heads in the TP=1 body layout
+def _parts(kv: list[LayerKV]) -> list[torch.Tensor]:
+    return [t for layer in kv for t in (layer.k, layer.v, layer.k_scale, layer.v_scale) if t is not None]
+
+
+def _local_rows(kv: list[LayerKV], pages: list[int]) -> torch.Tensor:
+    idx = torch.tensor(pages, dtype=torch.long)
+    return torch.cat([t.view(torch.uint8).index_select(0, idx).reshape(len(pages), -1) for t in _parts(kv)], dim=1)
+
+
+def _write_local_rows(kv: list[LayerKV], pages: list[int], buf: torch.Tensor) -> None:
+    idx = torch.tensor(pages, dtype=torch.long)
+    off = 0
+    for t in _parts(kv):
+        u = t.view(torch.uint8)
+        nb = u[0].numel()
+        u.index_copy_(0, idx, buf[:, off:off + nb].reshape((len(pages), *u.shape[1:])))
+        off += nb
+
+
+def _split_rows(kv: list[LayerKV], buf: torch.Tensor) -> list[torch.Tensor]:
+    """A local body row block [n, bytes] -> its parts [n, page_size, kv_heads_local, ...] (uint8 views)."""
+    out, off = [], 0
+    for t in _parts(kv):
+        u = t.view(torch.uint8)
+        nb = u[0].numel()
+        out.append(buf[:, off:off + nb].reshape((buf.shape[0], *u.shape[1:])))
+        off += nb
+    return out
+
+
+def gather_pages(node: TensorParallelModel, kv: list[LayerKV], pages: list[int]) -> torch.Tensor:
+    """[len(pages), full page bytes]: each part's rank shards joined along the KV-head dim (dim 2 of
+    [n, page_size, heads, bytes...]), i.e. what a TP=1 pool of the same model would hold."""
+    node.comm.broadcast_object(("gather", pages))
+    shards = node.comm.gather_tensors(_local_rows(kv, pages))
+    assert shards is not None
+    per_rank = [_split_rows(kv, s) for s in shards]
+    n = len(pages)
+    return torch.cat([torch.cat([r[i] for r in per_rank], dim=2).reshape(n, -1) for i in range(len(per_rank[0]))],
+                     dim=1)
+
+
+def scatter_pages(node: TensorParallelModel, kv: list[LayerKV], pages: list[int], buf: torch.Tensor) -> None:
+    """The inverse: full page bodies split by KV heads, each rank's share written into its pool."""
+    world = node.comm.world
+    n = len(pages)
+    local_parts = _split_rows(kv, _local_rows(kv, pages))
+    full, off = [], 0
+    for p in local_parts:
+        nb = p[0].numel() * world
+        full.append(buf[:, off:off + nb].reshape((n, p.shape[1], p.shape[2] * world, *p.shape[3:])))
+        off += nb
+    if off != buf.shape[1]:
+        raise ValueError(f"page body of {buf.shape[1]} bytes, the node's KV pool needs {off}")
+    shards = [torch.cat([f.chunk(world, dim=2)[r].reshape(n, -1) for f in full], dim=1).contiguous()
+              for r in range(world)]
+    node.comm.broadcast_object(("scatter", pages))
+    mine = node.comm.scatter_tensors(shards, shards[0])
+    _write_local_rows(kv, pages, mine)
+
+
+# ---- starting a node
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Node:
+    """Rank 0's handle: the workers' processes, the group and the watchdog."""
+
+    def __init__(self, procs: list[subprocess.Popen], comm: Comm) -> None:
+        self.procs, self.comm = procs, comm
+        self.stopping = False
+        threading.Thread(target=self._watch, name="edgeinfer-tp-watchdog", daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self.stopping:
+            for rank, p in enumerate(self.procs, start=1):
+                if p.poll() is not None and not self.stopping:
+                    log.error("tensor-parallel rank %d exited with %s: stopping this node", rank, p.returncode)
+                    self.stopping = True
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    time.sleep(15)
+                    os._exit(3)   # the orderly stop did not finish (a collective waiting on the dead rank)
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        self.stopping = True
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def start_node(model_dir: str | Path, world: int, expert_parallel: bool, dtype: str = "float32",
+               timeout_s: float = 120.0) -> tuple[TensorParallelModel, Node]:
+    """Rank 0: start ranks 1..world-1, join the group, load this rank's shard."""
+    from edgeinfer.backend.model.config import ModelConfig
+
+    port = free_port()
+    threads = max(1, (os.cpu_count() or world) // world)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    procs = [subprocess.Popen([sys.executable, "-m", "edgeinfer.backend.parallel.worker", "--model", str(model_dir),
+                               "--rank", str(r), "--world", str(world), "--master-port", str(port), "--dtype", dtype,
+                               "--timeout", str(timeout_s), *(["--expert-parallel"] if expert_parallel else [])],
+                              env=env, start_new_session=False) for r in range(1, world)]
+    torch.set_num_threads(threads)
+    comm = Comm.init(0, world, master_port=port, timeout_s=timeout_s)
+    node = Node(procs, comm)
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    shard = load_shard(model_dir, comm, expert_parallel, dtype=dt)
+    return TensorParallelModel(shard, comm, ModelConfig.from_dir(model_dir)), node
