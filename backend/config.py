@@ -18,6 +18,8 @@ class BackendConfig:
     node_id: str | None
     dtype: str
     device: str
+    tensor_parallel: int      # ranks of this node (backend/parallel): 1 = one process
+    expert_parallel: bool     # split the routed experts by rank instead of each expert's width
     page_size: int
     kv_dtype: str
     kv_cache_bytes: int

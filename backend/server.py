@@ -57,6 +57,7 @@ class BackendState:
     keepalive_s: float | None = 1.0      # None: no keepalive lines
     max_queue_wait_s: float | None = None  # None: no bound on the estimated queue wait
     extensions: list = field(default_factory=list)     # objects with async start(app)/stop(app)
+    parallel_node: object | None = None   # backend.parallel.node.Node of a --tensor-parallel node (rank 0)
 
 
 STATE = web.AppKey("state", BackendState)
@@ -239,6 +240,12 @@ def make_app(state: BackendState) -> web.Application:
         for ext in reversed(state.extensions):
             await ext.stop(app)
         state.engine.stop()
+        if state.parallel_node is not None:   # the other ranks: told to stop, then their processes ended
+            node = state.parallel_node
+            node.stopping = True  # type: ignore[attr-defined]
+            if not getattr(node, "failed", False):
+                state.engine.model.stop_workers()  # type: ignore[attr-defined]
+            node.stop()  # type: ignore[attr-defined]
 
     app.cleanup_ctx.append(lifecycle)
     app.add_routes([
@@ -262,6 +269,11 @@ def parse_args(argv: list[str] | None) -> BackendConfig:
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--node-id", default=None)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--tensor-parallel", type=int, default=1,
+                   help="ranks of this node on torch.distributed (gloo on CPU): attention heads, MLP widths and the "
+                        "vocab split across them; rank 0 is this process (default 1)")
+    p.add_argument("--expert-parallel", action="store_true",
+                   help="with --tensor-parallel: split the routed experts by rank instead of each expert's width")
     p.add_argument("--device", default="cpu")
     p.add_argument("--page-size", type=int, default=PAGE_SIZE)
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16", "fp8_e4m3"])
@@ -384,13 +396,26 @@ def build_state(cfg: BackendConfig) -> BackendState:
     # the import runs torch on CPU: off the main thread, so the engine thread's OpenMP pool stays the only one
     model_dir = Path(cfg.model) if cfg.model else in_fresh_thread(ensure_native_default_model)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
-    engine = load_engine(model_dir, cfg.engine_config(), dtype=dtype, device=cfg.device, model_name=cfg.model_name)
+    node = None
+    if cfg.tensor_parallel > 1:
+        if cfg.device != "cpu":
+            raise ValueError(f"--tensor-parallel {cfg.tensor_parallel} runs on the CPU (gloo) here; got --device "
+                             f"{cfg.device}")
+        from edgeinfer.backend.parallel.node import load_parallel_engine
+
+        engine, node = load_parallel_engine(model_dir, cfg.engine_config(), cfg.tensor_parallel, cfg.expert_parallel,
+                                            cfg.dtype, cfg.model_name)
+    else:
+        if cfg.expert_parallel:
+            raise ValueError("--expert-parallel needs --tensor-parallel N with N > 1")
+        engine = load_engine(model_dir, cfg.engine_config(), dtype=dtype, device=cfg.device,
+                             model_name=cfg.model_name)
     release_free_heap()
     node_id = cfg.node_id or f"{socket.gethostname()}-{cfg.port}-{uuid.uuid4().hex[:6]}"
     m = BackendMetrics(engine.model_name)
     engine.observers.append(m)
     m.set_memory(engine)
-    st = BackendState(engine=engine, metrics=m, node_id=node_id, version=cfg.version,
+    st = BackendState(engine=engine, metrics=m, node_id=node_id, version=cfg.version, parallel_node=node,
                       operator_key=cfg.operator_key, internal_secret=cfg.internal_secret,
                       url=f"http://{cfg.host}:{cfg.port}",
                       keepalive_s=cfg.keepalive_s or None, max_queue_wait_s=cfg.max_queue_wait_s or None,

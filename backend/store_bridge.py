@@ -43,12 +43,19 @@ log = logging.getLogger("edgeinfer.store_bridge")
 __all__ = ["BridgeStats", "PageStoreBridge", "page_format"]
 
 
+def body_bytes(engine) -> int:
+    """A page body's bytes: the pool's page, times the ranks of a tensor-parallel node (whose page bodies hold every
+    rank's KV heads: backend/parallel/node.py)."""
+    return engine.runner.page_bytes * getattr(engine.model, "tp_world", 1)
+
+
 def page_format(engine) -> PageFormat:
     c = engine.model.cfg
+    world = getattr(engine.model, "tp_world", 1)
+    kv_heads = c.num_kv_heads if c.mla is not None else c.num_kv_heads * world   # a latent is never split
     return PageFormat(model_fingerprint=engine.fingerprint, kv_dtype=engine.kv.ident, num_layers=c.num_layers,
-                      kv_heads=c.num_kv_heads, head_dim=c.head_dim, page_size=engine.cfg.page_size,
-                      scale_layout=engine.kv.scale_layout,
-                      body_nbytes=engine.runner.page_bytes)
+                      kv_heads=kv_heads, head_dim=c.head_dim, page_size=engine.cfg.page_size,
+                      scale_layout=engine.kv.scale_layout, body_nbytes=body_bytes(engine))
 
 
 class PageStoreBridge(EngineObserver):
@@ -71,7 +78,7 @@ class PageStoreBridge(EngineObserver):
         self.counters = StoreCounters(engine.model_name, metrics)
         self.stats: BridgeStats = self.counters.stats
         ctx = StoreContext(engine=engine, store=store, index=index, page_key=page_key, format=self.format,
-                           page_bytes=engine.runner.page_bytes, node_id=node_id, counters=self.counters,
+                           page_bytes=body_bytes(engine), node_id=node_id, counters=self.counters,
                            published=PublishedPages(published_memory))
         self.publisher = PagePublisher(ctx, max_pending_bytes=max_pending_bytes, publish_batch_bytes=publish_batch_bytes,
                                        unindex_interval_s=unindex_interval_s)

@@ -234,3 +234,27 @@ def compressed_tensors_experts(src: Path, dst: Path, group_size: int = 32) -> di
         if (src / f).is_file():
             shutil.copy2(src / f, dst / f)
     return oracle
+
+
+def servable_llama(out: Path, tokenizer_dir: Path, **overrides):
+    """A tiny random Llama (8 heads, 2 KV heads: splits over 2 ranks) with the tokenizer at tokenizer_dir."""
+    import json
+    import shutil
+
+    hide_hub_kernels()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    vocab = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
+    torch.manual_seed(0)
+    kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+              vocab_size=vocab, max_position_embeddings=1024, tie_word_embeddings=False, eos_token_id=None,
+              bos_token_id=None, pad_token_id=None)
+    model = LlamaForCausalLM(LlamaConfig(**(kw | overrides))).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0) if p.dim() == 2 else None
+    model.save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copy2(tokenizer_dir / name, out / name)
+    return model

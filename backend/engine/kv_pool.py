@@ -118,7 +118,9 @@ def pool_parts(runner) -> list[torch.Tensor]:
 
 def gather_pages(runner, pages: list[int]) -> torch.Tensor:
     """Host uint8 [len(pages), page_bytes]: each row is one page body (backend/store_bridge.py names its layout).
-    Engine thread only."""
+    Engine thread only. A tensor-parallel node's model gathers every rank's share (backend/parallel/node.py)."""
+    if hasattr(runner.model, "gather_pages"):
+        return runner.model.gather_pages(runner.kv, pages)
     parts = pool_parts(runner)
     idx = torch.tensor(pages, dtype=torch.long, device=parts[0].device)
     buf = torch.cat([t.index_select(0, idx).reshape(len(pages), -1) for t in parts], dim=1)
@@ -127,6 +129,9 @@ def gather_pages(runner, pages: list[int]) -> torch.Tensor:
 
 def scatter_pages(runner, pages: list[int], buf: torch.Tensor) -> None:
     """Write host rows buf[i] (page bodies) into KV pool pages[i]. Engine thread only."""
+    if hasattr(runner.model, "scatter_pages"):
+        runner.model.scatter_pages(runner.kv, pages, buf)
+        return
     parts = pool_parts(runner)
     dev = parts[0].device
     idx = torch.tensor(pages, dtype=torch.long, device=dev)

@@ -50,6 +50,7 @@ class TensorParallelModel:
 
     def __init__(self, shard: LlamaModel, comm: Comm, full_cfg) -> None:
         self.shard, self.comm, self.full_cfg = shard, comm, full_cfg
+        self.tp_world = comm.world
         self._pool_sent = False
 
     def __getattr__(self, name: str):
@@ -73,6 +74,12 @@ class TensorParallelModel:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         self.comm.broadcast_object(("logits", hidden))
         return self.shard.compute_logits(hidden)
+
+    def gather_pages(self, kv: list[LayerKV], pages: list[int]) -> torch.Tensor:
+        return gather_pages(self, kv, pages)
+
+    def scatter_pages(self, kv: list[LayerKV], pages: list[int], buf: torch.Tensor) -> None:
+        scatter_pages(self, kv, pages, buf)
 
     def stop_workers(self) -> None:
         try:
@@ -142,6 +149,8 @@ def _split_rows(kv: list[LayerKV], buf: torch.Tensor) -> list[torch.Tensor]:
 def gather_pages(node: TensorParallelModel, kv: list[LayerKV], pages: list[int]) -> torch.Tensor:
     """[len(pages), full page bytes]: each part's rank shards joined along the KV-head dim (dim 2 of
     [n, page_size, heads, bytes...]), i.e. what a TP=1 pool of the same model would hold."""
+    if not node._pool_sent:
+        node._send_pool(kv)
     node.comm.broadcast_object(("gather", pages))
     shards = node.comm.gather_tensors(_local_rows(kv, pages))
     assert shards is not None
@@ -153,6 +162,8 @@ def gather_pages(node: TensorParallelModel, kv: list[LayerKV], pages: list[int])
 
 def scatter_pages(node: TensorParallelModel, kv: list[LayerKV], pages: list[int], buf: torch.Tensor) -> None:
     """The inverse: full page bodies split by KV heads, each rank's share written into its pool."""
+    if not node._pool_sent:
+        node._send_pool(kv)
     world = node.comm.world
     n = len(pages)
     local_parts = _split_rows(kv, _local_rows(kv, pages))
@@ -183,6 +194,7 @@ class Node:
     def __init__(self, procs: list[subprocess.Popen], comm: Comm) -> None:
         self.procs, self.comm = procs, comm
         self.stopping = False
+        self.failed = False
         threading.Thread(target=self._watch, name="edgeinfer-tp-watchdog", daemon=True).start()
 
     def _watch(self) -> None:
@@ -190,7 +202,7 @@ class Node:
             for rank, p in enumerate(self.procs, start=1):
                 if p.poll() is not None and not self.stopping:
                     log.error("tensor-parallel rank %d exited with %s: stopping this node", rank, p.returncode)
-                    self.stopping = True
+                    self.stopping = self.failed = True
                     os.kill(os.getpid(), signal.SIGTERM)
                     time.sleep(15)
                     os._exit(3)   # the orderly stop did not finish (a collective waiting on the dead rank)
@@ -206,6 +218,20 @@ class Node:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def load_parallel_engine(model_dir: str | Path, cfg, world: int, expert_parallel: bool, dtype: str = "float32",
+                         model_name: str | None = None):
+    """The engine of a tensor-parallel node (rank 0), and the node's handle."""
+    from edgeinfer.backend.engine.engine import LLMEngine, model_fingerprint
+    from edgeinfer.protocol.tokenizer import Tokenizer
+
+    model_dir = Path(model_dir)
+    model, node = start_node(model_dir, world, expert_parallel, dtype)
+    tok = Tokenizer.from_dir(model_dir, model_vocab_size=model.cfg.vocab_size)
+    engine = LLMEngine(model, tok, cfg, fingerprint=model_fingerprint(model_dir),  # type: ignore[arg-type]
+                       model_name=model_name or model_dir.name)
+    return engine, node
 
 
 def start_node(model_dir: str | Path, world: int, expert_parallel: bool, dtype: str = "float32",
