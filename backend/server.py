@@ -25,6 +25,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import msgspec
 from aiohttp import web
@@ -244,7 +245,8 @@ def make_app(state: BackendState) -> web.Application:
             node = state.parallel_node
             node.stopping = True  # type: ignore[attr-defined]
             if not getattr(node, "failed", False):
-                state.engine.model.stop_workers()  # type: ignore[attr-defined]
+                stop_workers: Any = state.engine.model.stop_workers
+                stop_workers()
             node.stop()  # type: ignore[attr-defined]
 
     app.cleanup_ctx.append(lifecycle)

@@ -100,8 +100,8 @@ def worker_loop(shard: LlamaModel, comm: Comm) -> None:
             kind = cmd[0]
             if kind == "pool":
                 _, layers, spec = cmd
-                kv = [LayerKV(*(lazy_zeros(s[0], s[1], device) if s is not None else None for s in spec))
-                      for _ in range(layers)]
+                kv = [LayerKV(*(lazy_zeros(s[0], s[1], device) if s is not None else None  # type: ignore[arg-type]
+                                for s in spec)) for _ in range(layers)]
             elif kind == "step":
                 _, ids, pos, meta = cmd
                 shard(ids, pos, kv, meta)

@@ -177,9 +177,9 @@ def shard_model(model: LlamaModel, comm: Comm, expert_parallel: bool = False) ->
             mlp.experts = _shard_experts(mlp.experts, rank, world, expert_parallel)
             if expert_parallel:
                 mlp.expert_range = _span(cfg.moe.num_experts, rank, world)  # type: ignore[union-attr]
-            if mlp.shared_experts is not None:
-                mlp.shared_experts = _shard_mlp(mlp.shared_experts,
-                                                cfg.moe.intermediate_size * cfg.moe.n_shared_experts,  # type: ignore
+            shared = mlp.shared_experts
+            if isinstance(shared, MLP):
+                mlp.shared_experts = _shard_mlp(shared, cfg.moe.intermediate_size * cfg.moe.n_shared_experts,  # type: ignore
                                                 rank, world)
             layer.mlp = AllReduce(mlp, comm)  # type: ignore[assignment]
         else:
@@ -196,6 +196,6 @@ def shard_model(model: LlamaModel, comm: Comm, expert_parallel: bool = False) ->
     model.embed_tokens = nn.Parameter(embed.data[va:vb].contiguous(), requires_grad=False)
     model.lm_head_linear = DenseLinear(head_w[va:vb].contiguous())
     model.tied_lm_head = False
-    model.parallel = comm
+    model.parallel = comm  # type: ignore[assignment]
     model.vocab_range = (va, vb)
     return model
