@@ -15,6 +15,8 @@
 #   batch16        16 sequences together decode what each decodes alone (needs the real weights)
 #   cuda_path      tests/backend/test_cuda_path.py: graphs vs eager, fp8 KV, native INT4 on CUDA
 #   bench_int4     the served model (native INT4, fp8 KV), graphs on vs off -> bench_engine_int4_fp8.json
+#   tp             with 2+ GPUs: the tensor/expert-parallel tests and bench_parallel (the node runs its ranks on
+#                  gloo over the CPU today: CUDA ranks over NCCL are not built; this step records what exists)
 # Summary of every step (status, rc, seconds, log tail): $OUT/gpu_check.json; full output: $OUT/gpu_check.log.
 #
 # The device machine has no network: nothing is installed from one. Missing python packages travel as wheels
@@ -130,7 +132,7 @@ else
 fi
 
 if ((PREREQ_OK == 0)); then   # no device time on steps that cannot run: say what is missing and stop
-  for s in model kernel_tests bench_kernels bench_engine parity batch16 cuda_path bench_int4; do
+  for s in model kernel_tests bench_kernels bench_engine parity batch16 cuda_path bench_int4 tp; do
     skip_step $s "prerequisites missing (prereqs.json)"
   done
   MODE=aborted
@@ -199,6 +201,11 @@ elif [[ $MODE == gpu ]]; then
   else
     for s in parity batch16 cuda_path bench_int4; do skip_step $s "no SmolLM2 weights on this machine"; done
   fi
+  if [[ $(nvidia-smi -L 2>/dev/null | wc -l) -ge 2 ]]; then
+    run_step tp 240 "${PYTEST[@]}" tests/backend/test_tensor_parallel.py
+  else
+    skip_step tp "one GPU: a tensor-parallel run needs 2+"
+  fi
 else   # dry run: every step's plumbing on CPU, small
   run_step kernel_tests 150 env TRITON_INTERPRET=1 "${PYTEST[@]}" tests/kernels/test_w4a16_gemm.py -k "mins or config"
   run_step bench_kernels 150 env TRITON_INTERPRET=1 "$PY" benchmarks/bench_kernels.py --cpu-dry-run \
@@ -209,6 +216,7 @@ else   # dry run: every step's plumbing on CPU, small
   run_step batch16 150 "${PYTEST[@]}" tests/backend/test_cuda_graphs.py -k "replays or prefill"
   run_step cuda_path 60 "${PYTEST[@]}" tests/backend/test_cuda_path.py
   skip_step bench_int4 "dry run"
+  run_step tp 240 "${PYTEST[@]}" tests/backend/test_tensor_parallel.py -k "llama"
 fi
 
 # ---- summary

@@ -147,6 +147,47 @@ def sizing(gpus: int = 8, gpu_gb: float = 141.0, reserve: float = 0.08) -> dict:
     return out
 
 
+# One H200 and its NVLink (stated assumptions, not measurements): HBM3e bandwidth, NVLink 4 per direction, dense
+# bf16 tensor throughput at a sustained 50 % of the 989 TFLOP/s peak (INT4 weights are widened to bf16 for the dot)
+H200_HBM_BPS = 4.8e12
+NVLINK_BPS = 450e9
+H200_BF16_FLOPS = 0.5 * 989e12
+ALL_REDUCE_LATENCY_S = 15e-6    # one small all-reduce over 8 GPUs on NVLink
+KERNEL_FLOOR_S = 3e-6           # one kernel's fixed cost inside a CUDA graph
+KERNELS_PER_LAYER = 12
+
+
+def decode_projection(cfg: dict, gpus: int = 8, batch: int = 1, context: int = 8192, kv_dtype: str = "fp8") -> dict:
+    """Decode tok/s of one node for Kimi K2 with INT4 experts, as edgeinfer splits it: attention heads over `gpus`
+    (tensor parallel; the MLA latent is shared by the heads, so every rank keeps every sequence's latent rows),
+    routed experts by rank (expert parallel), dense layers / shared experts / vocab tensor-parallel. Per step and
+    GPU: the weights it reads (its attention share, the distinct experts the batch touches among its own, its share
+    of the rest), the KV it reads, and the bytes its collectives move (a ring all-reduce of the hidden state after
+    attention and after each MLP: 2 (N-1)/N of the bf16 activations). The step takes the HBM time plus the link time
+    (no overlap: the conservative sum); the compute time is reported beside it."""
+    p = parameters(cfg)
+    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    sparse = layers - cfg.get("first_k_dense_replace", 0)
+    e, k = cfg["n_routed_experts"], cfg["num_experts_per_tok"]
+    per_expert = p["routed_experts"] / (sparse * e)
+    touched = e * (1 - (1 - k / e) ** batch)                      # expected distinct experts a layer uses
+    expert_bytes = sparse * touched / gpus * per_expert * 4.5 / 8
+    rest = (p["attention"] + p["dense_mlp"] + p["shared_experts"]) * 2 / gpus + (p["head"] * 2) / gpus
+    kv = kv_bytes_per_token(cfg, kv_dtype)["bytes"] * context * batch
+    hbm_bytes = expert_bytes + rest + kv
+    link_bytes = 2 * layers * batch * h * 2 * 2 * (gpus - 1) / gpus
+    flops = 2 * active_parameters(cfg) * batch / gpus
+    t_hbm, t_link, t_flop = hbm_bytes / H200_HBM_BPS, link_bytes / NVLINK_BPS, flops / H200_BF16_FLOPS
+    t_fixed = layers * (2 * ALL_REDUCE_LATENCY_S + KERNELS_PER_LAYER * KERNEL_FLOOR_S)
+    t = max(t_hbm + t_link + t_fixed, t_flop)
+    terms = {"weights": (expert_bytes + rest) / H200_HBM_BPS, "kv": kv / H200_HBM_BPS, "collectives": t_link,
+             "compute": t_flop, "fixed latency": t_fixed}
+    return {"batch": batch, "context": context, "expert_gb": expert_bytes / 1e9, "other_weight_gb": rest / 1e9,
+            "kv_gb": kv / 1e9, "link_gb": link_bytes / 1e9, "t_hbm_ms": t_hbm * 1e3, "t_link_ms": t_link * 1e3,
+            "t_fixed_ms": t_fixed * 1e3, "t_compute_ms": t_flop * 1e3, "step_ms": t * 1e3, "tok_s": batch / t,
+            "bound_by": max(terms, key=terms.get)}
+
+
 def markdown(s: dict) -> str:
     n = s["node"]
     lines = [f"{n['gpus']} x {n['gpu_gb']:.0f} GB = {n['hbm_gb']:.0f} GB HBM; {n['usable_gb']:.0f} GB for weights "
@@ -177,7 +218,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "model_sizing.json")
     a = ap.parse_args(argv)
     s = sizing(a.gpus, a.gpu_gb, a.reserve)
+    s["kimi_k2_decode_projection"] = [decode_projection(KIMI_K2, a.gpus, b, 8192) for b in (1, 64, 256)]
     print(markdown(s))
+    print("Kimi K2, INT4 experts, fp8 latent KV, 8k context, 8 x H200 (projection):")
+    print("| sequences | expert GB | other weights GB | KV GB | link GB | HBM ms | link ms | fixed ms | compute ms | "
+          "step ms | tok/s | bound by |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in s["kimi_k2_decode_projection"]:
+        print(f"| {r['batch']} | {r['expert_gb']:.2f} | {r['other_weight_gb']:.2f} | {r['kv_gb']:.2f} | "
+              f"{r['link_gb']:.3f} | {r['t_hbm_ms']:.2f} | {r['t_link_ms']:.3f} | {r['t_fixed_ms']:.2f} | "
+              f"{r['t_compute_ms']:.2f} | {r['step_ms']:.2f} | {r['tok_s']:.0f} | {r['bound_by']} |")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(s, indent=2) + "\n")
     return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -22,12 +23,14 @@ class CommStats:
     all_reduce_bytes: int = 0
     all_reduce_calls: int = 0
     all_gather_bytes: int = 0
-    broadcast_bytes: int = 0
+    broadcast_calls: int = 0
+    seconds: float = 0.0            # wall time inside the collectives (waiting for the slowest rank included)
     by_step: list[dict] = field(default_factory=list)
 
     def snapshot(self) -> dict:
         return {"all_reduce_bytes": self.all_reduce_bytes, "all_reduce_calls": self.all_reduce_calls,
-                "all_gather_bytes": self.all_gather_bytes, "broadcast_bytes": self.broadcast_bytes}
+                "all_gather_bytes": self.all_gather_bytes, "broadcast_calls": self.broadcast_calls,
+                "collective_seconds": round(self.seconds, 6)}
 
 
 class Comm:
@@ -52,7 +55,9 @@ class Comm:
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """In place, SUM over the ranks (the row-parallel linears' partial outputs)."""
         if self.world > 1:
+            t0 = time.perf_counter()
             dist.all_reduce(t)
+            self.stats.seconds += time.perf_counter() - t0
             self.stats.all_reduce_bytes += t.numel() * t.element_size()
             self.stats.all_reduce_calls += 1
         return t
@@ -62,14 +67,19 @@ class Comm:
         if self.world == 1:
             return t
         parts = [torch.empty_like(t) for _ in range(self.world)]
+        t0 = time.perf_counter()
         dist.all_gather(parts, t.contiguous())
+        self.stats.seconds += time.perf_counter() - t0
         self.stats.all_gather_bytes += t.numel() * t.element_size() * (self.world - 1)
         return torch.cat(parts, dim=dim)
 
     def broadcast_object(self, obj=None):
         """Rank 0 sends obj; every rank returns it."""
         box = [obj]
+        t0 = time.perf_counter()
         dist.broadcast_object_list(box, src=0)
+        self.stats.seconds += time.perf_counter() - t0
+        self.stats.broadcast_calls += 1
         return box[0]
 
     def gather_tensors(self, t: torch.Tensor) -> list[torch.Tensor] | None:

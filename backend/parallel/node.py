@@ -51,21 +51,22 @@ class TensorParallelModel:
     def __init__(self, shard: LlamaModel, comm: Comm, full_cfg) -> None:
         self.shard, self.comm, self.full_cfg = shard, comm, full_cfg
         self.tp_world = comm.world
-        self._pool_sent = False
+        self._pool: int | None = None   # id of the pool the other ranks mirror (a new pool: they allocate its twin)
 
     def __getattr__(self, name: str):
         return getattr(self.shard, name)
 
-    def _send_pool(self, kv_caches: list[LayerKV]) -> None:
+    def _sync_pool(self, kv_caches: list[LayerKV]) -> None:
         kv = kv_caches[0]
+        if self._pool == id(kv.k):
+            return
         spec = [(tuple(t.shape), t.dtype) if t is not None else None for t in (kv.k, kv.v, kv.k_scale, kv.v_scale)]
         self.comm.broadcast_object(("pool", len(kv_caches), spec))
-        self._pool_sent = True
+        self._pool = id(kv.k)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV],
                  meta: AttentionMetadata) -> torch.Tensor:
-        if not self._pool_sent:
-            self._send_pool(kv_caches)
+        self._sync_pool(kv_caches)
         self.comm.broadcast_object(("step", input_ids, positions, meta))
         return self.shard(input_ids, positions, kv_caches, meta)
 
@@ -149,8 +150,7 @@ def _split_rows(kv: list[LayerKV], buf: torch.Tensor) -> list[torch.Tensor]:
 def gather_pages(node: TensorParallelModel, kv: list[LayerKV], pages: list[int]) -> torch.Tensor:
     """[len(pages), full page bytes]: each part's rank shards joined along the KV-head dim (dim 2 of
     [n, page_size, heads, bytes...]), i.e. what a TP=1 pool of the same model would hold."""
-    if not node._pool_sent:
-        node._send_pool(kv)
+    node._sync_pool(kv)
     node.comm.broadcast_object(("gather", pages))
     shards = node.comm.gather_tensors(_local_rows(kv, pages))
     assert shards is not None
@@ -162,8 +162,7 @@ def gather_pages(node: TensorParallelModel, kv: list[LayerKV], pages: list[int])
 
 def scatter_pages(node: TensorParallelModel, kv: list[LayerKV], pages: list[int], buf: torch.Tensor) -> None:
     """The inverse: full page bodies split by KV heads, each rank's share written into its pool."""
-    if not node._pool_sent:
-        node._send_pool(kv)
+    node._sync_pool(kv)
     world = node.comm.world
     n = len(pages)
     local_parts = _split_rows(kv, _local_rows(kv, pages))

@@ -39,7 +39,7 @@ def test_without_cuda_it_skips_every_gpu_step_and_says_why(tmp_path):
     steps = {s["step"]: s for s in summary["steps"]}
     assert steps["prereqs"]["status"] == "failed"
     gpu_steps = ["model", "kernel_tests", "bench_kernels", "bench_engine", "parity", "batch16", "cuda_path",
-                 "bench_int4"]
+                 "bench_int4", "tp"]
     assert all(steps[s]["status"] == "skipped" and "prerequisites" in steps[s]["note"] for s in gpu_steps)
     prereqs = json.loads((out / "prereqs.json").read_text())
     assert prereqs["items"]["cuda_device"]["ok"] is False and "fix" in prereqs["items"]["cuda_device"]
