@@ -17,7 +17,7 @@ from typing import Literal
 
 import msgspec
 
-from edgeinfer.cache_store.registry import NodeRecord
+from edgeinfer.cache_store.node_record import NodeRecord
 
 Refusal = Literal["unsigned", "bad_signature", "expired"]
 _CONTEXT = b"edgeinfer node record v1"

@@ -18,34 +18,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
 from edgeinfer.cache_store.keys import KeySpace
+from edgeinfer.cache_store.node_auth import NodeRecordKey
+from edgeinfer.cache_store.node_record import NodeRecord, NodeState
 from edgeinfer.cache_store.resilience import RedisGuard
 
-if TYPE_CHECKING:
-    from edgeinfer.cache_store.node_auth import NodeRecordKey
-
+__all__ = ["NodeRecord", "NodeRecordKey", "NodeRegistry", "NodeState"]
 log = logging.getLogger(__name__)
-NodeState = Literal["active", "draining"]
-
-
-class NodeRecord(msgspec.Struct, frozen=True):
-    node_id: str
-    url: str
-    model: str
-    version: str
-    state: NodeState = "active"
-    running: int = 0
-    waiting: int = 0
-    kv_usage: float = 0.0  # fraction of the KV pool in use, 0..1
-    cache_hit_rate: float = 0.0  # cached prompt tokens / prompt tokens, recent window
-    started_at: float = 0.0  # unix seconds
-    updated_at: float = 0.0  # unix seconds of the heartbeat that wrote this record
-    expires_at: float = 0.0  # unix seconds after which a signed record is refused (cache_store.node_auth)
-    sig: str = ""  # hex HMAC over the other fields (cache_store.node_auth); empty without an internal secret
 
 
 _encoder = msgspec.json.Encoder()

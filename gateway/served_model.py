@@ -9,9 +9,10 @@ from functools import lru_cache
 from pathlib import Path
 
 from edgeinfer.gateway.errors import APIError
+from edgeinfer.gateway.prompt_ids import PromptEncoder
 from edgeinfer.gateway.schemas import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
-from edgeinfer.gateway.segment_cache import SegmentEncoder
 from edgeinfer.gateway.tokenpool import TokenizerPool, WorkerFailed
+from edgeinfer.protocol.defaults import native_default_dir
 from edgeinfer.protocol.tokenizer import Tokenizer, TokenizerError
 from edgeinfer.protocol.wire import TokenLogprob
 
@@ -19,10 +20,14 @@ _OFFLOAD_CHARS = 8192  # longer prompts are tokenized off the event loop: in `po
 
 
 def resolve_tokenizer_dir(spec: str) -> Path:
+    """"default": the built-in model's import (made by `edgeinfer serve` or `edgeinfer model import`; the gateway
+    never touches model files itself), else the directory given."""
     if spec == "default":
-        from edgeinfer.backend.model.gguf_import import ensure_native_default_model
-
-        return ensure_native_default_model()   # the served default; its tokenizer files are the GGUF's
+        path = native_default_dir()
+        if not (path / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"tokenizer \"default\": the built-in model is not imported yet ({path}); run "
+                                    "`edgeinfer model import` (or `edgeinfer serve`, which does it on first start)")
+        return path
     return Path(spec)
 
 
@@ -36,8 +41,8 @@ class ServedModel:
         self.tokenizer = tokenizer
         self.pool: TokenizerPool | None = None     # set by the app while it runs (gateway/app.py)
         self.token_str = lru_cache(maxsize=65536)(self._token_str)
-        seg = SegmentEncoder.build(tokenizer.source, tokenizer.encode) if tokenizer.source else None
-        self._encode_text = seg.encode if seg is not None else tokenizer.encode
+        self.ids = PromptEncoder(tokenizer)
+        self._chat_ids, self._prompt_ids = self.ids.chat_ids, self.ids.prompt_ids
 
     @classmethod
     def load(cls, name: str, tokenizer_spec: str) -> ServedModel:
@@ -65,19 +70,6 @@ class ServedModel:
             raise APIError(400, str(e), code="tokenization_failed") from e
         except Exception as e:  # jinja2 TemplateError (raise_exception in the template), bad input
             raise _template_error(f"{type(e).__name__}: {e}") from e
-
-    def _chat_ids(self, payload: list[dict] | tuple[list[dict], dict]) -> list[int]:
-        """payload: the messages, or (messages, chat_template_kwargs): extra variables for the template
-        (vLLM's chat_template_kwargs, e.g. enable_thinking)."""
-        messages, extra = payload if isinstance(payload, tuple) else (payload, {})
-        return self._encode_text(self.tokenizer.apply_chat_template(messages, **extra))
-
-    def _prompt_ids(self, prompt: str) -> list[int]:
-        ids = self._encode_text(prompt)
-        tok = self.tokenizer
-        if tok.add_bos and tok.bos_token_id is not None:
-            ids = [tok.bos_token_id, *ids]
-        return ids
 
     async def encode_chat(self, messages: list[dict], template_kwargs: dict | None = None) -> Sequence[int]:
         size = sum(len(m["content"]) for m in messages)

@@ -19,7 +19,7 @@ from concurrent.futures.process import BrokenProcessPool
 
 log = logging.getLogger("edgeinfer.gateway")
 _NICE = 5
-_models: dict = {}     # in a worker: model name -> ServedModel
+_models: dict = {}     # in a worker: model name -> PromptEncoder
 
 
 class WorkerFailed(Exception):
@@ -32,7 +32,7 @@ class WorkerFailed(Exception):
 
 
 def _init(sources: dict[str, str]) -> None:
-    from edgeinfer.gateway.served_model import ServedModel
+    from edgeinfer.gateway.prompt_ids import PromptEncoder
     from edgeinfer.protocol.tokenizer import Tokenizer
 
     try:
@@ -40,7 +40,7 @@ def _init(sources: dict[str, str]) -> None:
     except OSError:
         pass
     for name, source in sources.items():
-        _models[name] = ServedModel(name, Tokenizer.from_dir(source))
+        _models[name] = PromptEncoder(Tokenizer.from_dir(source))
 
 
 def _encode(name: str, kind: str, payload) -> bytes | WorkerFailed:
@@ -48,7 +48,7 @@ def _encode(name: str, kind: str, payload) -> bytes | WorkerFailed:
 
     model = _models[name]
     try:
-        ids = model._chat_ids(payload) if kind == "chat" else model._prompt_ids(payload)
+        ids = model.chat_ids(payload) if kind == "chat" else model.prompt_ids(payload)
     except TokenizerError as e:
         return WorkerFailed(True, str(e))
     except Exception as e:  # jinja2 TemplateError and the like: not always picklable, so sent as text

@@ -18,6 +18,27 @@ from edgeinfer.kernels._triton import cdiv, check, check_tensor, jit, require_tr
 ACT_DTYPES = (torch.float16, torch.bfloat16)
 
 
+def pack_uint4(q: torch.Tensor) -> torch.Tensor:
+    # q: [N, K] integers 0..15 -> [N, K//2] uint8, low nibble = even k
+    q = q.to(torch.uint8)
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+
+
+def unpack_uint4(qweight: torch.Tensor) -> torch.Tensor:
+    # [N, K//2] uint8 -> [N, K] uint8
+    n, k2 = qweight.shape
+    return torch.stack([qweight & 0xF, qweight >> 4], dim=-1).reshape(n, k2 * 2)
+
+
+def group_dequantize_mins(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                          group_size: int) -> torch.Tensor:
+    """The `offset: min` form (GGUF Q4_1): w = q * scale + min in fp32, gguf's own order -> [N, K] float32."""
+    q = unpack_uint4(qweight).float()
+    n, k = q.shape
+    w = q.reshape(n, -1, group_size) * scales.float()[..., None] + mins.float()[..., None]
+    return w.reshape(n, k)
+
+
 def group_quantize_tensor(w: torch.Tensor, group_size: int = 128, symmetric: bool = False,
                           clip: torch.Tensor | None = None):
     """w [N, K] float -> (qweight [N, K//2] uint8, scales [N, K//G] fp16, zeros [N, K//G] fp16 | None).

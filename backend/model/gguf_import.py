@@ -20,9 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from edgeinfer.backend.model.atomic_dir import atomic_directory
-from edgeinfer.protocol.defaults import home_dir
+from edgeinfer.protocol.defaults import DEFAULT_MODEL_NAME, home_dir, native_default_dir
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 NATIVE_SUBDIR = "gguf-native"    # models_home()/gguf-native/<name>: same directory name, so the same served name
 NATIVE_LINEAR_TYPES = ("Q4_0", "Q4_1")
 DENSE_LINEAR_TYPES = ("F32", "F16", "BF16")   # a native import keeps these linears dense (llama-quantize leaves a
@@ -102,10 +101,6 @@ def ensure_default_model() -> Path:
         return dst
     import_gguf(default_gguf_path(), dst)
     return dst
-
-
-def native_default_dir() -> Path:
-    return models_home() / NATIVE_SUBDIR / DEFAULT_MODEL_NAME
 
 
 def ensure_native_default_model(progress: bool = False) -> Path:

@@ -323,14 +323,26 @@ class LlamaModel(nn.Module):
         """The `num` channels of the head's input (the final norm's output) with the largest mean |x| over one
         teacher-forced forward of `tokens` pseudo-random token ids (seed 0; no text): this model's fixed
         outlier dimensions, which dominate the int8 scale of their blocks (docs/notes/ppl.md)."""
-        from edgeinfer.backend.quant.calib import (
-            paged_prefill,  # the engine's paged KV pool; imported late (a cycle)
-        )
-
         ids = torch.randint(0, self.cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
         with torch.inference_mode():
-            h = paged_prefill(self, [ids.tolist()], "auto")
+            h = self.scratch_prefill(ids.tolist())
         return h.float().abs().mean(0).topk(min(num, h.shape[1])).indices
+
+    def scratch_prefill(self, ids: list[int], page_size: int = 16) -> torch.Tensor:
+        """One teacher-forced forward of `ids` through a paged KV pool of its own (the model's dtype, freed on
+        return) -> hidden [len(ids), hidden]. What prepack's calibration needs, without the engine's runner."""
+        c, dev, n = self.cfg, self.device, len(ids)
+        pages = -(-n // page_size)
+        shape = (pages, page_size, c.num_kv_heads, c.head_dim)
+        kv = [LayerKV(torch.zeros(shape, dtype=self.dtype, device=dev),
+                      None if c.mla is not None else torch.zeros(shape, dtype=self.dtype, device=dev))  # type: ignore
+              for _ in range(c.num_layers)]
+        meta = AttentionMetadata(torch.arange(n, device=dev), 0, torch.zeros((0, 1), dtype=torch.int32, device=dev),
+                                 torch.zeros(0, dtype=torch.int32, device=dev),
+                                 torch.arange(pages, dtype=torch.int32, device=dev)[None],
+                                 torch.tensor([0, n], dtype=torch.int32, device=dev),
+                                 torch.tensor([n], dtype=torch.int32, device=dev), n)
+        return self(torch.tensor(ids, dtype=torch.long, device=dev), torch.arange(n, device=dev), kv, meta)
 
     def linear_weight_bytes(self) -> int:
         """Bytes of the decoder layers' linears (the lm_head is not one of them)."""

@@ -8,7 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from edgeinfer.kernels.w4a16_gemm import group_dequantize_tensor, group_quantize_tensor  # noqa: F401 (re-export)
+from edgeinfer.kernels.w4a16_gemm import (  # noqa: F401 (re-exported: the layout's pair lives with its kernel)
+    group_dequantize_mins,
+    group_dequantize_tensor,
+    group_quantize_tensor,
+    pack_uint4,
+    unpack_uint4,
+)
 
 BITS = 4
 QMAX = (1 << BITS) - 1
@@ -23,27 +29,6 @@ def effective_group_size(k: int, group_size: int) -> int:
         if k % g == 0:
             return g
     raise ValueError(f"in_features={k} has no group size that is a multiple of 32, <= {group_size} and divides it")
-
-
-def pack_uint4(q: torch.Tensor) -> torch.Tensor:
-    # q: [N, K] integers 0..15 -> [N, K//2] uint8, low nibble = even k
-    q = q.to(torch.uint8)
-    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
-
-
-def unpack_uint4(qweight: torch.Tensor) -> torch.Tensor:
-    # [N, K//2] uint8 -> [N, K] uint8
-    n, k2 = qweight.shape
-    return torch.stack([qweight & 0xF, qweight >> 4], dim=-1).reshape(n, k2 * 2)
-
-
-def group_dequantize_mins(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-                          group_size: int) -> torch.Tensor:
-    """The `offset: min` form (GGUF Q4_1): w = q * scale + min in fp32, gguf's own order -> [N, K] float32."""
-    q = unpack_uint4(qweight).float()
-    n, k = q.shape
-    w = q.reshape(n, -1, group_size) * scales.float()[..., None] + mins.float()[..., None]
-    return w.reshape(n, k)
 
 
 def fake_quantize(w: torch.Tensor, group_size: int, clip: torch.Tensor | None = None) -> torch.Tensor:

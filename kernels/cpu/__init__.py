@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from edgeinfer.backend.quant.packing import unpack_uint4
+from edgeinfer.kernels.w4a16_gemm import unpack_uint4
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ AUTH = {"authorization": f"Bearer {DEMO_KEY}", "content-type": "application/json
 
 def _spy_tokenizer(gw) -> list[int]:
     """Records the size of every text the gateway's model tokenizes in-process (the real tokenizer runs)."""
-    model = gw.app[STATE].models[MODEL]
+    model = gw.app[STATE].models[MODEL].ids      # the PromptEncoder the gateway process tokenizes with
     calls: list[int] = []
     real = model._encode_text
 

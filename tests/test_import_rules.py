@@ -1,0 +1,114 @@
+"""docs/ARCHITECTURE.md's "who may import whom", checked on the imports the code really has (every `import` and
+`from ... import`, at module level or inside a function, TYPE_CHECKING blocks included), and no circle of modules.
+The way test_torch_free.py holds the gateway to its promise, for the whole tree."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("protocol", "cache_store", "gateway", "kernels", "backend", "ops")
+# package -> the packages of ours it may import (docs/ARCHITECTURE.md, "Layout")
+ALLOWED = {
+    "protocol": set(),
+    "cache_store": {"protocol"},
+    "gateway": {"protocol", "cache_store"},
+    "kernels": set(),
+    "backend": {"protocol", "cache_store", "kernels"},
+    "ops": {"protocol", "cache_store", "gateway", "backend"},
+}
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for f in (ROOT / pkg).rglob("*.py"):
+            parts = f.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(("edgeinfer", *parts)).removesuffix(".__init__")
+            out[name] = f
+    return out
+
+
+def import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
+    def resolve(target: str) -> str | None:
+        while target and target not in mods:
+            target = target.rsplit(".", 1)[0] if "." in target else ""
+        return target or None
+
+    graph: dict[str, set[str]] = {}
+    for name, f in mods.items():
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.Import):
+                found |= {t for a in node.names if (t := resolve(a.name))}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for a in node.names:
+                    t = resolve(f"{node.module}.{a.name}") or resolve(node.module)
+                    if t:
+                        found.add(t)
+        found.discard(name)
+        graph[name] = found
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    sys.setrecursionlimit(max(10000, sys.getrecursionlimit()))
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def package(module: str) -> str:
+    return module.split(".")[1]
+
+
+def test_every_import_runs_down_the_layout():
+    graph = import_graph(modules())
+    bad = sorted((a, b) for a, outs in graph.items() for b in outs
+                 if package(a) != package(b) and package(b) not in ALLOWED[package(a)])
+    assert bad == [], "imports against docs/ARCHITECTURE.md's layout: " + ", ".join(f"{a} -> {b}" for a, b in bad)
+    assert sum(len(v) for v in graph.values()) > 200   # the graph was really read
+
+
+def test_no_circle_of_modules():
+    found = circles(import_graph(modules()))
+    assert found == [], f"import circles: {found}"
+
+
+def test_the_circle_finder_finds_circles():
+    """The check above can fail: on a graph with a late import back up (the shape of the old prepack -> calib one)."""
+    graph = {"model": {"kernels"}, "kernels": set(), "calib": {"runner"}, "runner": {"model"}}
+    assert circles(graph) == []
+    graph["model"].add("calib")
+    assert circles(graph) == [["calib", "model", "runner"]]
