@@ -11,7 +11,8 @@
 - Embedding and head: vocab-parallel (rows [r V/N, (r+1) V/N)): the lookup zeroes the ids another rank holds and
   all-reduces; the head's logits are all-gathered.
 INT4 weights stay INT4 per shard: W4A16Linear / Int4Experts tensors are sliced by rows (outputs) or by whole
-quantization groups along K (inputs), never re-rounded. MLA attention is not split yet (refused by name).
+quantization groups along K (inputs), never re-rounded; a GGUF Q8_0 embedding is split by rows and its tied head re-tied to the rank's rows at prepack. MLA
+attention is not split yet (refused by name).
 """
 
 from __future__ import annotations
@@ -186,16 +187,19 @@ def shard_model(model: LlamaModel, comm: Comm, expert_parallel: bool = False) ->
             layer.mlp = AllReduce(_shard_mlp(mlp, cfg.intermediate_size, rank, world), comm)  # type: ignore
     va, vb = _span(cfg.vocab_size, rank, world)
     embed = model.embed_tokens
-    if isinstance(embed, Q8Embedding):
-        raise ParallelError("a Q8_0 embedding (GGUF native import) is not split yet: import with --dequantize or "
-                            "serve with --tensor-parallel 1")
     head = model.lm_head_linear
     head_w = head.weight.data if isinstance(head, DenseLinear) and head.weight is not None else None
     if head_w is None:
         raise ParallelError(f"cannot split a {type(head).__name__} head")
-    model.embed_tokens = nn.Parameter(embed.data[va:vb].contiguous(), requires_grad=False)
+    if isinstance(embed, Q8Embedding):   # a GGUF Q8_0 table: its rows, int8 + scales (prepack ties the head to it)
+        if embed.interleaved:
+            raise ParallelError("shard the Q8_0 embedding before prepack")
+        model.embed_tokens = Q8Embedding(embed.qweight[va:vb].contiguous(), embed.scales[va:vb].contiguous(),
+                                         embed.dtype)
+    else:
+        model.embed_tokens = nn.Parameter(embed.data[va:vb].contiguous(), requires_grad=False)
+        model.tied_lm_head = False
     model.lm_head_linear = DenseLinear(head_w[va:vb].contiguous())
-    model.tied_lm_head = False
     model.parallel = comm  # type: ignore[assignment]
     model.vocab_range = (va, vb)
     return model

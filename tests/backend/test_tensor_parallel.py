@@ -90,3 +90,21 @@ def test_sizes_that_do_not_split_are_refused_by_name():
                                 | {"architectures": ["DeepseekV3ForCausalLM"]})
     with pytest.raises(ParallelError, match="MLA attention is not implemented yet"):
         local_config(mla, 2)
+
+
+def test_the_served_default_at_tp3_gives_its_greedy_tokens(tmp_path):
+    """SmolLM2 as `edgeinfer serve` runs it (native Q4_1 linears, a Q8_0 embedding tied to the head) over 3 ranks
+    (its 9 heads and 3 KV heads split by 3, not by 2). Every split falls on a 32-block of the int8 activations, yet
+    the logits move by 2.0e-3 of the largest (measured; the single process is bit-identical at 1 and 2 threads):
+    more than the partial sums' order explains, a difference not tracked down (issue 30's note). The tokens agree."""
+    from edgeinfer.backend.model.gguf_import import ensure_native_default_model
+
+    model_dir = ensure_native_default_model()
+    want, want_tokens = greedy(load_model(model_dir), PROMPT[:24] + [100, 200, 300], 16, num_pages=8)
+    out = tmp_path / "tp3.pt"
+    prompt = PROMPT[:24] + [100, 200, 300]
+    mp.start_processes(run_rank, args=(3, free_port(), str(model_dir), False, prompt, 16, str(out)), nprocs=3,
+                       join=True, start_method="spawn")
+    got = torch.load(out)
+    assert float((got["logits"] - want).abs().max() / want.abs().max()) < 5e-3
+    assert got["tokens"] == want_tokens and got["local_kv_heads"] == 1
