@@ -237,7 +237,10 @@ def start_node(model_dir: str | Path, world: int, expert_parallel: bool, dtype: 
                timeout_s: float = 120.0) -> tuple[TensorParallelModel, Node]:
     """Rank 0: start ranks 1..world-1, join the group, load this rank's shard."""
     from edgeinfer.backend.model.config import ModelConfig
+    from edgeinfer.backend.parallel.shard import local_config
 
+    full = ModelConfig.from_dir(model_dir)
+    local_config(full, world, expert_parallel)   # a size that does not split: one clear error, no rank started
     port = free_port()
     threads = max(1, (os.cpu_count() or world) // world)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
@@ -250,4 +253,4 @@ def start_node(model_dir: str | Path, world: int, expert_parallel: bool, dtype: 
     node = Node(procs, comm)
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     shard = load_shard(model_dir, comm, expert_parallel, dtype=dt)
-    return TensorParallelModel(shard, comm, ModelConfig.from_dir(model_dir)), node
+    return TensorParallelModel(shard, comm, full), node

@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[a.dtype]
     try:
         worker_loop(load_shard(a.model, comm, a.expert_parallel, dtype=dtype), comm)
-    except RuntimeError as e:   # the group failed: rank 0 or a peer is gone
+    except (RuntimeError, ValueError) as e:   # the group failed (rank 0 or a peer is gone), or the shard is refused
         print(f"edgeinfer tp rank {a.rank}: stopping: {e}", file=sys.stderr)
         return 1
     finally:

@@ -119,3 +119,15 @@ def test_the_served_default_at_tp3_gives_its_greedy_tokens(tmp_path):
     got = torch.load(out)
     assert float((got["logits"] - want).abs().max() / want.abs().max()) < 1e-4
     assert got["tokens"] == want_tokens
+
+
+def test_the_backend_refuses_a_split_the_model_cannot_take_in_one_line(smol_dir, tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "edgeinfer.backend.server", "--model", str(smol_dir), "--tensor-parallel",
+                        "2", "--port", "0", "--store-tier", "none", "--insecure-no-internal-auth"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert "error: --tensor-parallel 2: num_attention_heads=9 is not divisible by 2" in r.stderr
+    assert "Traceback" not in r.stderr
