@@ -112,3 +112,20 @@ def test_the_circle_finder_finds_circles():
     assert circles(graph) == []
     graph["model"].add("calib")
     assert circles(graph) == [["calib", "model", "runner"]]
+
+
+def test_the_gateway_reads_the_default_tokenizer_without_importing_the_model(tmp_path, monkeypatch):
+    """The gateway never touches model files: `tokenizer = "default"` is the built-in model's import, or a clear
+    error naming the command that makes it."""
+    import pytest
+
+    from edgeinfer.gateway.served_model import resolve_tokenizer_dir
+    from edgeinfer.protocol.defaults import native_default_dir
+
+    monkeypatch.setenv("EDGEINFER_HOME", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="run `edgeinfer model import`"):
+        resolve_tokenizer_dir("default")
+    native_default_dir().mkdir(parents=True)
+    (native_default_dir() / "tokenizer.json").write_text("{}")
+    assert resolve_tokenizer_dir("default") == tmp_path / "models" / "gguf-native" / "SmolLM2-135M-Instruct"
+    assert resolve_tokenizer_dir("/some/dir") == Path("/some/dir")
