@@ -353,87 +353,13 @@ void store_row(void* cache, Kind kind, int64_t slot, const float* x, int64_t n) 
   }
 }
 
-}  // namespace
-
-// qkv rows: q and k heads rotated in place (x * cos + rotate_half(x) * sin, HF layout: cos = [c, c],
-// sin = [-s, s] tables), then k and v written to their cache slots (slot -1: skipped); caches may be absent
-void rope_kv_store_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
-                    const std::optional<at::Tensor>& k_cache, const std::optional<at::Tensor>& v_cache,
-                    const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
-  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.stride(1) == 1,
-              "qkv must be fp32 [tokens, (heads + 2 kv_heads) * head_dim] contiguous along the row, got ",
-              qkv.scalar_type(), " shape ", qkv.sizes(), " strides ", qkv.strides());
-  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.is_contiguous() && sin.is_contiguous() &&
-              cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
-              "cos/sin must be contiguous fp32 [max_positions, head_dim], got ", cos.sizes(), " and ", sin.sizes());
-  const int64_t T = qkv.size(0), D = cos.size(1), nh = num_heads + num_kv_heads;
-  TORCH_CHECK(D % 2 == 0 && qkv.size(1) == (nh + num_kv_heads) * D, "qkv row of ", qkv.size(1),
-              " values != (heads ", num_heads, " + 2 * kv_heads ", num_kv_heads, ") * head_dim ", D);
-  TORCH_CHECK(positions.dim() == 1 && positions.scalar_type() == at::kLong && positions.is_contiguous() &&
-              positions.size(0) == T, "positions must be int64 [", T, "], got ", positions.scalar_type(), " shape ",
-              positions.sizes());
-  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
-              slot_mapping.size(0) == T, "slot_mapping must be int64 [", T, "], got ", slot_mapping.scalar_type(),
-              " shape ", slot_mapping.sizes());
-  TORCH_CHECK(k_cache.has_value() == v_cache.has_value(), "k_cache and v_cache come together");
-  Kind kind = Kind::F32;
-  int64_t slots = 0;
-  if (k_cache.has_value()) {
-    check_cache(*k_cache, "k_cache");
-    check_cache(*v_cache, "v_cache");
-    kind = kind_of(*k_cache);
-    TORCH_CHECK(kind != Kind::FP8, "rope_kv_store_ does not quantize to fp8 (pass no caches, then kernels.kv_store)");
-    TORCH_CHECK(k_cache->sizes() == v_cache->sizes() && k_cache->scalar_type() == v_cache->scalar_type(),
-                "v_cache ", v_cache->scalar_type(), v_cache->sizes(), " != k_cache ", k_cache->scalar_type(),
-                k_cache->sizes());
-    TORCH_CHECK(k_cache->size(2) == num_kv_heads && k_cache->size(3) == D, "k_cache [.., .., kv_heads, head_dim] = ",
-                k_cache->sizes(), ", expected kv_heads ", num_kv_heads, " and head_dim ", D);
-    slots = k_cache->size(0) * k_cache->size(1);
-  }
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
-  const int64_t max_pos = cos.size(0), half = D / 2, kvn = num_kv_heads * D;
-  for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "positions[", t, "] = ", pos[t], " is outside [0, ", max_pos, ")");
-    TORCH_CHECK(slot[t] >= -1 && (slots == 0 || slot[t] < slots), "slot_mapping[", t, "] = ", slot[t],
-                " is outside [-1, ", slots, ")");
-  }
-  float* base = qkv.data_ptr<float>();
-  const int64_t rs = qkv.stride(0);
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  void* kc = k_cache.has_value() ? k_cache->data_ptr() : nullptr;
-  void* vc = v_cache.has_value() ? v_cache->data_ptr() : nullptr;
-  const int64_t grain = T * nh * D * 3 < SMALL_WORK ? std::max<int64_t>(T, 1) : 1;
-  at::parallel_for(0, T, grain, [&](int64_t lo, int64_t hi) {
-    std::vector<float> x(D);
-    for (int64_t t = lo; t < hi; ++t) {
-      float* r = base + t * rs;
-      const float* c = cp + pos[t] * D;
-      const float* s = sp + pos[t] * D;
-      for (int64_t h = 0; h < nh; ++h) {
-        float* y = r + h * D;
-        std::memcpy(x.data(), y, D * sizeof(float));
-        // two products and a sum, unfused (-ffp-contract=off): the same bits as torch's x * cos + roll(x) * sin
-        for (int64_t i = 0; i < half; ++i) y[i] = x[i] * c[i] + x[i + half] * s[i];
-        for (int64_t i = half; i < D; ++i) y[i] = x[i] * c[i] + x[i - half] * s[i];
-      }
-      if (kc && slot[t] >= 0) {
-        store_row(kc, kind, slot[t], r + num_heads * D, kvn);
-        store_row(vc, kind, slot[t], r + nh * D, kvn);
-      }
-    }
-  });
-}
-
-
-// rope_kv_store_ for heads of head_dim values of which the first D = cos.size(1) rotate (partial rotary, GLM-4.5),
-// each q head first RMS-normalized with q_norm [head_dim] and each k head with k_norm (QK-norm: Qwen3, GLM-4.5
-// use_qk_norm) when given; the same fp32 order as torch's rms_norm then x * cos + rotate_half(x) * sin
-void rope_norm_kv_store_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
-                         const std::optional<at::Tensor>& k_cache, const std::optional<at::Tensor>& v_cache,
-                         const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                         const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double eps) {
+// Both rope ops: heads of head_dim values of which the first D = cos.size(1) rotate, each q / k head first
+// RMS-normalized with q_norm / k_norm when given, then k and v written to their cache slots (slot -1: skipped)
+void rope_store(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                const std::optional<at::Tensor>& k_cache, const std::optional<at::Tensor>& v_cache,
+                const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double eps,
+                const char* op) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.stride(1) == 1,
               "qkv must be fp32 [tokens, (heads + 2 kv_heads) * head_dim] contiguous along the row, got ",
               qkv.scalar_type(), " shape ", qkv.sizes(), " strides ", qkv.strides());
@@ -463,7 +389,7 @@ void rope_norm_kv_store_(at::Tensor& qkv, const at::Tensor& positions, const at:
     check_cache(*k_cache, "k_cache");
     check_cache(*v_cache, "v_cache");
     kind = kind_of(*k_cache);
-    TORCH_CHECK(kind != Kind::FP8, "rope_norm_kv_store_ does not quantize to fp8 (pass no caches, then kernels.kv_store)");
+    TORCH_CHECK(kind != Kind::FP8, op, " does not quantize to fp8 (pass no caches, then kernels.kv_store)");
     TORCH_CHECK(k_cache->sizes() == v_cache->sizes() && k_cache->scalar_type() == v_cache->scalar_type(),
                 "v_cache ", v_cache->scalar_type(), v_cache->sizes(), " != k_cache ", k_cache->scalar_type(),
                 k_cache->sizes());
@@ -488,7 +414,7 @@ void rope_norm_kv_store_(at::Tensor& qkv, const at::Tensor& positions, const at:
   const float e = static_cast<float>(eps);
   void* kc = k_cache.has_value() ? k_cache->data_ptr() : nullptr;
   void* vc = v_cache.has_value() ? v_cache->data_ptr() : nullptr;
-  const int64_t grain = T * nh * Dh * 4 < SMALL_WORK ? std::max<int64_t>(T, 1) : 1;
+  const int64_t grain = T * nh * Dh * (qn ? 4 : 3) < SMALL_WORK ? std::max<int64_t>(T, 1) : 1;
   at::parallel_for(0, T, grain, [&](int64_t lo, int64_t hi) {
     std::vector<float> x(Dh);
     for (int64_t t = lo; t < hi; ++t) {
@@ -505,6 +431,7 @@ void rope_norm_kv_store_(at::Tensor& qkv, const at::Tensor& positions, const at:
           for (int64_t i = 0; i < Dh; ++i) y[i] = (y[i] * inv) * w[i];
         }
         std::memcpy(x.data(), y, D * sizeof(float));
+        // two products and a sum, unfused (-ffp-contract=off): the same bits as torch's x * cos + roll(x) * sin
         for (int64_t i = 0; i < half; ++i) y[i] = x[i] * c[i] + x[i + half] * s[i];
         for (int64_t i = half; i < D; ++i) y[i] = x[i] * c[i] + x[i - half] * s[i];
       }
@@ -514,6 +441,29 @@ void rope_norm_kv_store_(at::Tensor& qkv, const at::Tensor& positions, const at:
       }
     }
   });
+}
+
+}  // namespace
+
+// qkv rows: q and k heads rotated in place (x * cos + rotate_half(x) * sin, HF layout: cos = [c, c],
+// sin = [-s, s] tables), then k and v written to their cache slots (slot -1: skipped); caches may be absent
+void rope_kv_store_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                    const std::optional<at::Tensor>& k_cache, const std::optional<at::Tensor>& v_cache,
+                    const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
+  TORCH_CHECK(cos.dim() == 2, "cos/sin must be contiguous fp32 [max_positions, head_dim], got ", cos.sizes());
+  rope_store(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, cos.size(1),
+             std::nullopt, std::nullopt, 0.0, "rope_kv_store_");
+}
+
+// rope_kv_store_ for heads of head_dim values of which the first D = cos.size(1) rotate (partial rotary, GLM-4.5),
+// each q head first RMS-normalized with q_norm [head_dim] and each k head with k_norm (QK-norm: Qwen3, GLM-4.5
+// use_qk_norm) when given; the same fp32 order as torch's rms_norm then x * cos + rotate_half(x) * sin
+void rope_norm_kv_store_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                         const std::optional<at::Tensor>& k_cache, const std::optional<at::Tensor>& v_cache,
+                         const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                         const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double eps) {
+  rope_store(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, head_dim, q_norm,
+             k_norm, eps, "rope_norm_kv_store_");
 }
 
 namespace {
