@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from edgeinfer.kernels._triton import cdiv, check, check_tensor, jit, require_triton, tl, upcast_dot
-from edgeinfer.kernels.w4a16_gemm import ACT_DTYPES, group_dequantize_tensor
+from edgeinfer.kernels.w4a16_gemm import ACT_DTYPES, dequant_tile, group_dequantize_tensor
 
 BLOCK_M = 16
 
@@ -131,16 +131,9 @@ def _gate_up_kernel(x_ptr, pairs_ptr, tile_expert_ptr, qw_ptr, s_ptr, z_ptr, out
             if UPCAST_DOT:
                 x_even, x_odd = x_even.to(tl.float32), x_odd.to(tl.float32)
             group = k0 // GROUP_SIZE
-            for half in tl.static_range(2):
-                rows = rn + half * INTER
-                packed = tl.load(qw_e + rows[None, :] * stride_qn + kb[:, None], mask=mask_n[None, :], other=0)
-                scale = tl.load(s_e + rows * stride_sn + group, mask=mask_n, other=0.0).to(tl.float32)
-                if SYMMETRIC:
-                    zero = tl.full((BLOCK_N,), 8.0, tl.float32)
-                else:
-                    zero = tl.load(z_e + rows * stride_sn + group, mask=mask_n, other=0.0).to(tl.float32)
-                w_even = (((packed & 0xF).to(tl.float32) - zero[None, :]) * scale[None, :]).to(x_even.dtype)
-                w_odd = (((packed >> 4).to(tl.float32) - zero[None, :]) * scale[None, :]).to(x_even.dtype)
+            for half in tl.static_range(2):   # the gate rows, then the up rows of the same output columns
+                w_even, w_odd = dequant_tile(qw_e, s_e, z_e, rn + half * INTER, mask_n, kb, group, stride_qn,
+                                             stride_sn, x_even, SYMMETRIC, BLOCK_N)
                 if half == 0:
                     acc_g = tl.dot(x_odd, w_odd, tl.dot(x_even, w_even, acc_g))
                 else:
@@ -174,15 +167,8 @@ def _down_kernel(a_ptr, pairs_ptr, tile_expert_ptr, weights_ptr, qw_ptr, s_ptr, 
             a_even = tl.load(a_ptr + pairs[:, None] * stride_am + (2 * kb)[None, :], mask=mask_m[:, None], other=0.0)
             a_odd = tl.load(a_ptr + pairs[:, None] * stride_am + (2 * kb + 1)[None, :], mask=mask_m[:, None],
                             other=0.0)
-            packed = tl.load(qw_e + rn[None, :] * stride_qn + kb[:, None], mask=mask_n[None, :], other=0)
-            group = k0 // GROUP_SIZE
-            scale = tl.load(s_e + rn * stride_sn + group, mask=mask_n, other=0.0).to(tl.float32)
-            if SYMMETRIC:
-                zero = tl.full((BLOCK_N,), 8.0, tl.float32)
-            else:
-                zero = tl.load(z_e + rn * stride_sn + group, mask=mask_n, other=0.0).to(tl.float32)
-            w_even = (((packed & 0xF).to(tl.float32) - zero[None, :]) * scale[None, :]).to(a_even.dtype)
-            w_odd = (((packed >> 4).to(tl.float32) - zero[None, :]) * scale[None, :]).to(a_even.dtype)
+            w_even, w_odd = dequant_tile(qw_e, s_e, z_e, rn, mask_n, kb, k0 // GROUP_SIZE, stride_qn, stride_sn,
+                                         a_even, SYMMETRIC, BLOCK_N)
             if UPCAST_DOT:
                 a_even, a_odd = a_even.to(tl.float32), a_odd.to(tl.float32)
                 w_even, w_odd = w_even.to(tl.float32), w_odd.to(tl.float32)

@@ -104,6 +104,23 @@ def pick_config(m: int, group_size: int) -> GemmConfig:
 
 
 @jit
+def dequant_tile(qw_ptr, s_ptr, z_ptr, rows, mask_n, kb, group, stride_qn, stride_sn, like,
+                 SYMMETRIC: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The [BLOCK_K/2, BLOCK_N] packed bytes of weight rows `rows` at packed columns `kb` (K tile within quantization
+    group `group`) -> (even-k weights, odd-k weights), (q - zero) * scale in fp32 rounded once to like's dtype.
+    Shared by the W4A16 GEMM and both fused-MoE kernels."""
+    packed = tl.load(qw_ptr + rows[None, :] * stride_qn + kb[:, None], mask=mask_n[None, :], other=0)
+    scale = tl.load(s_ptr + rows * stride_sn + group, mask=mask_n, other=0.0).to(tl.float32)
+    if SYMMETRIC:
+        zero = tl.full((BLOCK_N,), 8.0, tl.float32)
+    else:
+        zero = tl.load(z_ptr + rows * stride_sn + group, mask=mask_n, other=0.0).to(tl.float32)
+    w_even = (((packed & 0xF).to(tl.float32) - zero[None, :]) * scale[None, :]).to(like.dtype)
+    w_odd = (((packed >> 4).to(tl.float32) - zero[None, :]) * scale[None, :]).to(like.dtype)
+    return w_even, w_odd
+
+
+@jit
 def _w4a16_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, out_ptr,
                   M, N, K,
                   stride_xm, stride_xk, stride_qn, stride_sn, stride_om,
@@ -123,16 +140,8 @@ def _w4a16_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, out_ptr,
                          mask=mask_m[:, None], other=0.0)
         x_odd = tl.load(x_ptr + rm[:, None] * stride_xm + (2 * kb + 1)[None, :] * stride_xk,
                         mask=mask_m[:, None], other=0.0)
-        packed = tl.load(qw_ptr + rn[None, :] * stride_qn + kb[:, None], mask=mask_n[None, :], other=0)
-        # packed: [BLOCK_K/2, BLOCK_N] uint8
-        group = k0 // GROUP_SIZE
-        scale = tl.load(scales_ptr + rn * stride_sn + group, mask=mask_n, other=0.0).to(tl.float32)
-        if SYMMETRIC:
-            zero = tl.full((BLOCK_N,), 8.0, tl.float32)
-        else:
-            zero = tl.load(zeros_ptr + rn * stride_sn + group, mask=mask_n, other=0.0).to(tl.float32)
-        w_even = (((packed & 0xF).to(tl.float32) - zero[None, :]) * scale[None, :]).to(x_even.dtype)
-        w_odd = (((packed >> 4).to(tl.float32) - zero[None, :]) * scale[None, :]).to(x_even.dtype)
+        w_even, w_odd = dequant_tile(qw_ptr, scales_ptr, zeros_ptr, rn, mask_n, kb, k0 // GROUP_SIZE, stride_qn,
+                                     stride_sn, x_even, SYMMETRIC, BLOCK_N)
         if UPCAST_DOT:  # interpreter only: its tl.dot multiplies bf16 bit patterns
             x_even, x_odd = x_even.to(tl.float32), x_odd.to(tl.float32)
             w_even, w_odd = w_even.to(tl.float32), w_odd.to(tl.float32)
