@@ -143,28 +143,16 @@ class Attention(nn.Module):
         c = self.cfg
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        if self.norms_or_partial_rope:   # QK-norm and/or partial rotary: the op's variant with both
-            fp8 = kv.k_scale is not None
-            qn, kn = self.q_norm, self.k_norm
-            ops.rope_norm_kv_store_(qkv, positions, rotary.cos, rotary.sin, None if fp8 else kv.k,
-                                    None if fp8 else kv.v, meta.slot_mapping, c.num_heads, c.num_kv_heads,
-                                    c.head_dim, None if qn is None else qn.weight, None if kn is None else kn.weight,
-                                    c.rms_norm_eps)
-            if fp8:
-                kv_end = c.q_size + c.kv_size
-                kernels.kv_store(qkv[:, c.q_size:kv_end].view(t, c.num_kv_heads, c.head_dim),
-                                 qkv[:, kv_end:].view(t, c.num_kv_heads, c.head_dim),
-                                 kv.k, kv.v, meta.slot_mapping, kv.k_scale, kv.v_scale)
-            q = qkv[:, : c.q_size].view(t, c.num_heads, c.head_dim)
-            nd = meta.num_decode
-            dec = None
-            if nd:
-                dec = ops.decode_attention(q[:nd], kv.k, kv.v, meta.decode_block_tables, meta.decode_context_lens,
-                                           self.scale, kv.k_scale, kv.v_scale)
-            return self._prefill_and_project(q, dec, kv, meta)
         fp8 = kv.k_scale is not None
-        ops.rope_kv_store_(qkv, positions, rotary.cos, rotary.sin, None if fp8 else kv.k, None if fp8 else kv.v,
-                           meta.slot_mapping, c.num_heads, c.num_kv_heads)
+        k_cache, v_cache = (None, None) if fp8 else (kv.k, kv.v)
+        if self.norms_or_partial_rope:   # QK-norm and/or partial rotary: the op's variant with both
+            qn, kn = self.q_norm, self.k_norm
+            ops.rope_norm_kv_store_(qkv, positions, rotary.cos, rotary.sin, k_cache, v_cache, meta.slot_mapping,
+                                    c.num_heads, c.num_kv_heads, c.head_dim, None if qn is None else qn.weight,
+                                    None if kn is None else kn.weight, c.rms_norm_eps)
+        else:
+            ops.rope_kv_store_(qkv, positions, rotary.cos, rotary.sin, k_cache, v_cache, meta.slot_mapping,
+                               c.num_heads, c.num_kv_heads)
         if fp8:
             kv_end = c.q_size + c.kv_size
             kernels.kv_store(qkv[:, c.q_size:kv_end].view(t, c.num_kv_heads, c.head_dim),
