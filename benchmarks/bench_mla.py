@@ -83,11 +83,10 @@ def kv_bytes(model_dir: Path) -> dict:
 
 
 def decode_and_prefill(model_dir: Path, levels: list[int], context: int, prefill: int, steps: int) -> dict:
-    from edgeinfer.backend.model.llama import AttentionMetadata, load_model
-    from tests.backend.dense import fresh_kv
+    from edgeinfer.backend.model.llama import load_model
+    from tests.backend.dense import decode_batch, prefill_batch
 
     model = load_model(model_dir)
-    page = 16
     out: dict = {"decode_ms": {}, "prefill_ms": {}}
     g = torch.Generator().manual_seed(0)
     for form in ("absorbed", "expanded"):
@@ -95,16 +94,10 @@ def decode_and_prefill(model_dir: Path, levels: list[int], context: int, prefill
             layer.self_attn.decode_form = form
         out["decode_ms"][form] = {}
         for b in levels:
-            width = -(-(context + 1) // page)
-            kv = fresh_kv(model, b * width + 1)
-            tables = torch.arange(b * width, dtype=torch.int32).view(b, width)
+            kv, positions, meta = decode_batch(model, b, context)
             for layer_kv in kv:   # a context of random latent rows (what attention reads; values do not matter)
                 layer_kv.k.normal_(generator=g)
-            pos = context
-            meta = AttentionMetadata(tables[:, pos // page].long() * page + pos % page, b, tables,
-                                     torch.full((b,), pos + 1, dtype=torch.int32), torch.zeros((0, width), dtype=torch.int32),
-                                     torch.zeros(1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32))
-            ids, positions = torch.randint(100, 40000, (b,), generator=g), torch.full((b,), pos)
+            ids = torch.randint(100, 40000, (b,), generator=g)
             for _ in range(2):
                 model.compute_logits(model(ids, positions, kv, meta))
             t = time.perf_counter()
@@ -115,12 +108,7 @@ def decode_and_prefill(model_dir: Path, levels: list[int], context: int, prefill
     for form in ("expanded", "latent"):
         for layer in model.layers:
             layer.self_attn.prefill_form = form
-        width = -(-prefill // page)
-        kv = fresh_kv(model, width)
-        table = torch.arange(width, dtype=torch.int32)[None]
-        meta = AttentionMetadata(torch.arange(prefill), 0, torch.zeros((0, width), dtype=torch.int32),
-                                 torch.zeros(0, dtype=torch.int32), table, torch.tensor([0, prefill], dtype=torch.int32),
-                                 torch.tensor([prefill], dtype=torch.int32), prefill)
+        kv, meta = prefill_batch(model, prefill)
         ids = torch.randint(100, 40000, (prefill,), generator=g)
         model(ids, torch.arange(prefill), kv, meta)
         t = time.perf_counter()

@@ -118,17 +118,13 @@ def model_steps(model_dir: Path, levels: list[int], threads: int, steps: int = 1
 import json, sys, time, torch
 sys.path.insert(0, {str(ROOT)!r})
 torch.set_num_threads({threads})
-from edgeinfer.backend.model.llama import AttentionMetadata, load_model
-from tests.backend.dense import fresh_kv
+from edgeinfer.backend.model.llama import load_model
+from tests.backend.dense import decode_batch
 m = load_model({str(model_dir)!r})
 out = {{}}
 for b in {levels!r}:
-    kv = fresh_kv(m, 2 * b + 2)
-    tables = torch.arange(2 * b, dtype=torch.int32).view(b, 2)
-    meta = AttentionMetadata(tables[:, 1].long() * 16 + 15, b, tables, torch.full((b,), 32, dtype=torch.int32),
-                             torch.zeros((0, 2), dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
-                             torch.zeros(0, dtype=torch.int32))
-    ids, pos = torch.randint(100, 40000, (b,), generator=torch.Generator().manual_seed(b)), torch.full((b,), 31)
+    kv, pos, meta = decode_batch(m, b, 31)
+    ids = torch.randint(100, 40000, (b,), generator=torch.Generator().manual_seed(b))
     for _ in range(3):
         m.compute_logits(m(ids, pos, kv, meta))
     t = time.perf_counter()

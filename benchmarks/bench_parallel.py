@@ -53,11 +53,9 @@ def build(out: Path) -> None:
 
 def measure(model, levels: list[int], context: int, prefill: int, steps: int, comm=None) -> dict:
     """Decode ms per step per level and one prefill, with the collectives' bytes and seconds of each phase."""
-    from edgeinfer.backend.model.llama import AttentionMetadata
-    from tests.backend.dense import fresh_kv
+    from tests.backend.dense import decode_batch, prefill_batch
 
     out: dict = {"decode": {}, "prefill": {}}
-    page = 16
     g = torch.Generator().manual_seed(0)
 
     def snap():
@@ -68,14 +66,8 @@ def measure(model, levels: list[int], context: int, prefill: int, steps: int, co
 
     with torch.inference_mode():
         for b in levels:
-            width = -(-(context + 1) // page)
-            kv = fresh_kv(model, b * width + 1)
-            tables = torch.arange(b * width, dtype=torch.int32).view(b, width)
-            meta = AttentionMetadata(tables[:, context // page].long() * page + context % page, b, tables,
-                                     torch.full((b,), context + 1, dtype=torch.int32),
-                                     torch.zeros((0, width), dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
-                                     torch.zeros(0, dtype=torch.int32))
-            ids, pos = torch.randint(100, 30000, (b,), generator=g), torch.full((b,), context)
+            kv, pos, meta = decode_batch(model, b, context)
+            ids = torch.randint(100, 30000, (b,), generator=g)
             for _ in range(2):
                 model.compute_logits(model(ids, pos, kv, meta))
             s0, t0 = snap(), time.perf_counter()
@@ -86,12 +78,7 @@ def measure(model, levels: list[int], context: int, prefill: int, steps: int, co
             out["decode"][str(b)] = {"step_ms": round(ms, 2), "collectives_per_step": per_step,
                                      "all_reduce_bytes_per_token": (per_step.get("all_reduce_bytes", 0) / b
                                                                     if per_step else 0)}
-        width = -(-prefill // page)
-        kv = fresh_kv(model, width)
-        table = torch.arange(width, dtype=torch.int32)[None]
-        meta = AttentionMetadata(torch.arange(prefill), 0, torch.zeros((0, width), dtype=torch.int32),
-                                 torch.zeros(0, dtype=torch.int32), table, torch.tensor([0, prefill], dtype=torch.int32),
-                                 torch.tensor([prefill], dtype=torch.int32), prefill)
+        kv, meta = prefill_batch(model, prefill)
         ids = torch.randint(100, 30000, (prefill,), generator=g)
         model.compute_logits(model(ids, torch.arange(prefill), kv, meta)[-1:])
         s0, t0 = snap(), time.perf_counter()

@@ -49,3 +49,26 @@ def greedy(model: LlamaModel, ids: list[int], steps: int, num_pages: int = 64, p
         out.append(int(model.compute_logits(h)[-1].argmax()))
         pos += 1
     return logits, out
+
+
+def decode_batch(model: LlamaModel, batch: int, context: int, page_size: int = 16
+                 ) -> tuple[list[LayerKV], torch.Tensor, AttentionMetadata]:
+    """A decode step of `batch` sequences at `context` tokens of context each (their own pages, the new token at
+    position `context`) -> (a fresh pool, positions [batch], metadata); the benchmarks time steps on it."""
+    width = -(-(context + 1) // page_size)
+    kv = fresh_kv(model, batch * width + 1, page_size)
+    tables = torch.arange(batch * width, dtype=torch.int32).view(batch, width)
+    meta = AttentionMetadata(tables[:, context // page_size].long() * page_size + context % page_size, batch, tables,
+                             torch.full((batch,), context + 1, dtype=torch.int32),
+                             torch.zeros((0, width), dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                             torch.zeros(0, dtype=torch.int32))
+    return kv, torch.full((batch,), context), meta
+
+
+def prefill_batch(model: LlamaModel, n: int, page_size: int = 16) -> tuple[list[LayerKV], AttentionMetadata]:
+    """One sequence's prefill of n tokens on pages 0.. of a fresh pool -> (pool, metadata)."""
+    width = -(-n // page_size)
+    meta = AttentionMetadata(torch.arange(n), 0, torch.zeros((0, width), dtype=torch.int32),
+                             torch.zeros(0, dtype=torch.int32), torch.arange(width, dtype=torch.int32)[None],
+                             torch.tensor([0, n], dtype=torch.int32), torch.tensor([n], dtype=torch.int32), n)
+    return fresh_kv(model, width, page_size), meta
