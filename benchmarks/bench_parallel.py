@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -33,6 +32,7 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from benchmarks.result_file import run_stamp, write_result  # noqa: E402
+from edgeinfer.backend.parallel.node import free_port as node_port  # noqa: E402
 
 SHAPE = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, moe_intermediate_size=384, num_hidden_layers=4,
              num_attention_heads=12, num_key_value_heads=4, head_dim=64, n_routed_experts=16, num_experts_per_tok=4,
@@ -93,29 +93,13 @@ def _rank(rank: int, world: int, port: int, model_dir: str, expert_parallel: boo
           prefill, steps, out: str) -> None:
     sys.path.insert(0, str(ROOT))
     torch.set_num_threads(threads)
-    from edgeinfer.backend.model.config import ModelConfig
-    from edgeinfer.backend.parallel.comm import Comm
-    from edgeinfer.backend.parallel.node import TensorParallelModel, load_shard, worker_loop
+    from edgeinfer.backend.parallel.node import run_rank
 
-    comm = Comm.init(rank, world, master_port=port, timeout_s=300)
-    try:
-        shard = load_shard(model_dir, comm, expert_parallel)
-        if rank:
-            worker_loop(shard, comm)
-            return
-        node = TensorParallelModel(shard, comm, ModelConfig.from_dir(model_dir))
-        res = measure(node, levels, context, prefill, steps, comm)
-        res["weight_bytes_rank0"] = shard.weight_bytes()
-        node.stop_workers()
+    def run(node) -> None:
+        res = measure(node, levels, context, prefill, steps, node.comm)
+        res["weight_bytes_rank0"] = node.shard.weight_bytes()
         Path(out).write_text(json.dumps(res))
-    finally:
-        comm.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    run_rank(rank, world, port, model_dir, expert_parallel, run, timeout_s=300)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         del one
         for name, ep in (("tp2", False), ("ep2", True)):
             out = Path(tmp) / f"{name}.json"
-            mp.start_processes(_rank, args=(2, free_port(), str(model_dir), ep, max(1, a.threads // 2), levels,
+            mp.start_processes(_rank, args=(2, node_port(), str(model_dir), ep, max(1, a.threads // 2), levels,
                                             context, prefill, steps, str(out)),
                                nprocs=2, join=True, start_method="spawn")
             results[name] = json.loads(out.read_text())

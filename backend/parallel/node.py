@@ -180,6 +180,28 @@ def scatter_pages(node: TensorParallelModel, kv: list[LayerKV], pages: list[int]
     _write_local_rows(kv, pages, mine)
 
 
+def run_rank(rank: int, world: int, port: int, model_dir: str | Path, expert_parallel: bool, fn,
+             timeout_s: float = 120.0):
+    """One rank of a group started by the caller (torch.multiprocessing: tests, benchmarks): rank 0 returns
+    fn(TensorParallelModel) and then tells the others to stop; the others mirror it until then. Every rank leaves
+    the group on the way out. None on ranks > 0."""
+    from edgeinfer.backend.model.config import ModelConfig
+
+    comm = Comm.init(rank, world, master_port=port, timeout_s=timeout_s)
+    try:
+        shard = load_shard(model_dir, comm, expert_parallel)
+        if rank:
+            worker_loop(shard, comm)
+            return None
+        node = TensorParallelModel(shard, comm, ModelConfig.from_dir(model_dir))
+        try:
+            return fn(node)
+        finally:
+            node.stop_workers()
+    finally:
+        comm.close()
+
+
 # ---- starting a node
 def free_port() -> int:
     with socket.socket() as s:

@@ -14,22 +14,11 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, expert_parallel: 
     import torch
 
     torch.set_num_threads(1)
-    from edgeinfer.backend.model.config import ModelConfig
-    from edgeinfer.backend.parallel.comm import Comm
-    from edgeinfer.backend.parallel.node import TensorParallelModel, load_shard, worker_loop
+    from edgeinfer.backend.parallel.node import run_rank as group_rank
     from tests.backend.dense import greedy
 
-    comm = Comm.init(rank, world, master_port=port, timeout_s=60)
-    try:
-        shard = load_shard(model_dir, comm, expert_parallel)
-        if rank:
-            worker_loop(shard, comm)
-            return
-        node = TensorParallelModel(shard, comm, ModelConfig.from_dir(model_dir))
+    def run(node) -> None:
         logits, tokens = greedy(node, prompt, steps, num_pages=8)
-        stats = comm.stats.snapshot()
-        node.stop_workers()
-        torch.save({"logits": logits, "tokens": tokens, "stats": stats,
-                    "local_kv_heads": shard.cfg.num_kv_heads}, out)
-    finally:
-        comm.close()
+        torch.save({"logits": logits, "tokens": tokens, "stats": node.comm.stats.snapshot(),
+                    "local_kv_heads": node.shard.cfg.num_kv_heads}, out)
+    group_rank(rank, world, port, model_dir, expert_parallel, run, timeout_s=60)

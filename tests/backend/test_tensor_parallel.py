@@ -4,8 +4,6 @@ INT4 experts; every rank holds only its shard (its KV heads, its experts)."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -15,14 +13,9 @@ from edgeinfer.backend.parallel.shard import ParallelError, local_config
 from tests import moe_checkpoints
 from tests.backend.dense import greedy
 from tests.backend.parallel_ranks import run_rank
+from tests.redis_server import free_port
 
 PROMPT = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(3)).tolist()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_parallel(model_dir, world: int, expert_parallel: bool, steps: int, tmp_path) -> dict:
