@@ -244,18 +244,25 @@ def test_int4_experts_prepacked_run_the_grouped_cpu_kernel_near_the_exact_weight
     assert agree >= 0.9
 
 
+def q4_slab(e: int, n: int, k: int, g: torch.Generator, scale: float, spread: float
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """e random Q4_1 experts [n, k] (scales up to `scale`, mins down to -`spread`) -> (their x8 slab [E, ...] for
+    kernels.cpu, their dequantized weights [E, n, k])."""
+    packs, dense = [], []
+    for _ in range(e):
+        q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+        s = (torch.rand(n, k // 32, generator=g) * scale + 0.001).half()
+        m = (-torch.rand(n, k // 32, generator=g) * spread).half()
+        packs.append(kc.pack_q4_1x8(kc.pack_q4_1(q, s, m, 32)))
+        dense.append(group_dequantize_mins(q, s, m, 32))
+    return torch.stack(packs).contiguous(), torch.stack(dense)
+
+
 @pytest.mark.parametrize("residual", [False, True], ids=["int8", "int8x2"])
 def test_grouped_q4_gemm_equals_its_reference_and_per_expert_gemms(residual):
     e, n, k = 5, 40, 96
     g = torch.Generator().manual_seed(0)
-    packs, dense = [], []
-    for _ in range(e):
-        q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
-        s = (torch.rand(n, k // 32, generator=g) * 0.05 + 0.001).half()
-        m = (-torch.rand(n, k // 32, generator=g) * 0.4).half()
-        packs.append(kc.pack_q4_1x8(kc.pack_q4_1(q, s, m, 32)))
-        dense.append(group_dequantize_mins(q, s, m, 32))
-    packed = torch.stack(packs).contiguous()
+    packed, dense = q4_slab(e, n, k, g, 0.05, 0.4)
     counts = [3, 0, 9, 1, 0]                               # experts without rows, one with a single row
     offsets = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int64)
     x = torch.randn(sum(counts), k, generator=g)
@@ -280,17 +287,7 @@ def test_grouped_q4_gemm_equals_its_reference_and_per_expert_gemms(residual):
 def test_fused_cpu_moe_equals_its_reference_and_the_dequantized_experts(residual, tokens):
     e, h, inter, k = 6, 64, 96, 3
     g = torch.Generator().manual_seed(tokens)
-
-    def slab(n: int, kk: int):
-        packs, dense = [], []
-        for _ in range(e):
-            q = torch.randint(0, 256, (n, kk // 2), dtype=torch.uint8, generator=g)
-            s = (torch.rand(n, kk // 32, generator=g) * 0.02 + 0.001).half()
-            m = (-torch.rand(n, kk // 32, generator=g) * 0.1).half()
-            packs.append(kc.pack_q4_1x8(kc.pack_q4_1(q, s, m, 32)))
-            dense.append(group_dequantize_mins(q, s, m, 32))
-        return torch.stack(packs).contiguous(), torch.stack(dense)
-    (w_gu, gu), (w_dn, dn) = slab(2 * inter, h), slab(h, inter)
+    (w_gu, gu), (w_dn, dn) = q4_slab(e, 2 * inter, h, g, 0.02, 0.1), q4_slab(e, h, inter, g, 0.02, 0.1)
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(tokens)])
     weights = torch.rand(tokens, k, generator=g)
     x = torch.randn(tokens, h, generator=g)
