@@ -16,15 +16,9 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, sm_scale, 
 
 
 def rope_kv_store_(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads) -> None:
-    t, d = qkv.shape[0], cos.shape[1]
-    nh = num_heads + num_kv_heads
-    x = qkv[:, : nh * d].view(t, nh, d)
-    c, s = cos.index_select(0, positions)[:, None, :], sin.index_select(0, positions)[:, None, :]
-    x.copy_(x * c + x.roll(d // 2, -1) * s)
-    if k_cache is not None:
-        k = qkv[:, num_heads * d: nh * d].view(t, num_kv_heads, d)
-        v = qkv[:, nh * d:].view(t, num_kv_heads, d)
-        kv_store_reference(k, v, k_cache, v_cache, slot_mapping)
+    # whole heads, no QK-norm: the plain case of rope_norm_kv_store_ (as in attn.cpp)
+    rope_norm_kv_store_(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
+                        cos.shape[1], None, None, 0.0)
 
 
 def rope_norm_kv_store_(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, head_dim,
