@@ -313,24 +313,41 @@ class LlamaModel(nn.Module):
         outlier dimensions, which dominate the int8 scale of their blocks (docs/notes/ppl.md)."""
         ids = torch.randint(0, self.cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
         with torch.inference_mode():
-            h = self.scratch_prefill(ids.tolist())
+            h = self.scratch_prefill([ids.tolist()])
         return h.float().abs().mean(0).topk(min(num, h.shape[1])).indices
 
-    def scratch_prefill(self, ids: list[int], page_size: int = 16) -> torch.Tensor:
-        """One teacher-forced forward of `ids` through a paged KV pool of its own (the model's dtype, freed on
-        return) -> hidden [len(ids), hidden]. What prepack's calibration needs, without the engine's runner."""
-        c, dev, n = self.cfg, self.device, len(ids)
-        pages = -(-n // page_size)
-        shape = (pages, page_size, c.num_kv_heads, c.head_dim)
-        kv = [LayerKV(torch.zeros(shape, dtype=self.dtype, device=dev),
-                      None if c.mla is not None else torch.zeros(shape, dtype=self.dtype, device=dev))  # type: ignore
-              for _ in range(c.num_layers)]
-        meta = AttentionMetadata(torch.arange(n, device=dev), 0, torch.zeros((0, 1), dtype=torch.int32, device=dev),
-                                 torch.zeros(0, dtype=torch.int32, device=dev),
-                                 torch.arange(pages, dtype=torch.int32, device=dev)[None],
-                                 torch.tensor([0, n], dtype=torch.int32, device=dev),
-                                 torch.tensor([n], dtype=torch.int32, device=dev), n)
-        return self(torch.tensor(ids, dtype=torch.long, device=dev), torch.arange(n, device=dev), kv, meta)
+    def scratch_prefill(self, chunks: list[list[int]], kv: list[LayerKV] | None = None,
+                        page_size: int = 16) -> torch.Tensor:
+        """One teacher-forced forward of several sequences, each on its own pages -> hidden [sum(len), hidden].
+        `kv`: a pool with at least sum(ceil(len / page_size)) pages (quant/calib.paged_prefill passes the
+        engine's, in any KV dtype), else one of the model's dtype, freed on return: what prepack's calibration
+        needs, without the engine's runner."""
+        c, dev = self.cfg, self.device
+        pages_per = [-(-len(ids) // page_size) for ids in chunks]
+        if kv is None:
+            shape = (sum(pages_per), page_size, c.num_kv_heads, c.head_dim)
+            kv = [LayerKV(torch.zeros(shape, dtype=self.dtype, device=dev),
+                          None if c.mla is not None else torch.zeros(shape, dtype=self.dtype, device=dev))  # type: ignore
+                  for _ in range(c.num_layers)]
+        tables = torch.zeros((len(chunks), max(pages_per)), dtype=torch.int32)
+        slots, first = [], 0
+        for b, (ids, n) in enumerate(zip(chunks, pages_per)):
+            tables[b, :n] = torch.arange(first, first + n, dtype=torch.int32)
+            slots += [first * page_size + i for i in range(len(ids))]
+            first += n
+        cu = [0]
+        for ids in chunks:
+            cu.append(cu[-1] + len(ids))
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev), num_decode=0,
+            decode_block_tables=torch.zeros((0, 1), dtype=torch.int32, device=dev),
+            decode_context_lens=torch.zeros(0, dtype=torch.int32, device=dev),
+            prefill_block_tables=tables.to(dev), prefill_cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            prefill_context_lens=torch.tensor([len(ids) for ids in chunks], dtype=torch.int32, device=dev),
+            prefill_max_seqlen_q=max(len(ids) for ids in chunks))
+        flat = torch.tensor([t for ids in chunks for t in ids], dtype=torch.long, device=dev)
+        pos = torch.tensor([i for ids in chunks for i in range(len(ids))], dtype=torch.long, device=dev)
+        return self(flat, pos, kv, meta)
 
     def linear_weight_bytes(self) -> int:
         """Bytes of the decoder layers' linears (the lm_head is not one of them)."""

@@ -17,7 +17,7 @@ import torch
 
 from edgeinfer.backend.engine.config import EngineConfig
 from edgeinfer.backend.engine.model_runner import ModelRunner
-from edgeinfer.backend.model.llama import AttentionMetadata, LlamaModel
+from edgeinfer.backend.model.llama import LlamaModel
 
 
 def calibration_text() -> tuple[str, str]:
@@ -85,26 +85,8 @@ def token_chunks(ids: list[int], num: int, length: int) -> list[list[int]]:
 
 
 def paged_prefill(model: LlamaModel, chunks: list[list[int]], kv_dtype: str = "auto", page_size: int = 16) -> torch.Tensor:
-    """One teacher-forced forward of several sequences through the paged KV pool -> hidden [sum(len), h]."""
-    pages_per = [(len(c) + page_size - 1) // page_size for c in chunks]
-    runner = ModelRunner(model, EngineConfig(page_size=page_size, num_pages=sum(pages_per), kv_dtype=kv_dtype))
-    dev = model.device
-    width = max(pages_per)
-    tables = torch.zeros((len(chunks), width), dtype=torch.int32)
-    slots, first = [], 0
-    for b, (c, n) in enumerate(zip(chunks, pages_per)):
-        tables[b, :n] = torch.arange(first, first + n, dtype=torch.int32)
-        slots += [first * page_size + i for i in range(len(c))]
-        first += n
-    cu = [0]
-    for c in chunks:
-        cu.append(cu[-1] + len(c))
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev), num_decode=0,
-        decode_block_tables=torch.zeros((0, 1), dtype=torch.int32, device=dev),
-        decode_context_lens=torch.zeros(0, dtype=torch.int32, device=dev),
-        prefill_block_tables=tables.to(dev), prefill_cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-        prefill_context_lens=torch.tensor([len(c) for c in chunks], dtype=torch.int32, device=dev))
-    ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=dev)
-    pos = torch.tensor([i for c in chunks for i in range(len(c))], dtype=torch.long, device=dev)
-    return model(ids, pos, runner.kv, meta)
+    """One teacher-forced forward of several sequences through the engine's paged KV pool (any KV dtype, fp8
+    included) -> hidden [sum(len), h]."""
+    pages = sum((len(c) + page_size - 1) // page_size for c in chunks)
+    runner = ModelRunner(model, EngineConfig(page_size=page_size, num_pages=pages, kv_dtype=kv_dtype))
+    return model.scratch_prefill(chunks, runner.kv, page_size)
