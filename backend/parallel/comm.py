@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,6 @@ class CommStats:
     all_gather_bytes: int = 0
     broadcast_calls: int = 0
     seconds: float = 0.0            # wall time inside the collectives (waiting for the slowest rank included)
-    by_step: list[dict] = field(default_factory=list)
 
     def snapshot(self) -> dict:
         return {"all_reduce_bytes": self.all_reduce_bytes, "all_reduce_calls": self.all_reduce_calls,

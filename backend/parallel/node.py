@@ -48,10 +48,14 @@ class TensorParallelModel:
     """Rank 0's face of the node: the engine's model. Its own shard computes; every call is mirrored on the other
     ranks first. Everything else (cfg: this rank's view, dtype, device, weight_bytes, ...) is the shard's."""
 
-    def __init__(self, shard: LlamaModel, comm: Comm, full_cfg) -> None:
-        self.shard, self.comm, self.full_cfg = shard, comm, full_cfg
-        self.tp_world = comm.world
+    def __init__(self, shard: LlamaModel, comm: Comm) -> None:
+        self.shard, self.comm = shard, comm
         self._pool: int | None = None   # id of the pool the other ranks mirror (a new pool: they allocate its twin)
+
+    @property
+    def tp_world(self) -> int:
+        """Ranks of the node (backend/store_bridge.py: a page body holds every rank's share)."""
+        return self.comm.world
 
     def __getattr__(self, name: str):
         return getattr(self.shard, name)
@@ -111,7 +115,7 @@ def worker_loop(shard: LlamaModel, comm: Comm) -> None:
             elif kind == "gather":
                 comm.gather_tensors(_local_rows(kv, cmd[1]))
             elif kind == "scatter":
-                _write_local_rows(kv, cmd[1], comm.scatter_tensors(None, _local_rows(kv, cmd[1])))
+                _write_local_rows(kv, cmd[1], comm.scatter_tensors(None, _row_block(kv, len(cmd[1]))))
             elif kind == "stop":
                 return
 
@@ -136,13 +140,22 @@ def _write_local_rows(kv: list[LayerKV], pages: list[int], buf: torch.Tensor) ->
         off += nb
 
 
+def _page_shapes(kv: list[LayerKV]) -> list[torch.Size]:
+    """One page of each pool part, as bytes: [page_size, kv_heads_local, ...] (the body order)."""
+    return [t.view(torch.uint8).shape[1:] for t in _parts(kv)]
+
+
+def _row_block(kv: list[LayerKV], n: int) -> torch.Tensor:
+    """An empty [n, local page bytes] block: the shape a rank's share of n page bodies arrives in."""
+    return torch.empty((n, sum(s.numel() for s in _page_shapes(kv))), dtype=torch.uint8)
+
+
 def _split_rows(kv: list[LayerKV], buf: torch.Tensor) -> list[torch.Tensor]:
     """A local body row block [n, bytes] -> its parts [n, page_size, kv_heads_local, ...] (uint8 views)."""
     out, off = [], 0
-    for t in _parts(kv):
-        u = t.view(torch.uint8)
-        nb = u[0].numel()
-        out.append(buf[:, off:off + nb].reshape((buf.shape[0], *u.shape[1:])))
+    for shape in _page_shapes(kv):
+        nb = shape.numel()
+        out.append(buf[:, off:off + nb].reshape((buf.shape[0], *shape)))
         off += nb
     return out
 
@@ -165,11 +178,10 @@ def scatter_pages(node: TensorParallelModel, kv: list[LayerKV], pages: list[int]
     node._sync_pool(kv)
     world = node.comm.world
     n = len(pages)
-    local_parts = _split_rows(kv, _local_rows(kv, pages))
     full, off = [], 0
-    for p in local_parts:
-        nb = p[0].numel() * world
-        full.append(buf[:, off:off + nb].reshape((n, p.shape[1], p.shape[2] * world, *p.shape[3:])))
+    for shape in _page_shapes(kv):
+        nb = shape.numel() * world
+        full.append(buf[:, off:off + nb].reshape((n, shape[0], shape[1] * world, *shape[2:])))
         off += nb
     if off != buf.shape[1]:
         raise ValueError(f"page body of {buf.shape[1]} bytes, the node's KV pool needs {off}")
@@ -185,15 +197,13 @@ def run_rank(rank: int, world: int, port: int, model_dir: str | Path, expert_par
     """One rank of a group started by the caller (torch.multiprocessing: tests, benchmarks): rank 0 returns
     fn(TensorParallelModel) and then tells the others to stop; the others mirror it until then. Every rank leaves
     the group on the way out. None on ranks > 0."""
-    from edgeinfer.backend.model.config import ModelConfig
-
     comm = Comm.init(rank, world, master_port=port, timeout_s=timeout_s)
     try:
         shard = load_shard(model_dir, comm, expert_parallel)
         if rank:
             worker_loop(shard, comm)
             return None
-        node = TensorParallelModel(shard, comm, ModelConfig.from_dir(model_dir))
+        node = TensorParallelModel(shard, comm)
         try:
             return fn(node)
         finally:
@@ -261,8 +271,8 @@ def start_node(model_dir: str | Path, world: int, expert_parallel: bool, dtype: 
     from edgeinfer.backend.model.config import ModelConfig
     from edgeinfer.backend.parallel.shard import local_config
 
-    full = ModelConfig.from_dir(model_dir)
-    local_config(full, world, expert_parallel)   # a size that does not split: one clear error, no rank started
+    local_config(ModelConfig.from_dir(model_dir), world, expert_parallel)   # a size that does not split: one clear
+    # error, no rank started
     port = free_port()
     threads = max(1, (os.cpu_count() or world) // world)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
@@ -275,4 +285,4 @@ def start_node(model_dir: str | Path, world: int, expert_parallel: bool, dtype: 
     node = Node(procs, comm)
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     shard = load_shard(model_dir, comm, expert_parallel, dtype=dt)
-    return TensorParallelModel(shard, comm, full), node
+    return TensorParallelModel(shard, comm), node
