@@ -24,6 +24,7 @@ from torch import nn
 
 from edgeinfer import kernels
 from edgeinfer.backend.model.config import MLAConfig, ModelConfig
+from edgeinfer.kernels.paged_mla_attention import gather_latents
 
 
 def interleave_to_halves(rope_dim: int) -> torch.Tensor:
@@ -144,8 +145,6 @@ class MLAAttention(nn.Module):
 
 
 def kernels_gather(kv, block_table: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
-    from edgeinfer.kernels.paged_mla_attention import gather_latents
-
     return gather_latents(kv.k, kv.k_scale, block_table, n, dtype)
 
 
