@@ -9,8 +9,8 @@
 #   prereqs        python modules, CUDA, Triton, the model source         -> $OUT/prereqs.json
 #   model          SmolLM2: cached, or imported from a carried GGUF; else random weights of its shapes
 #   kernel_tests   tests/kernels compiled on CUDA (EDGEINFER_KERNEL_TEST_DEVICE=cuda, no interpreter)
-#   bench_kernels  W4A16 vs bf16 matmul at M = 1..256; FP8 vs bf16 paged decode at 1k..32k -> bench_kernels.json
-#   bench_engine   engine decode tok/s at 1/8/32 sequences, CUDA graphs on vs off           -> bench_engine.json
+#   bench_kernels  W4A16 vs bf16 matmul at M = 1..256; FP8 vs bf16 paged decode at 1k..32k -> kernels.gpu.json
+#   bench_engine   engine decode tok/s at 1/8/32 sequences, CUDA graphs on vs off           -> engine.vs_transformers.json
 #   parity         SmolLM2 on CUDA (fp32, Triton attention) vs transformers (needs the real weights)
 #   batch16        16 sequences together decode what each decodes alone (needs the real weights)
 #   cuda_path      tests/backend/test_cuda_path.py: graphs vs eager, fp8 KV, native INT4 on CUDA
@@ -123,12 +123,12 @@ fi
 # ---- prerequisites
 PREREQ_OK=1
 if [[ $MODE == gpu ]]; then
-  run_step prereqs 90 "$PY" benchmarks/gpu_prereqs.py --out "$OUT/prereqs.json"
+  run_step prereqs 90 "$PY" -m benchmarks.harness.gpu_prereqs --out "$OUT/prereqs.json"
   tail -n 1 "$STEPS" | grep -q '"status": "ok"' || PREREQ_OK=0
   command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv \
     | tee -a "$LOG"
 else
-  run_step prereqs 90 "$PY" benchmarks/gpu_prereqs.py --cpu --out "$OUT/prereqs.json"
+  run_step prereqs 90 "$PY" -m benchmarks.harness.gpu_prereqs --cpu --out "$OUT/prereqs.json"
 fi
 
 if ((PREREQ_OK == 0)); then   # no device time on steps that cannot run: say what is missing and stop
@@ -173,13 +173,13 @@ fi
 RANDOM_DIR=/tmp/gpu_check_random_smollm2
 ENGINE_MODEL=()
 if [[ $MODE == dry ]]; then   # the dry run times the engine on a tiny model: plumbing, not speed
-  run_step random_model 120 "$PY" benchmarks/random_checkpoint.py benchmarks/smollm2_config.json "$RANDOM_DIR" \
+  run_step random_model 120 "$PY" -m benchmarks.harness.checkpoints benchmarks/data/smollm2_config.json "$RANDOM_DIR" \
     --scale-config tiny
   ENGINE_MODEL=(--model-dir "$RANDOM_DIR")
 elif [[ $MODE == gpu && $MODEL != real ]]; then
   say "model: no SmolLM2 checkpoint or GGUF here: engine timed on random weights of SmolLM2's shapes;" \
       "parity, batch16, cuda_path and bench_int4 need the real weights and are skipped"
-  run_step random_model 120 "$PY" benchmarks/random_checkpoint.py benchmarks/smollm2_config.json "$RANDOM_DIR"
+  run_step random_model 120 "$PY" -m benchmarks.harness.checkpoints benchmarks/data/smollm2_config.json "$RANDOM_DIR"
   MODEL=random
   ENGINE_MODEL=(--model-dir "$RANDOM_DIR")
 fi
@@ -189,14 +189,14 @@ if [[ $MODE == aborted ]]; then
   :
 elif [[ $MODE == gpu ]]; then
   run_step kernel_tests 180 env EDGEINFER_KERNEL_TEST_DEVICE=cuda "${PYTEST[@]}" tests/kernels
-  run_step bench_kernels 170 "$PY" benchmarks/bench_kernels.py --quick --no-checksum --out "$OUT/bench_kernels.json"
-  run_step bench_engine 120 "$PY" benchmarks/bench_engine.py --device cuda --graphs both --no-hf \
-    --concurrency 1,8,32 --new-tokens 64 "${ENGINE_MODEL[@]}" --out "$OUT/bench_engine.json"
+  run_step bench_kernels 170 "$PY" -m benchmarks.kernels.gpu --quick --no-checksum --out "$OUT/kernels.gpu.json"
+  run_step bench_engine 120 "$PY" -m benchmarks.engine.vs_transformers --device cuda --graphs both --no-hf \
+    --concurrency 1,8,32 --new-tokens 64 "${ENGINE_MODEL[@]}" --out "$OUT/engine.vs_transformers.json"
   if [[ $MODEL == real ]]; then
     run_step parity 120 env EDGEINFER_TEST_DEVICE=cuda "${PYTEST[@]}" tests/backend/test_model_parity.py -k smollm2
     run_step batch16 120 env EDGEINFER_TEST_DEVICE=cuda "${PYTEST[@]}" tests/backend/test_engine.py -k 16_concurrent
     run_step cuda_path 120 "${PYTEST[@]}" -s tests/backend/test_cuda_path.py
-    run_step bench_int4 90 "$PY" benchmarks/bench_engine.py --device cuda --graphs both --no-hf --native-int4 \
+    run_step bench_int4 90 "$PY" -m benchmarks.engine.vs_transformers --device cuda --graphs both --no-hf --native-int4 \
       --kv-dtype fp8_e4m3 --skip-ttft --concurrency 1,8,32 --new-tokens 64 --out "$OUT/bench_engine_int4_fp8.json"
   else
     for s in parity batch16 cuda_path bench_int4; do skip_step $s "no SmolLM2 weights on this machine"; done
@@ -208,10 +208,10 @@ elif [[ $MODE == gpu ]]; then
   fi
 else   # dry run: every step's plumbing on CPU, small
   run_step kernel_tests 150 env TRITON_INTERPRET=1 "${PYTEST[@]}" tests/kernels/test_w4a16_gemm.py -k "mins or config"
-  run_step bench_kernels 150 env TRITON_INTERPRET=1 "$PY" benchmarks/bench_kernels.py --cpu-dry-run \
-    --out "$OUT/bench_kernels.json"
-  run_step bench_engine 150 "$PY" benchmarks/bench_engine.py --device cpu --graphs both --no-hf --skip-ttft \
-    --concurrency 1,4 --new-tokens 6 --prompt-len 16 "${ENGINE_MODEL[@]}" --out "$OUT/bench_engine.json"
+  run_step bench_kernels 150 env TRITON_INTERPRET=1 "$PY" -m benchmarks.kernels.gpu --cpu-dry-run \
+    --out "$OUT/kernels.gpu.json"
+  run_step bench_engine 150 "$PY" -m benchmarks.engine.vs_transformers --device cpu --graphs both --no-hf --skip-ttft \
+    --concurrency 1,4 --new-tokens 6 --prompt-len 16 "${ENGINE_MODEL[@]}" --out "$OUT/engine.vs_transformers.json"
   run_step parity 150 "${PYTEST[@]}" tests/backend/test_model_parity.py -k gqa
   run_step batch16 150 "${PYTEST[@]}" tests/backend/test_cuda_graphs.py -k "replays or prefill"
   run_step cuda_path 60 "${PYTEST[@]}" tests/backend/test_cuda_path.py

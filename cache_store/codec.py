@@ -16,7 +16,7 @@ key (PageKey) can write a page another node accepts: Redis is untrusted storage,
 a writer without the key cannot inject KV (it can only delete or damage pages,
 which are then recomputed). GMAC rather than HMAC/keyed BLAKE2b: it is the only
 keyed MAC here fast enough to stay a small share of a page transfer
-(benchmarks/bench_cache.py). Version 1 (an unkeyed xxh3-64 tag) is no longer
+(benchmarks/cache.py). Version 1 (an unkeyed xxh3-64 tag) is no longer
 accepted: such a page is an incompatibility (a miss), never served.
 `decode` never raises on bad bytes: it returns a `Miss` whose reason says
 whether the bytes are damaged or forged (an integrity failure: count it, delete

@@ -17,7 +17,7 @@ PREPACK_ENV = "EDGEINFER_CPU_PREPACK"
 PREPACK_BATCH_HINT = 64   # oneDNN picks its blocking for this many rows (a hint of 1 was 2x slower at 32 rows)
 DENSE_MIN_ROWS = 1 << 30  # from this many rows kernels.cpu would dequantize to a scratch fp32 weight and run a GEMM;
                           # the interleaved (x8) int8 kernel beat that at every row count measured (1 .. 2048:
-                          # benchmarks/bench_cpu_kernels.py, docs/notes/batched.md), so in effect never
+                          # benchmarks/kernels/cpu.py, docs/notes/batched.md), so in effect never
 HEAD_DENSE_MIN_ROWS = 1 << 30  # the same for the Q8_0 head (x8 int8 dots vs chunked dequantize + GEMM)
 HEAD_CHUNK = 4096
 HEAD_EXACT_CHANNELS = 2   # activation channels a Q8Linear head keeps out of its int8 quantization (docs/notes/ppl.md)
@@ -41,7 +41,7 @@ def can_prepack(weight: torch.Tensor) -> bool:
 
 class DenseLinear(nn.Module):
     """y = x @ W.T + b. On CPU, `prepack()` swaps W for oneDNN's blocked layout: the same fp32/bf16
-    math, 2-3x faster at 8-64 rows than the plain-layout GEMM (benchmarks/bench_engine.py)."""
+    math, 2-3x faster at 8-64 rows than the plain-layout GEMM (benchmarks/engine/vs_transformers.py)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()

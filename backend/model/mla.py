@@ -10,7 +10,7 @@ and a rope part. kv_b_proj [heads * (nope + v), kv_lora_rank] holds W_UK (per he
   step reads only the latent pages, never a per-head K or V.
 - Prefill attends either expanded (the chunk's context latents -> K and V per head through kv_b_proj, then causal
   attention; `prefill_form = "expanded"`, the default) or in the latent form as decode does (`"latent"`);
-  benchmarks/bench_mla.py measures both.
+  benchmarks/mla.py measures both.
 
 RoPE: the checkpoints rotate interleaved pairs (x0, x1), (x2, x3), ... (`rope_interleave`); the loader permutes the
 rows that produce q_pe and k_pe to (x0, x2, ..., x1, x3, ...) once, so the usual rotate-half rope gives the same

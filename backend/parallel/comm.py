@@ -1,5 +1,5 @@
 """One backend node's parallel group on torch.distributed (gloo on CPU, NCCL on CUDA): the collectives the sharded
-model calls, each counting the bytes it moves (benchmarks/bench_parallel.py reports them per step).
+model calls, each counting the bytes it moves (benchmarks/parallel.py reports them per step).
 
 Rank 0 is the node's server, scheduler and sampler; it sends every step's inputs to the other ranks with
 `broadcast_object` (a small pickled tuple: token ids, positions, slots, block tables) and every rank runs its shard.

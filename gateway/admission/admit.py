@@ -4,7 +4,7 @@ the request's end: its lease released and its completion tokens charged.
 Admission (in-process, or with Redis down) runs the two limiters one after the other, cap first. RedisAdmission
 runs both in one Lua script (lua.py) per request and one at its end (keys `ei:rl:{t}:*` and `ei:cc:{t}` share the
 tenant's hash tag, so one cluster slot): each Redis round trip costs the gateway ~60-70 us of CPU in
-redis-py, which is most of what a Redis-backed gateway spends per request (benchmarks/bench_gateway.py
+redis-py, which is most of what a Redis-backed gateway spends per request (benchmarks/serving/gateway.py
 --redis). A request the cap refuses consumes no rate budget; one the rate limit refuses takes no lease.
 Admission runs before the prompt is tokenized (tokens at cost 0); `charge_prompt` charges the counted
 prompt tokens after (a third round trip, only for tenants with tokens_per_min).

@@ -294,7 +294,7 @@ def q4_1x8_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gu: 
 def activations() -> str:
     """How the Q4 linears quantize their activations ($EDGEINFER_CPU_ACTIVATIONS, read at each model prepack):
     int8x2 (default) runs q4_1x8_gemm_residual, int8 runs q4_1x8_gemm (one pass, as llama.cpp's Q8_1).
-    Measured on the default model (benchmarks/bench_chat_agreement.py, docs/QUANTIZATION.md): one pass gives
+    Measured on the default model (benchmarks/quality/chat_agreement.py, docs/QUANTIZATION.md): one pass gives
     the same 32-token greedy answer as the fp32-dequantized GGUF on about half of 100 chat prompts, two on
     nearly nine in ten."""
     value = os.environ.get(ACTIVATIONS_ENV, "int8x2")

@@ -1,5 +1,5 @@
 """Batch and chunk invariance of greedy decoding with fp32 and fp8 KV, on the real SmolLM2 (CPU references).
-docs/QUANTIZATION.md, "Batch and chunk invariance of fp8 KV"; the counts: benchmarks/bench_batch_invariance.py.
+docs/QUANTIZATION.md, "Batch and chunk invariance of fp8 KV"; the counts: benchmarks/quality/batch_invariance.py.
 
 - A prefix hit on the first pages and the rest recomputed as one chunk (what the engine does once the store
   bridge drops a corrupt page) writes KV byte-identical to the cold run's and gives bit-identical logprobs,

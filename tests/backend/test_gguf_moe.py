@@ -1,7 +1,7 @@
 """GGUF import of a GLM-4.5 MoE (llama.cpp's glm4moe layout: [E, N, K] expert tensors, exp_probs_b, shared experts)
 and of a DeepSeek-V3 (deepseek2: MLA tensors, kv_b_proj split into k_b and v_b): dequantized it is transformers'
 model, native it keeps the Q4_0 linears and experts 4-bit and computes what the dequantized import does. (The
-layouts were also checked on llama.cpp's own convert_hf_to_gguf.py + llama-quantize output: benchmarks/bench_moe.py,
+layouts were also checked on llama.cpp's own convert_hf_to_gguf.py + llama-quantize output: benchmarks/moe.py,
 and a DeepSeek-V3 with YaRN by hand, recorded in issue 29's note.)"""
 
 from __future__ import annotations

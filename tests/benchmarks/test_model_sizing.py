@@ -1,4 +1,4 @@
-"""benchmarks/model_sizing.py's parameter formulas against transformers' own parameter count, on small configs of
+"""benchmarks/sizing.py's parameter formulas against transformers' own parameter count, on small configs of
 the same classes (DeepSeek-V3 = Kimi K2's architecture, GLM-4.5/4.6), and its KV arithmetic on the real configs."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks import model_sizing as ms
+from benchmarks import sizing as ms
 from tests import moe_checkpoints
 
 

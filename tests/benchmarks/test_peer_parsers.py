@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.peer_llamacpp import parse_batched_bench, parse_llama_bench
-from benchmarks.peer_load import Shot, check, decode_tok_s, prefill_tok_s, ttft_p50_ms
+from benchmarks.harness.llamacpp import parse_batched_bench, parse_llama_bench
+from benchmarks.harness.load import Shot, check, decode_tok_s, prefill_tok_s, ttft_p50_ms
 
 DATA = Path(__file__).parent / "data"
 

@@ -1,7 +1,7 @@
 import json
 import time
 
-from benchmarks.result_file import run_stamp, write_result
+from benchmarks.harness.results import run_stamp, write_result
 
 
 def test_write_result_creates_parents_and_round_trips(tmp_path, capsys):

