@@ -86,7 +86,8 @@ def run_suite(suite: Suite, smoke: bool, out_dir: Path | None, extra: list[str] 
     out_dir.mkdir(parents=True, exist_ok=True)
     failed = []
     for p in suite.parts:
-        args = [*(p.smoke if smoke else []), *(extra or []), "--out", str(out_dir / f"{p.module}.json")]
+        smoke_args = [x.replace("{out_dir}", str(out_dir)) for x in p.smoke] if smoke else []
+        args = [*smoke_args, *(extra or []), "--out", str(out_dir / f"{p.module}.json")]
         rc = run_part(p, args, p.smoke_env if smoke else None, p.smoke_timeout_s if smoke else None)
         if rc != 0:
             failed.append(f"{p.module} (rc {rc})")

@@ -1,6 +1,6 @@
 """Shared prefix cache benchmarks, measured side by side in one run.
 
-    python benchmarks/cache.py [--quick]
+    python -m benchmarks cache [--quick]
 
 1. Page tag (the keyed MAC, codec.PageKey: AES-256-GMAC under a one-page key) + verify throughput vs a plain
    memory copy of the same bytes, for a SmolLM2-135M page (30 layers, 3 kv heads, head_dim 64, 16 tokens)

@@ -22,7 +22,7 @@
 # The device machine has no network: nothing is installed from one. Missing python packages travel as wheels
 # (.gpucarry/common/wheels, installed with pip --no-index). The SmolLM2 GGUF (98 MB) is over one call's 64 MiB,
 # so --prepare splits it in two: carry .gpucarry/part1 in a first call that copies it to /root/gpucarry, then
-# .gpucarry/part2 and .gpucarry/common in the call that runs this script (docs/notes/gpu.md has the calls).
+# .gpucarry/part2 and .gpucarry/common in the call that runs this script (docs/KERNELS.md, "Benchmarks", has the calls).
 
 set -u -o pipefail
 cd "$(dirname "$0")/.."

@@ -1,7 +1,7 @@
 """FP8 vs fp32 KV at long context, the served default model, side by side in one run; llama.cpp's q8_0 vs f16
 KV on the same GGUF beside it.
 
-  python benchmarks/long_context.py [--contexts 1024,4096,8000] [--seqs 1,8,32] [--max-tokens 65536]
+  python -m benchmarks long_context [--contexts 1024,4096,8000] [--seqs 1,8,32] [--max-tokens 65536]
       [--decode 32] [--rounds 2] [--llamacpp-build /work/peers/llama-build] [--out FILE]
 
 Ours (in-process engines built as backend.server builds them, --kv-dtype fp32 and fp8_e4m3, a KV budget

@@ -1,7 +1,7 @@
 """MLA's latent KV pages measured: bytes per token, sequences that fit, absorbed vs expanded decode, the two prefill
 forms, fp8 vs fp32 latent pages, and llama.cpp's deepseek2 on the same checkpoint.
 
-  python benchmarks/mla.py [--quick] [--threads 2] [--llamacpp-build DIR --llamacpp-src DIR] [--out FILE]
+  python -m benchmarks mla [--quick] [--threads 2] [--llamacpp-build DIR --llamacpp-src DIR] [--out FILE]
 
 Models (random weights, transformers' own config classes, fp32): a DeepSeek-V3 attention stack with Kimi K2's
 latent (kv_lora_rank 512 + qk_rope_head_dim 64 = 576 values a token and layer; hidden 1024, 16 heads, q LoRA 384,

@@ -1,6 +1,6 @@
 """edgeinfer against llama.cpp on the same GLM-4.5-shaped Mixture-of-Experts GGUF, over OpenAI HTTP, interleaved.
 
-  python benchmarks/moe.py [--quick] [--threads 2] [--rounds 2] [--levels 1,8,32]
+  python -m benchmarks moe [--quick] [--threads 2] [--rounds 2] [--levels 1,8,32]
       [--llamacpp-src DIR] [--llamacpp-build DIR] [--work DIR] [--out FILE]
 
 The model: a random GLM-4.5 (transformers' Glm4MoeConfig: sigmoid routing with a correction bias, one shared
@@ -41,9 +41,9 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.peers import PEERS_HOME, Prompts, prompt_tokens, run_levels, say  # noqa: E402
-from benchmarks.harness.servers import Running, ServerSpec, edgeinfer_spec, find_binary, llamacpp_spec  # noqa: E402
 from benchmarks.harness.results import run_stamp, write_result  # noqa: E402
+from benchmarks.harness.servers import Running, ServerSpec, edgeinfer_spec, find_binary, llamacpp_spec  # noqa: E402
+from benchmarks.peers import PEERS_HOME, Prompts, prompt_tokens, run_levels, say  # noqa: E402
 
 GLM_SPECIALS = ["[gMASK]", "<|user|>", "<|endoftext|>", "<|observation|>"]   # _set_vocab_glm looks them up
 SHAPE = dict(hidden_size=768, intermediate_size=2048, moe_intermediate_size=384, num_hidden_layers=12,
@@ -239,6 +239,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--also-activations", default="int8",
                    help="comma list of EDGEINFER_CPU_ACTIVATIONS modes to run as extra edgeinfer systems besides the "
                         "default (int8x2); int8 is one int8 pass, as llama.cpp's Q8 activations ('' for none)")
+    p.add_argument("--no-llamacpp", dest="llamacpp", action="store_false",
+                   help="edgeinfer alone, on our own RTN INT4 quantization of the same checkpoint (no llama.cpp "
+                        "tools needed: the smoke run); no ratios")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "moe.json")
     a = p.parse_args(argv)
     a.levels = [int(x) for x in (a.levels or ("1,8" if a.quick else "1,8,32")).split(",")]
@@ -252,7 +255,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.llamacpp_src is None:
         found = sorted((a.llamacpp_build.parent / f"{a.llamacpp_build.name}-src").glob("*/vendor/llama.cpp"))
         a.llamacpp_src = found[-1] if found else None
-    if a.llamacpp_src is None or not (a.llamacpp_src / "convert_hf_to_gguf.py").is_file():
+    if a.llamacpp and (a.llamacpp_src is None or not (a.llamacpp_src / "convert_hf_to_gguf.py").is_file()):
         p.error(f"--llamacpp-src: no convert_hf_to_gguf.py in {a.llamacpp_src} (a llama.cpp source tree)")
     return a
 
@@ -271,13 +274,21 @@ def main(argv: list[str] | None = None) -> int:
     else:
         model_info = json.loads((work / "model_info.json").read_text())
     say(f"{model_info['parameters'] / 1e6:.0f}M parameters, {model_info['active_parameters_per_token'] / 1e6:.0f}M "
-        "active per token; converting with llama.cpp's tools")
-    gguf_path = make_gguf(hf_dir, work, a.llamacpp_src, a.llamacpp_build)
-    native = work / "edgeinfer" / "glm45-moe-q4_0"
-    if not (native / "config.json").exists():
-        from edgeinfer.backend.model.gguf_import import import_gguf
+        "active per token; " + ("converting with llama.cpp's tools" if a.llamacpp else "quantizing (RTN, INT4)"))
+    gguf_path: Path | None = None
+    if a.llamacpp:
+        gguf_path = make_gguf(hf_dir, work, a.llamacpp_src, a.llamacpp_build)
+        native = work / "edgeinfer" / "glm45-moe-q4_0"
+        if not (native / "config.json").exists():
+            from edgeinfer.backend.model.gguf_import import import_gguf
 
-        import_gguf(gguf_path, native, native=True)
+            import_gguf(gguf_path, native, native=True)
+    else:
+        native = work / "edgeinfer" / "glm45-moe-rtn-w4a16-g32"
+        if not (native / "config.json").exists():
+            from edgeinfer.backend.quant.quantize import quantize_checkpoint
+
+            quantize_checkpoint(hf_dir, native, scheme="w4a16-g32", method="rtn", progress=False)
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(native / "tokenizer.json"))
@@ -294,12 +305,13 @@ def main(argv: list[str] | None = None) -> int:
             acts = name.partition("-")[2] or "int8x2"
             return replace(s, name=name, env={**s.env, "EDGEINFER_CPU_ACTIVATIONS": acts},
                            notes={**s.notes, "activations": acts})
+        assert gguf_path is not None
         return llamacpp_spec(a.threads, gguf_path, a.llamacpp_build, PEERS_HOME / "llamacpp", slots, ctx)
 
     la = SimpleNamespace(levels=a.levels, decode_prompt_len=a.decode_prompt_len, prefill_len=a.prefill_len,
                          max_tokens=a.max_tokens, request_timeout=a.request_timeout)
     runs: list[dict] = []
-    systems = ["edgeinfer", *(f"edgeinfer-{m}" for m in a.also_activations), "llamacpp"]
+    systems = ["edgeinfer", *(f"edgeinfer-{m}" for m in a.also_activations), *(["llamacpp"] if a.llamacpp else [])]
     for rnd in range(a.rounds):
         for name in systems if rnd % 2 == 0 else systems[::-1]:
             s = spec(name, rnd)
@@ -319,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.raw:
         say("raw engines: edgeinfer's model alone per activation mode, llama-bench")
         raw = {"edgeinfer_model_step": model_steps(native, a.levels, a.threads),
-               "llama_bench": llama_bench_raw(a.llamacpp_build, gguf_path, a.threads)}
+               "llama_bench": llama_bench_raw(a.llamacpp_build, gguf_path, a.threads) if gguf_path else {}}
         tg = [r["tok_s"] for r in raw["llama_bench"].get("rows", []) if r["test"] == "tg64"]
         for acts, r in raw["edgeinfer_model_step"].items():
             if tg and "tok_s" in r and "1" in r["tok_s"]:
@@ -337,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
               "prefill_len": a.prefill_len, "decode_prompt_len": a.decode_prompt_len, "model": model_info | {
                   "config": {k: model_info["config"].get(k) for k in (*SHAPE, "first_k_dense_replace",
                                                                        "n_shared_experts", "tie_word_embeddings")}},
-              "gguf": str(gguf_path), "gguf_tensor_types": gguf_types(gguf_path), "summary": summary, "ratios": rat,
+              "gguf": str(gguf_path) if gguf_path else None,
+              "gguf_tensor_types": gguf_types(gguf_path) if gguf_path else None, "summary": summary, "ratios": rat,
               "goals": gl, "raw": raw, "runs": runs, **run_stamp(t0, load0)}
     write_result(result, a.out, echo=False)
     a.out.with_suffix(".md").write_text(md)

@@ -1,7 +1,7 @@
 """Tensor and expert parallelism on the CPU (gloo): bytes moved per step and the step time, TP=1 against TP=2 and
 EP=2, on one model, measured side by side in one run.
 
-  python benchmarks/parallel.py [--quick] [--threads 2] [--out FILE]
+  python -m benchmarks parallel [--quick] [--threads 2] [--out FILE]
 
 The model: a random GLM-4.5-shaped MoE (transformers' Glm4MoeConfig: hidden 768, 4 layers, 16 experts top-4, one
 shared expert, first layer dense; fp32). For each configuration (TP=1: one process with --threads threads; TP=2

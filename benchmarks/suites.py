@@ -18,7 +18,8 @@ Headline = Callable[[dict], list[tuple[str, object]]]
 class Part:
     module: str                      # benchmarks.<module>; its result is results/<module>.json
     question: str
-    smoke: list[str]                 # arguments that make it run in seconds (--out is added by the runner)
+    smoke: list[str]                 # arguments that make it run in seconds (--out is added by the runner;
+                                     # {out_dir} is the run's output directory)
     headline: Headline = lambda r: []
     smoke_env: dict[str, str] = field(default_factory=dict)
     smoke_timeout_s: float = 180.0
@@ -40,7 +41,10 @@ def _r(x: object, nd: int = 2) -> object:
 
 
 def _peers(r: dict) -> list[tuple[str, object]]:
-    out = []
+    out: list[tuple[str, object]] = []
+    ours = r.get("summary", {}).get("edgeinfer", {})
+    for lvl, row in ours.get("levels", {}).items():
+        out.append((f"edgeinfer decode tok/s @{lvl}", _r(row.get("decode_tok_s"), 1)))
     for peer, rr in r.get("ratios", {}).items():
         for lvl, row in rr.get("levels", {}).items():
             out.append((f"decode tok/s vs {peer} @{lvl}", _r(row.get("decode_tok_s"))))
@@ -49,7 +53,11 @@ def _peers(r: dict) -> list[tuple[str, object]]:
 
 
 def _moe(r: dict) -> list[tuple[str, object]]:
-    out = []
+    out: list[tuple[str, object]] = []
+    for side, row in r.get("summary", {}).items():
+        if side.startswith("edgeinfer") and not r.get("ratios"):
+            for lvl, x in row.get("levels", {}).items():
+                out.append((f"{side} decode tok/s @{lvl} (no llama.cpp in this run)", _r(x.get("decode_tok_s"), 1)))
     for side, rr in r.get("ratios", {}).items():
         for k, v in rr.items():
             if k.startswith("decode_tok_s@"):
@@ -89,15 +97,6 @@ def _perplexity(r: dict) -> list[tuple[str, object]]:
     return [(f"ppl {row['variant']}", _r(row.get("ppl"))) for row in r.get("rows", [])]
 
 
-def _batch_invariance(r: dict) -> list[tuple[str, object]]:
-    out = []
-    for run in r.get("runs", []):
-        for cond, c in run.get("conditions", {}).items():
-            if isinstance(c, dict) and "identical" in c:
-                out.append((f"{run.get('kv_dtype')} {cond}: sequences identical", c["identical"]))
-    return out
-
-
 def _http(r: dict) -> list[tuple[str, object]]:
     runs = r.get("runs", [])
     last = runs[-1] if runs else {}
@@ -107,7 +106,7 @@ def _http(r: dict) -> list[tuple[str, object]]:
 
 def _rss(r: dict | list) -> list[tuple[str, object]]:
     runs = r if isinstance(r, list) else r.get("runs", [r])
-    return [(f"peak RSS MiB, {run.get('label')}", _r(run.get("total_peak_mib", run.get("peak_mib"))))
+    return [(f"peak RSS MiB of the `edgeinfer serve` tree, {run.get('label')}", _r(run.get("peak_tree_rss_mib")))
             for run in runs if isinstance(run, dict)]
 
 
@@ -117,6 +116,59 @@ def _sizing(r: dict) -> list[tuple[str, object]]:
         out.append((f"{name} parameters (B), total / active",
                     f"{_r(m.get('total_parameters_b'), 1)} / {_r(m.get('active_parameters_b'), 1)}"))
     return out
+
+
+def _native_int4(r: dict) -> list[tuple[str, object]]:
+    rows = r.get("rows", {})
+    nat, f32 = rows.get("native int4", {}), rows.get("fp32 dequantized", {})
+    out: list[tuple[str, object]] = []
+    if nat.get("weight_bytes") and f32.get("weight_bytes"):
+        out.append(("weight bytes native / fp32", _r(nat["weight_bytes"] / f32["weight_bytes"])))
+    for b, x in nat.get("speedup_vs_fp32", {}).items():
+        out.append((f"decode step speed native / fp32 @{b}", _r(x)))
+    return out
+
+
+def _kernels_cpu(r: dict) -> list[tuple[str, object]]:
+    return [(f"{row['layer']} @{row['rows']} rows: kernel / torch int4 speed", _r(row.get("ext_speedup_vs_torch_int4")))
+            for row in r.get("rows", []) if row.get("rows") in (1, 32) and "ext_speedup_vs_torch_int4" in row]
+
+
+def _kernels_gpu(r: dict) -> list[tuple[str, object]]:
+    goals = r.get("goals") or {}
+    out: list[tuple[str, object]] = [("dry run (interpreter)", r.get("dry_run", False))]
+    for k, v in (goals.items() if isinstance(goals, dict) else []):
+        out.append((k, v if not isinstance(v, dict) else v.get("met", v.get("value"))))
+    return out
+
+
+def _chat_agreement(r: dict) -> list[tuple[str, object]]:
+    out = [(f"{k} vs fp32: same answer", _r(v.get("same_answer"))) for k, v in r.get("ours", {}).items()]
+    ll = r.get("llamacpp", {}).get("q4_1_vs_f32", {})
+    if ll:
+        out.append(("llama.cpp Q4_1 vs its F32: same answer", _r(ll.get("same_answer"))))
+    return out
+
+
+def _batch_invariance(r: dict) -> list[tuple[str, object]]:
+    out = []
+    for run in r.get("runs", []):
+        for cond, c in run.items():
+            if isinstance(c, dict) and "diverged" in c:
+                out.append((f"{run.get('kv_dtype')} KV, {cond}: greedy sequences diverged",
+                            f"{c['diverged']} of {c.get('prompts')}"))
+    return out
+
+
+def _long_context(r: dict) -> list[tuple[str, object]]:
+    out = [(f"fp8 / fp32 KV decode @{k}", _r(v)) for k, v in r.get("fp8_over_fp32_decode", {}).items()]
+    out.append(("ppl fp8 / fp32 KV at 4k", _r(r.get("ppl_4k_fp8_over_fp32"), 4)))
+    return out
+
+
+def _step(r: dict) -> list[tuple[str, object]]:
+    return [(f"{row['tree']} {row['model']} B={row['batch']}: ms per step (CPU)", _r(row.get("cpu_ms")))
+            for row in r.get("summary", [])]
 
 
 SUITES: list[Suite] = [
@@ -129,16 +181,15 @@ SUITES: list[Suite] = [
         Part("engine.vs_transformers", "engine vs transformers generate() on the same model: decode at 1/8/32, TTFT hit",
              ["--new-tokens", "4", "--prompt-len", "16", "--concurrency", "1,2", "--skip-ttft"], _engine),
         Part("engine.step", "decode step time by part (GEMMs, attention, ...), this tree vs --baseline-tree",
-             ["--models", "fp32", "--batch", "1", "--steps", "2", "--repeats", "1"]),
+             ["--models", "fp32", "--batch", "1", "--steps", "2", "--repeats", "1"], _step),
         Part("engine.native_int4", "the GGUF's INT4 weights served natively vs dequantized fp32: bytes, RSS, speed, ppl",
-             ["--batch", "1", "--steps", "2", "--repeats", "1", "--chunks", "1", "--chunk-len", "64"],
-             _keys(("weight bytes native / fp32", "ratios.weight_bytes"))),
+             ["--batch", "1", "--steps", "2", "--repeats", "1", "--chunks", "1", "--chunk-len", "64"], _native_int4),
     ]),
     Suite("kernels", "How fast are the kernels against their baselines?", [
         Part("kernels.cpu", "C++ int8-dot CPU kernels vs torch int4 GEMM vs fp32 dense, per SmolLM2 layer shape",
-             ["--rows", "1", "--reps", "1"]),
+             ["--rows", "1", "--reps", "1"], _kernels_cpu),
         Part("kernels.gpu", "GPU: W4A16 GEMM vs bf16 matmul, fp8 vs bf16 paged attention, page checksum (CUDA)",
-             ["--cpu-dry-run", "--quick"], smoke_env={"TRITON_INTERPRET": "1"}, smoke_timeout_s=300),
+             ["--cpu-dry-run", "--quick"], _kernels_gpu, smoke_env={"TRITON_INTERPRET": "1"}, smoke_timeout_s=300),
     ]),
     Suite("serving", "What does the serving path cost, and does it hold under load?", [
         Part("serving.gateway", "gateway overhead: added latency and max req/s vs calling the backend directly",
@@ -177,29 +228,28 @@ SUITES: list[Suite] = [
         Part("quality.perplexity", "perplexity and next-token agreement per weight/KV variant, KV bytes per token",
              ["--methods", "rtn", "--chunks", "1", "--chunk-len", "64"], _perplexity),
         Part("quality.chat_agreement", "greedy chat answers: served INT4 vs its own fp32 weights (and llama.cpp's)",
-             ["--limit", "2", "--max-tokens", "4", "--variants", "served"],
-             _keys(("served vs fp32: same answer", "ours.served_vs_f32.same_answer"),
-                   ("llama.cpp Q4_1 vs F32: same answer", "llamacpp.q4_1_vs_f32.same_answer"))),
+             ["--limit", "2", "--max-tokens", "4", "--variants", "served"], _chat_agreement),
         Part("quality.batch_invariance", "greedy decoding alone vs batched/chunked/after a partial hit, fp32 vs fp8 KV",
              ["--prompts", "2", "--tokens", "4", "--conditions", "batch2", "--kv", "fp32"], _batch_invariance),
     ]),
     Suite("structured", "What do structured outputs cost, and do real schemas parse?", [
         Part("structured.decode", "grammar-constrained vs unconstrained decode, grammar compile time",
              ["--new-tokens", "4", "--prompt-len", "16", "--concurrency", "1", "--reps", "1"],
-             _keys(("constrained / unconstrained time @1", "decode.1.constrained_over_unconstrained"),
-                   ("constrained / unconstrained time @8", "decode.8.constrained_over_unconstrained"))),
+             _keys(("constrained / unconstrained tok/s @1", "decode.1.constrained_over_unconstrained"),
+                   ("constrained / unconstrained tok/s @8", "decode.8.constrained_over_unconstrained"))),
         Part("structured.parse", "50 pydantic models through openai's chat.completions.parse against `edgeinfer serve`",
              ["--models", "2", "--max-tokens", "16"],
              _keys(("models parsed", "parsed"), ("stopped for length", "length"), ("errors", "errors"))),
     ]),
     Suite("long-context", "What does FP8 KV give at long context?", [
         Part("long_context", "fp8 vs fp32 KV at 1k-8k context: decode speed, perplexity; llama.cpp q8_0 vs f16 KV",
-             ["--contexts", "64", "--seqs", "1", "--decode", "4", "--rounds", "1"],
-             _keys(("ppl fp8 / fp32 KV at 4k", "ppl_4k_fp8_over_fp32"))),
+             ["--contexts", "64", "--seqs", "1", "--decode", "4", "--rounds", "1"], _long_context),
     ]),
     Suite("moe", "How fast is a Mixture-of-Experts model against llama.cpp on the same GGUF?", [
         Part("moe", "a GLM-4.5-shaped MoE GGUF: edgeinfer vs llama-server over HTTP, interleaved",
-             ["--quick", "--levels", "1", "--max-tokens", "4", "--no-raw"], _moe, smoke_timeout_s=300),
+             ["--quick", "--levels", "1", "--max-tokens", "4", "--no-raw", "--no-llamacpp", "--also-activations", "",
+              "--work", "{out_dir}/moe-work"],
+             _moe, smoke_timeout_s=300),
     ]),
     Suite("mla", "What do MLA's latent KV pages save?", [
         Part("mla", "latent bytes per token, absorbed vs expanded decode, fp8 latent accuracy, llama.cpp deepseek2",

@@ -1,6 +1,6 @@
 """Long prompts are tokenized in worker processes, so a huge prompt cannot stall the event loop.
 
-Measured (docs/notes/gwinput.md): `tokenizers`' Tokenizer.encode holds the GIL for the whole encode (a
+Measured (docs/GATEWAY.md, "Limits"): `tokenizers`' Tokenizer.encode holds the GIL for the whole encode (a
 3.9 MB prompt: 3-12 s), so a thread does not let the loop run; encode_batch releases it but building the
 Python result still holds it ~0.4 s. The workers load every model's tokenizer in their initializer, run at
 a lower CPU priority (the loop wins the CPU) and send the ids back packed as int32, so the loop does no

@@ -17,10 +17,10 @@ PREPACK_ENV = "EDGEINFER_CPU_PREPACK"
 PREPACK_BATCH_HINT = 64   # oneDNN picks its blocking for this many rows (a hint of 1 was 2x slower at 32 rows)
 DENSE_MIN_ROWS = 1 << 30  # from this many rows kernels.cpu would dequantize to a scratch fp32 weight and run a GEMM;
                           # the interleaved (x8) int8 kernel beat that at every row count measured (1 .. 2048:
-                          # benchmarks/kernels/cpu.py, docs/notes/batched.md), so in effect never
+                          # benchmarks/kernels/cpu.py, docs/KERNELS.md), so in effect never
 HEAD_DENSE_MIN_ROWS = 1 << 30  # the same for the Q8_0 head (x8 int8 dots vs chunked dequantize + GEMM)
 HEAD_CHUNK = 4096
-HEAD_EXACT_CHANNELS = 2   # activation channels a Q8Linear head keeps out of its int8 quantization (docs/notes/ppl.md)
+HEAD_EXACT_CHANNELS = 2   # activation channels a Q8Linear head keeps out of its int8 quantization (docs/QUANTIZATION.md)
 
 
 def cpu_prepack_enabled() -> bool:

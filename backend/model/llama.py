@@ -310,7 +310,7 @@ class LlamaModel(nn.Module):
     def head_outlier_channels(self, num: int, tokens: int = 64) -> torch.Tensor:
         """The `num` channels of the head's input (the final norm's output) with the largest mean |x| over one
         teacher-forced forward of `tokens` pseudo-random token ids (seed 0; no text): this model's fixed
-        outlier dimensions, which dominate the int8 scale of their blocks (docs/notes/ppl.md)."""
+        outlier dimensions, which dominate the int8 scale of their blocks (docs/QUANTIZATION.md)."""
         ids = torch.randint(0, self.cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
         with torch.inference_mode():
             h = self.scratch_prefill([ids.tolist()])
@@ -405,7 +405,7 @@ class DecodePlan:
     threads, one process, 5 alternated pairs of 128-token generations): median 188.5 -> 234.2 tok/s (1.24x).
     Applies when every decoder linear is a bias-free Q4_1 x8 W4A16Linear with a fused gate_up (the GGUF
     default), the KV pool is not fp8 (its store is a separate op) and the rows are under
-    linear.DENSE_MIN_ROWS; otherwise the model runs _forward_cpu (docs/notes/decodeplan.md)."""
+    linear.DENSE_MIN_ROWS; otherwise the model runs _forward_cpu (docs/KERNELS.md)."""
 
     def __init__(self, model: LlamaModel, first: RMSNorm, layers: list[tuple], residual: bool) -> None:
         self.model, self.layers = model, layers

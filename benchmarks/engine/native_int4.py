@@ -5,8 +5,8 @@ decoding, and engine decode steps at B sequences (64-token prompts; ms/step -> t
 (benchmarks/quality/perplexity.py's harness: teacher-forced, held-out text) of the served native model vs the
 GGUF's own dequantized weights through dense fp32 linears.
 
-  python benchmarks/engine/native_int4.py [--batch 1,8,32] [--steps 10] [--repeats 2] [--chunks 4] [--no-ppl]
-  python benchmarks/engine/native_int4.py --weight-error    # only: served bf16 scale/offset vs exact weights
+  python -m benchmarks engine.native_int4 [--batch 1,8,32] [--steps 10] [--repeats 2] [--chunks 4] [--no-ppl]
+  python -m benchmarks engine.native_int4 --weight-error    # only: served bf16 scale/offset vs exact weights
 
 Variants:
   fp32 dequantized     the dequantized import (today's tests' checkpoint), oneDNN-prepacked fp32 linears
@@ -98,7 +98,6 @@ def child(variant: str, batches: list[int], steps: int) -> dict:
 
 def perplexity(chunks_n: int, chunk_len: int) -> list[dict]:
     from benchmarks.quality.perplexity import evaluate
-
     from edgeinfer.backend.model.gguf_import import ensure_default_model, ensure_native_default_model
     from edgeinfer.backend.model.llama import load_model
     from edgeinfer.backend.quant.calib import eval_text, token_chunks

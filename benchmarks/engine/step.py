@@ -7,7 +7,7 @@ other ops, and the engine/runner's Python and tensor building outside the model)
 instrumented pass (timers around those functions; the clean pass has none). At batch 1 also the fraction of
 this machine's read bandwidth (a 256 MiB sum) the step reaches: (weight bytes + KV bytes read) / step time.
 
-  python benchmarks/engine/step.py [--models fp32,/tmp/smol-w4] [--batch 1,8,32] [--steps 20] [--repeats 3]
+  python -m benchmarks engine.step [--models fp32,/tmp/smol-w4] [--batch 1,8,32] [--steps 20] [--repeats 3]
                                   [--threads 1] [--baseline-tree /work/main] [--out F]
 
 `fp32` is the default model; any other entry is a checkpoint directory (e.g. an INT4 one from

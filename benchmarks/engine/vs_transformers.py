@@ -8,8 +8,8 @@ models load on threads that exit, the engine thread is stopped while transformer
 on a fresh thread. `--ablate` adds a second engine with plain-layout GEMMs (EDGEINFER_CPU_PREPACK=0), to show
 what the oneDNN-prepacked weights contribute.
 
-  python benchmarks/engine/vs_transformers.py [--new-tokens 32] [--prompt-len 64] [--ablate] [--dtype bfloat16 --out F]
-  python benchmarks/engine/vs_transformers.py --device cuda --graphs both [--no-hf] [--native-int4] [--kv-dtype fp8_e4m3]
+  python -m benchmarks engine.vs_transformers [--new-tokens 32] [--prompt-len 64] [--ablate] [--dtype bfloat16 --out F]
+  python -m benchmarks engine.vs_transformers --device cuda --graphs both [--no-hf] [--native-int4] [--kv-dtype fp8_e4m3]
 
 `--dtype` sets the weight/activation dtype of both sides (default float32 on cpu, bfloat16 on cuda); the KV
 cache follows it unless --kv-dtype says otherwise. `--graphs both` measures decode CUDA graphs on vs off.

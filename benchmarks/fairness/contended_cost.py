@@ -8,7 +8,7 @@ i.e. the first ~30 steps of the first rep); their entries report the cap in forc
 and ratios run interleaved, --reps times each, and the median is reported, so a neighbour's load on a shared
 box hits every one alike.
 
-  python benchmarks/fairness/contended_cost.py [--requests 32] [--caps 0,32,64,128] [--ratios 1.0] [--reps 3]
+  python -m benchmarks fairness.contended_cost [--requests 32] [--caps 0,32,64,128] [--ratios 1.0] [--reps 3]
 
 Writes benchmarks/results/fairness.contended_cost.json.
 """

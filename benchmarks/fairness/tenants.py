@@ -2,8 +2,8 @@
 
 For each mode (--modes: scheduler:eviction[:backend flag[=value]...]; by default fifo/lru, plain VTC (fair
 without preemption for fairness, prefill isolation nor the contended step cap), fair with preemption and
-isolation but no contended cap (docs/notes/fair2.md), and fair with the backend defaults (contended step cap
-on, docs/notes/fair3.md)) one backend process (SmolLM2-135M on CPU) and one gateway process on loopback are
+isolation but no contended cap (ARCHITECTURE.md, "Tenant fairness"), and fair with the backend defaults (contended step cap
+on)) one backend process (SmolLM2-135M on CPU) and one gateway process on loopback are
 started, one untimed B request warms B's shared prefix and the engine, then two phases run:
 
 - solo:  B alone, `--b-clients` streaming clients for `--seconds`;
@@ -21,7 +21,7 @@ Bounded: phases end at --seconds (in-flight requests get --drain-seconds), the w
 --max-seconds. The machine these numbers come from is shared (2 cores, other jobs running): absolute times
 are noisy; compare the ratios measured side by side in one run, and read the load averages (per mode).
 
-  python benchmarks/fairness/tenants.py [--b-clients 2] [--seconds 25] [--max-tokens 16]
+  python -m benchmarks fairness.tenants [--b-clients 2] [--seconds 25] [--max-tokens 16]
 
 Writes benchmarks/results/fairness.tenants.json.
 """
@@ -35,6 +35,7 @@ import os
 import platform
 import random
 import signal
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -42,8 +43,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.serving.load import Procs, _free_port, _summary, _wait_http  # noqa: E402
 from benchmarks.harness.results import run_stamp, write_result  # noqa: E402
+from benchmarks.serving.load import Procs, _free_port, _summary, _wait_http  # noqa: E402
 
 KEYS = {"a": "sk-bench-fair-a", "b": "sk-bench-fair-b"}
 SEED = "bench-fairness-seed"
@@ -209,6 +210,35 @@ def run_mode(mode: str, model_dir: Path, args, env: dict, log_dir: Path) -> dict
         procs.stop()
 
 
+def summary_row(m: dict) -> dict:
+    """One mode of one run, the figures the medians are taken of."""
+    s, f = m["solo"]["b"], m["flood"]["b"]
+    return {"solo_p50_ms": s["ttft"]["p50"], "solo_p99_ms": s["ttft"]["p99"], "flood_p50_ms": f["ttft"]["p50"],
+            "flood_p99_ms": f["ttft"]["p99"], "p99_ratio": m["b_ttft_p99_flood_over_solo"],
+            "p50_ratio": m["b_ttft_p50_flood_over_solo"], "p90_ratio": m.get("b_ttft_p90_flood_over_solo"),
+            "flood_p99_over_solo_p50": round(f["ttft"]["p99"] / s["ttft"]["p50"], 2),
+            "b_completed_solo": s["completed"], "b_completed_flood": f["completed"],
+            "b_hit_rate_solo": s["prefix_hit_rate"], "b_hit_rate_flood": f["prefix_hit_rate"],
+            "b_tokens_per_s_solo": s["tokens_per_s"], "b_tokens_per_s_flood": f["tokens_per_s"],
+            "a_tokens_per_s_flood": m["flood"]["a"]["tokens_per_s"]}
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Medians per mode over several runs of this benchmark with the same settings (solo p99 of a few samples on a
+    shared box is mostly other jobs' noise, hence also flood p99 over solo p50)."""
+    by_mode: dict[str, list[dict]] = {}
+    for r in runs:
+        for m in r["modes"]:
+            by_mode.setdefault(m.get("mode") or f'{m["scheduler"]}:{m["cache_eviction"]}', []).append(summary_row(m))
+    medians = {mode: {k: statistics.median(r[k] for r in rows) if all(r[k] is not None for r in rows) else None
+                      for k in rows[0]} | {"runs": len(rows)}
+               for mode, rows in by_mode.items()}
+    return {"bench": "fairness.tenants summary", "medians": medians, "per_run": by_mode,
+            "loadavg_1_5_15_start_end": [[r.get("loadavg_1_5_15_at_start"), r.get("loadavg_1_5_15_at_end")]
+                                         for r in runs],
+            "commands": [r.get("command") for r in runs]}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--b-clients", type=int, default=2)
@@ -229,7 +259,14 @@ def main() -> int:
                                       "fair:fair:contended-step-tokens=0,fair:fair",
                    help="scheduler:eviction[:backend flag[=value] without --...] per mode, comma-separated")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fairness.tenants.json"))
+    p.add_argument("--summarize", nargs="+", metavar="RUN.json", default=None,
+                   help="no run: write the per-mode medians over these earlier runs' JSON to --out")
     args = p.parse_args()
+    if args.summarize:
+        result = summarize([json.loads(Path(f).read_text()) for f in args.summarize])
+        write_result(result, args.out, echo=False)
+        print(json.dumps(result["medians"], indent=2))
+        return 0
     if not 1 <= args.b_clients <= 8 or args.seconds > 120:
         p.error("bounded: 1-8 B clients (A gets 8x), at most 120 s per phase")
     if not 1 <= args.backend_threads <= (os.cpu_count() or 1):

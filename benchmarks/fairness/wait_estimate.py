@@ -10,7 +10,7 @@ contended cap was taken into account) and the current one (capped steps at their
 measures the probe's actual time to its first token. The probe waits behind A's own queue (a tenant's requests
 are served oldest first), which is what the estimate counts.
 
-  python benchmarks/fairness/wait_estimate.py [--requests 24] [--probes 5] [--probe-every 1.5]
+  python -m benchmarks fairness.wait_estimate [--requests 24] [--probes 5] [--probe-every 1.5]
 
 Writes benchmarks/results/fairness.wait_estimate.json.
 """

@@ -1,7 +1,7 @@
 """Write a checkpoint with random weights of a config's shapes: what benchmarks/gpu_check.sh times the engine on
 when no SmolLM2 checkpoint reached the GPU machine (decode speed depends on the shapes, not the values).
 
-  python benchmarks/harness/checkpoints.py benchmarks/data/smollm2_config.json OUT_DIR [--scale-config tiny]
+  python -m benchmarks.harness.checkpoints benchmarks/data/smollm2_config.json OUT_DIR [--scale-config tiny]
 
 --scale-config tiny shrinks the model (hidden 64, 2 layers) for the CPU dry run. No tokenizer is written:
 bench_engine runs on token ids.

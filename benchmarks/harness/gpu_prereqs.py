@@ -1,7 +1,7 @@
 """What benchmarks/gpu_check.sh needs, checked before it spends device time: python modules, CUDA, Triton,
 the SmolLM2 source. Prints one line per item (ok / MISSING and what to do) and writes them as JSON.
 
-  python benchmarks/harness/gpu_prereqs.py --out F [--cpu]
+  python -m benchmarks.harness.gpu_prereqs --out F [--cpu]
 
 Exit 0 when the essentials are there (--cpu: no CUDA needed), 1 otherwise.
 """

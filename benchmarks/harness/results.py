@@ -17,7 +17,20 @@ def run_stamp(t0: float, load0: tuple[float, float, float]) -> dict:
     return {"loadavg_1_5_15_at_start": [round(x, 2) for x in load0],
             "loadavg_1_5_15_at_end": [round(x, 2) for x in os.getloadavg()],
             "wall_s": round(time.monotonic() - t0, 1),
-            "command": " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])}
+            "command": command_line()}
+
+
+def command_line() -> str:
+    """How this process was started, as a user would type it from the checkout's root: a benchmark module
+    started with `python -m benchmarks.x.y` (what `python -m benchmarks` does) reads `python -m benchmarks.x.y`."""
+    argv0 = Path(sys.argv[0]).resolve()
+    try:
+        rel = argv0.relative_to(ROOT)
+    except ValueError:
+        return " ".join(sys.argv)
+    if rel.parts and rel.parts[0] == "benchmarks" and rel.suffix == ".py":
+        return " ".join(["python -m", ".".join(rel.with_suffix("").parts), *sys.argv[1:]])
+    return " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
 
 
 def write_result(result: dict, out: str | Path, echo: bool = True) -> Path:

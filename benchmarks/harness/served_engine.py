@@ -2,7 +2,7 @@
 defaults), measured the way llama-bench and llama-batched-bench measure llama.cpp; and the perplexity of that
 served model next to the GGUF's own weights dequantized to fp32 (the default model import).
 
-  python benchmarks/harness/served_engine.py [--pp 512] [--tg 128] [--npp 128] [--ntg 64] [--npl 1,8,32] [--ppl]
+  python -m benchmarks.harness.served_engine [--pp 512] [--tg 128] [--npp 128] [--ntg 64] [--npl 1,8,32] [--ppl]
 
 Prints one JSON object (bench_peers runs it in a subprocess so its torch and memory stay out of the driver).
 """

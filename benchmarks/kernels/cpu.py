@@ -2,7 +2,7 @@
 shape of SmolLM2-135M, interleaved round-robin in one process (the box is shared: ratios matter more than
 absolutes; the load average is recorded before and after).
 
-  python benchmarks/kernels/cpu.py [--rows 1,8,32,64,128,512] [--reps 7] [--threads N]
+  python -m benchmarks kernels.cpu [--rows 1,8,32,64,128,512] [--reps 7] [--threads N]
 
 Methods, each through the module the engine uses:
   ext        W4A16Linear (Q4_1 mins form) on kernels.cpu's interleaved (x8) layout: int8 dots below
@@ -160,7 +160,7 @@ def main() -> int:
     result = {"threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
               "x8_isa": kc.ISA_NAMES[kc.x8_isa()],
               "load_avg_before": load_before, "load_avg_after": os.getloadavg(), "reps": a.reps,
-              "command": "python benchmarks/kernels/cpu.py " + " ".join(sys.argv[1:]), "rows": rows}
+              "command": "python -m benchmarks kernels.cpu " + " ".join(sys.argv[1:]), "rows": rows}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0

@@ -9,8 +9,8 @@ Achieved bandwidth = bytes that must move (weights/KV + activations) / time, as 
 device's peak (H200: 4.8 TB/s; override with --peak-tbps). Without CUDA it prints why and exits 0.
 Writes benchmarks/results/kernels.gpu.json.
 
-  python benchmarks/kernels/gpu.py [--quick] [--peak-tbps 4.8] [--gemm-m 1,16] [--contexts 1024,8192] [--out F]
-  python benchmarks/kernels/gpu.py --cpu-dry-run --out F   # the same steps, tiny shapes, Triton interpreter
+  python -m benchmarks kernels.gpu [--quick] [--peak-tbps 4.8] [--gemm-m 1,16] [--contexts 1024,8192] [--out F]
+  python -m benchmarks kernels.gpu --cpu-dry-run --out F   # the same steps, tiny shapes, Triton interpreter
                                                              # on CPU: proves the plumbing, times nothing real
 """
 

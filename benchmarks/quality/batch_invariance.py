@@ -17,7 +17,7 @@ For a divergent prompt: the first divergent position and the reference's top-1 m
 first divergence (how far the computation moved). For partial_hit: how many recomputed KV elements (fp32) or
 bytes (fp8, scales included) differ from the cold run's.
 
-  python benchmarks/quality/batch_invariance.py [--prompts 100] [--tokens 32] [--kv fp32,fp8_e4m3]
+  python -m benchmarks quality.batch_invariance [--prompts 100] [--tokens 32] [--kv fp32,fp8_e4m3]
 
 Writes benchmarks/results/quality.batch_invariance.json.
 """

@@ -2,7 +2,7 @@
 served model (backend.server's defaults: the GGUF's Q4_1 blocks on the CPU kernels, int8 activations) against
 the same GGUF dequantized to fp32, and llama.cpp's Q4_1 against llama.cpp's F32 of the same GGUF, in one run.
 
-  python benchmarks/quality/chat_agreement.py [--max-tokens 32] [--kv-dtype auto] [--variants served,torch_int4]
+  python -m benchmarks quality.chat_agreement [--max-tokens 32] [--kv-dtype auto] [--variants served,torch_int4]
       [--llamacpp-build /work/peers/llama-build] [--out benchmarks/results/quality.chat_agreement.json]
 
 The prompts (benchmarks/data/chat_prompts.txt) go through the model's own chat template (one user turn) and

@@ -1,6 +1,6 @@
 """INT4 weights and FP8 KV: accuracy and memory, measured side by side in one run.
 
-    python benchmarks/quality/perplexity.py [--model DIR] [--chunks 4] [--chunk-len 512] [--budget-gib 16]
+    python -m benchmarks quality.perplexity [--model DIR] [--chunks 4] [--chunk-len 512] [--budget-gib 16]
 
 For each variant: teacher-forced forwards through the real paged model (kernels' torch references on
 CPU) over `chunks` x `chunk-len` tokens of a held-out text, then

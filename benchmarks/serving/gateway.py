@@ -8,7 +8,7 @@ Every gateway request has its own user message (same system prompt), so no cache
 of the whole prompt. CPU per request is the gateway process's CPU time / requests (/proc), so it
 stays meaningful on a shared machine where latency does not.
 
-  python benchmarks/serving/gateway.py [--rate 500] [--seconds 6] [--max-seconds 4] [--concurrency 64]
+  python -m benchmarks serving.gateway [--rate 500] [--seconds 6] [--max-seconds 4] [--concurrency 64]
       [--redis --out benchmarks/results/serving.gateway.redis.json]
 
 With --redis the gateway runs as one of many would: rate limits (Lua GCRA), the concurrent-stream cap

@@ -1,6 +1,6 @@
 """What serving through HTTP costs: engine-only decode vs `edgeinfer serve` decode, side by side, per source tree.
 
-  python benchmarks/serving/http_cost.py --tree before=/tmp/http_base --tree after=. [--levels 1,8,32] [--max-tokens 48]
+  python -m benchmarks serving.http_cost --tree before=/tmp/http_base --tree after=. [--levels 1,8,32] [--max-tokens 48]
 
 For each tree (interleaved when --rounds > 1): the engine alone (benchmarks/harness/served_engine.py in a subprocess, the
 backend's own defaults, batched decode at each level) and the same engine behind `edgeinfer serve` (gateway ->

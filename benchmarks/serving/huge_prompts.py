@@ -6,7 +6,7 @@ Each mode: a gateway process (SmolLM2's tokenizer, a stub backend process behind
 prompts sent at once (the stub's context is 4096 tokens, so each is tokenized in full and then refused
 with 400), /health probed every 10 ms from the first byte sent to the last answer.
 
-  python benchmarks/serving/huge_prompts.py [--chars 3900000] [--prompts 4] [--out benchmarks/results/serving.huge_prompts.json]
+  python -m benchmarks serving.huge_prompts [--chars 3900000] [--prompts 4] [--out benchmarks/results/serving.huge_prompts.json]
 """
 
 from __future__ import annotations

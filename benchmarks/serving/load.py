@@ -16,7 +16,7 @@ prompt + its own question, so the prefix cache sees realistic reuse) for `--seco
 Bounded: clients stop sending at --seconds, in-flight requests get --drain-seconds to finish, and the
 whole run is killed at --max-seconds. Loopback only.
 
-  python benchmarks/serving/load.py [--backends 2] [--clients 8] [--seconds 60] [--max-tokens 16] [--abort-every 5]
+  python -m benchmarks serving.load [--backends 2] [--clients 8] [--seconds 60] [--max-tokens 16] [--abort-every 5]
 
 Writes benchmarks/results/serving.load.json.
 """

@@ -6,7 +6,7 @@ streaming /v1/completions, and reports for every process of the session: its rol
 the peak of its sampled VmRSS, and /proc/PID/smaps_rollup at the end of the load (anonymous vs file-backed).
 The tree's peak is the peak of the summed VmRSS, as bench_peers measures it.
 
-    PYTHONPATH=$PWD python benchmarks/serving/rss.py [--clients 8] [--threads 2] [--serve-arg=--backend-arg=...]
+    python -m benchmarks serving.rss [--clients 8] [--threads 2] [--serve-arg=--backend-arg=...]
 
 Writes benchmarks/results/serving.rss.json (--out).
 """
@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.harness import load  # noqa: E402
+from benchmarks.harness.servers import Running, edgeinfer_spec, status_kib, tree_pids  # noqa: E402
 from benchmarks.peers import Prompts, prompt_tokens, tokenizer  # noqa: E402
-from benchmarks.harness.servers import Running, edgeinfer_spec, session_pids, status_kib  # noqa: E402
 
 ROLLUP_KEYS = ("Rss", "Pss", "Pss_Anon", "Pss_File", "Anonymous", "Shared_Clean", "Private_Clean", "Private_Dirty")
 
@@ -65,7 +65,8 @@ def smaps_rollup(pid: int) -> dict[str, int]:
 
 
 class PerProcess(threading.Thread):
-    """Every 0.25 s: each process's VmRSS (its sampled peak) and the summed peak over the session."""
+    """Every 0.25 s: each process's VmRSS (its sampled peak) and the summed peak over the tree (`edgeinfer serve`,
+    its backend and valkey, which run in sessions of their own)."""
 
     def __init__(self, sid: int) -> None:
         super().__init__(daemon=True)
@@ -78,7 +79,7 @@ class PerProcess(threading.Thread):
 
     def sample(self) -> None:
         total = 0
-        for pid in session_pids(self.sid):
+        for pid in tree_pids(self.sid):
             rss = status_kib(pid, "VmRSS")
             total += rss
             self.peak_kib[pid] = max(self.peak_kib.get(pid, 0), rss)
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         assert srv.proc is not None
         watch = PerProcess(srv.proc.pid)
         watch.sample()
-        idle = {pid: status_kib(pid, "VmRSS") for pid in session_pids(srv.proc.pid)}
+        idle = {pid: status_kib(pid, "VmRSS") for pid in tree_pids(srv.proc.pid)}
         watch.start()
 
         def wave(ps: list[list[int]], n: int) -> list[load.Shot]:
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         shots += wave(prompts.take(a.prefill_len, a.clients), 1)
         took = time.monotonic() - t0
         watch.sample()
-        rollups = {pid: smaps_rollup(pid) for pid in session_pids(srv.proc.pid)}
+        rollups = {pid: smaps_rollup(pid) for pid in tree_pids(srv.proc.pid)}
         watch.stop()
         errors = [s.error for s in shots if s.error]
         procs = []

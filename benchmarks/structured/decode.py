@@ -8,7 +8,7 @@ times and the median is kept (the CPUs are shared). Also the per-step cost of th
 (apply_masks: llguidance's parallel mask + one masked_fill), and compile times of three schemas: first
 compile, then a cached hit (a deep copy of the compiled prototype).
 
-  python benchmarks/structured/decode.py [--new-tokens 32] [--prompt-len 64] [--reps 3]
+  python -m benchmarks structured.decode [--new-tokens 32] [--prompt-len 64] [--reps 3]
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 max_tokens 256. Reports how many parse, how many stop for length, and whether every answer keeps the
 schema's key order (top-level and nested objects).
 
-  python benchmarks/structured/parse.py [--max-tokens 256] [--out benchmarks/results/structured.parse.json]
+  python -m benchmarks structured.parse [--max-tokens 256] [--out benchmarks/results/structured.parse.json]
 """
 
 from __future__ import annotations

@@ -602,7 +602,7 @@ int detect_isa() {
 const int BEST_ISA = detect_isa();
 int g_isa = BEST_ISA;
 int64_t g_z_min_rows = 4;   // level 3 only from this many activation rows (below: level 2; measured in the engine,
-                            // 1 and 2 rows ran slower on 512-bit than on 256-bit vectors, docs/notes/speed32.md)
+                            // 1 and 2 rows ran slower on 512-bit than on 256-bit vectors, docs/KERNELS.md)
 
 template <typename Tile>
 void over_tiles(int64_t M, Tile tile) {   // full tiles of X8_TILE activation rows, then the rest

@@ -425,7 +425,7 @@ def test_served_native_model_runs_on_the_kernels(native_served):
 def test_served_head_keeps_its_outlier_channels_exact_and_moves_nearer_the_oracle(native_served, smol_dir,
                                                                                    smol_tokenizer):
     """The served head takes the model's largest-|x| channels of its input out of the int8 quantization
-    (docs/notes/ppl.md): on 512 held-out tokens its log-probabilities are nearer the GGUF's dequantized fp32
+    (docs/QUANTIZATION.md): on 512 held-out tokens its log-probabilities are nearer the GGUF's dequantized fp32
     model (mean KL) than with int8 activations on every channel, and those channels are also the largest on
     that text's final hidden states."""
     from edgeinfer.backend.model.llama import load_model
@@ -510,7 +510,7 @@ def test_greedy_with_the_kernels_equals_the_reference_ops(native_served, smol_to
 def test_served_kernels_stay_near_the_dequantized_oracle(native_served, smol_dir, smol_tokenizer):
     """int8 activations (llama.cpp's numerics) move the logits more than bf16 did, not the model's predictions:
     the prompt's next-token cross-entropy within 2% of the oracle's (perplexity on 2048 held-out tokens:
-    1.0003x, docs/notes/cpukern.md) and the teacher-forced greedy tokens mostly equal."""
+    1.0003x with the Q4 linears exact, docs/QUANTIZATION.md) and the teacher-forced greedy tokens mostly equal."""
     from edgeinfer.backend.model.llama import load_model
     from edgeinfer.backend.quant.calib import paged_prefill
 
