@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness.results import run_stamp, write_result  # noqa: E402
+from benchmarks.harness.results import interleaved, run_stamp, write_result  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "long_context.json"
 DEFAULT_BUDGET = 512 << 20
@@ -126,11 +126,10 @@ def main() -> int:
     biggest = max(c * s for c, s in cases) + 16 * max(seqs) * 4
     engines = {kv: engine(kv, biggest * 46080 + (64 << 20)) for kv in KV}
     rates: dict = {kv: {f"{c}x{s}": [] for c, s in cases} for kv in KV}
-    for r in range(a.rounds):
-        for kv in (KV if r % 2 == 0 else KV[::-1]):
-            for c, s in cases:
-                rates[kv][f"{c}x{s}"].append(decode_rate(engines[kv], c, s, a.decode, seed=r))
-                print(f"round {r} {kv:>8} ctx {c:>5} x {s:>2}: {rates[kv][f'{c}x{s}'][-1]:.1f} tok/s", flush=True)
+    for r, kv in interleaved(list(KV), a.rounds):
+        for c, s in cases:
+            rates[kv][f"{c}x{s}"].append(decode_rate(engines[kv], c, s, a.decode, seed=r))
+            print(f"round {r} {kv:>8} ctx {c:>5} x {s:>2}: {rates[kv][f'{c}x{s}'][-1]:.1f} tok/s", flush=True)
     result: dict = {"cases": [f"{c}x{s}" for c, s in cases], "decode_tokens": a.decode, "rounds": a.rounds,
                     "threads": a.threads, "ours": {}}
     for kv in KV:

@@ -41,7 +41,7 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness.results import run_stamp, write_result  # noqa: E402
+from benchmarks.harness.results import interleaved, run_stamp, write_result  # noqa: E402
 from benchmarks.harness.servers import Running, ServerSpec, edgeinfer_spec, find_binary, llamacpp_spec  # noqa: E402
 from benchmarks.peers import PEERS_HOME, Prompts, prompt_tokens, run_levels, say  # noqa: E402
 
@@ -312,21 +312,20 @@ def main(argv: list[str] | None = None) -> int:
                          max_tokens=a.max_tokens, request_timeout=a.request_timeout)
     runs: list[dict] = []
     systems = ["edgeinfer", *(f"edgeinfer-{m}" for m in a.also_activations), *(["llamacpp"] if a.llamacpp else [])]
-    for rnd in range(a.rounds):
-        for name in systems if rnd % 2 == 0 else systems[::-1]:
-            s = spec(name, rnd)
-            say(f"round {rnd + 1}/{a.rounds}: {name}")
-            run: dict = {"round": rnd + 1, "system": name, "command": s.cmd}
-            try:
-                with Running(s, log_dir, a.ready_timeout) as srv:
-                    run["startup_s"] = round(srv.startup_s, 1)
-                    run["levels"] = run_levels(srv, la, Prompts(ids, rnd), tok)
-                run["memory"] = srv.memory
-                say(f"  {name}: peak RSS {run['memory'].get('peak_rss_mib')} MiB")
-            except (RuntimeError, TimeoutError) as e:
-                run["error"] = str(e)[-3000:]
-                say(f"  {name} FAILED: {str(e)[:500]}")
-            runs.append(run)
+    for rnd, name in interleaved(systems, a.rounds):
+        s = spec(name, rnd)
+        say(f"round {rnd + 1}/{a.rounds}: {name}")
+        run: dict = {"round": rnd + 1, "system": name, "command": s.cmd}
+        try:
+            with Running(s, log_dir, a.ready_timeout) as srv:
+                run["startup_s"] = round(srv.startup_s, 1)
+                run["levels"] = run_levels(srv, la, Prompts(ids, rnd), tok)
+            run["memory"] = srv.memory
+            say(f"  {name}: peak RSS {run['memory'].get('peak_rss_mib')} MiB")
+        except (RuntimeError, TimeoutError) as e:
+            run["error"] = str(e)[-3000:]
+            say(f"  {name} FAILED: {str(e)[:500]}")
+        runs.append(run)
     raw: dict = {}
     if a.raw:
         say("raw engines: edgeinfer's model alone per activation mode, llama-bench")

@@ -65,6 +65,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.harness import load  # noqa: E402
 from benchmarks.harness.llamacpp import batched_bench, llama_bench  # noqa: E402
+from benchmarks.harness.results import interleaved  # noqa: E402
 from benchmarks.harness.servers import (  # noqa: E402
     Running,
     ServerSpec,
@@ -453,24 +454,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.raw:
             raw = raw_engines(a, gguf)
-        for rnd in range(a.rounds):
-            for name in (systems if rnd % 2 == 0 else systems[::-1]):
-                spec = specs(a, model_dir, gguf)[name]
-                say(f"round {rnd + 1}/{a.rounds}: starting {name}")
-                run: dict = {"round": rnd + 1, "system": name, "command": spec.cmd, **spec.notes}
-                try:
-                    with Running(spec, log_dir, a.ready_timeout) as srv:
-                        run["startup_s"] = round(srv.startup_s, 1)
-                        run["model"] = srv.model
-                        run["levels"] = run_levels(srv, a, Prompts(ids, rnd), tok)
-                    run["memory"] = srv.memory
-                    if name == "edgeinfer":
-                        run["weights"] = edgeinfer_weights(srv.log_tail(1 << 20))
-                    say(f"  {name} stopped; peak RSS {run['memory']['peak_rss_mib']} MiB")
-                except (RuntimeError, TimeoutError) as e:
-                    run["error"] = str(e)[-3000:]
-                    say(f"  {name} FAILED: {str(e)[:500]}")
-                runs.append(run)
+        for rnd, name in interleaved(systems, a.rounds):
+            spec = specs(a, model_dir, gguf)[name]
+            say(f"round {rnd + 1}/{a.rounds}: starting {name}")
+            run: dict = {"round": rnd + 1, "system": name, "command": spec.cmd, **spec.notes}
+            try:
+                with Running(spec, log_dir, a.ready_timeout) as srv:
+                    run["startup_s"] = round(srv.startup_s, 1)
+                    run["model"] = srv.model
+                    run["levels"] = run_levels(srv, a, Prompts(ids, rnd), tok)
+                run["memory"] = srv.memory
+                if name == "edgeinfer":
+                    run["weights"] = edgeinfer_weights(srv.log_tail(1 << 20))
+                say(f"  {name} stopped; peak RSS {run['memory']['peak_rss_mib']} MiB")
+            except (RuntimeError, TimeoutError) as e:
+                run["error"] = str(e)[-3000:]
+                say(f"  {name} FAILED: {str(e)[:500]}")
+            runs.append(run)
     except Deadline:
         deadline_hit = True
         say(f"--max-seconds {a.max_seconds:.0f} passed: stopped; writing what was measured")

@@ -43,8 +43,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness.results import run_stamp, write_result  # noqa: E402
-from benchmarks.serving.load import Procs, _free_port, _summary, _wait_http  # noqa: E402
+from benchmarks.harness.results import latency_summary, run_stamp, write_result  # noqa: E402
+from benchmarks.harness.servers import ProcessGroup, free_port, wait_http  # noqa: E402
 
 KEYS = {"a": "sk-bench-fair-a", "b": "sk-bench-fair-b"}
 SEED = "bench-fairness-seed"
@@ -139,7 +139,7 @@ async def phase(gw: str, model: str, args, a_clients: int) -> dict:
         if name == "a" and not a_clients:
             continue
         out[name] = {"completed": st["completed"], "failed": st["failed"], "ttft_dropped": st["dropped"],
-                     "ttft": _summary(st["ttft"]),
+                     "ttft": latency_summary(st["ttft"]),
                      "tokens_per_s": round(st["tokens"] / wall, 2),
                      "prefix_hit_rate": round(st["cached_tokens"] / max(st["prompt_tokens"], 1), 3)}
     return out
@@ -166,9 +166,9 @@ def run_mode(mode: str, model_dir: Path, args, env: dict, log_dir: Path) -> dict
     from edgeinfer.gateway.config import hash_key
 
     scheduler, eviction, *flags = mode.split(":")
-    procs = Procs(log_dir)
+    procs = ProcessGroup(log_dir)
     try:
-        port = _free_port()
+        port = free_port()
         be = procs.start(f"backend-{scheduler}", [
             sys.executable, "-m", "edgeinfer.backend.server", "--model", str(model_dir), "--port", str(port),
             "--node-id", f"fair-{scheduler}", "--num-pages", str(args.num_pages), "--max-num-seqs",
@@ -176,10 +176,10 @@ def run_mode(mode: str, model_dir: Path, args, env: dict, log_dir: Path) -> dict
             "none", "--scheduler", scheduler, "--cache-eviction", eviction, "--log-level", "WARNING",
             *(a for f in flags for a in f"--{f}".split("=", 1))], env)
         url = f"http://127.0.0.1:{port}"
-        _wait_http(url + "/ready", be, 180)
+        wait_http(url + "/ready", be, 180)
         model = requests.get(url + "/internal/info", headers={"authorization": f"Bearer {env['EDGEINFER_INTERNAL_SECRET']}"},
                              timeout=5).json()["model"]
-        gw_port = _free_port()
+        gw_port = free_port()
         cfg = log_dir / f"gateway-{scheduler}.toml"
         tenants = "".join(f'[[tenants]]\nid = "{t}"\napi_key_sha256 = ["{hash_key(k)}"]\n\n' for t, k in KEYS.items())
         cfg.write_text(f'[server]\nport = {gw_port}\npage_seed = "{SEED}"\naccess_log = false\n'
@@ -188,7 +188,7 @@ def run_mode(mode: str, model_dir: Path, args, env: dict, log_dir: Path) -> dict
                        f'model = "{model}"\n\n{tenants}')
         gw = procs.start(f"gateway-{scheduler}", [sys.executable, "-m", "edgeinfer.ops.cli", "gateway", "--config", str(cfg)], env)
         gw_url = f"http://127.0.0.1:{gw_port}"
-        _wait_http(gw_url + "/ready", gw, 60)
+        wait_http(gw_url + "/ready", gw, 60)
         load0 = os.getloadavg()
         asyncio.run(warm_up(gw_url, model, args))
         solo = asyncio.run(phase(gw_url, model, args, 0))

@@ -42,3 +42,28 @@ def write_result(result: dict, out: str | Path, echo: bool = True) -> Path:
     if echo:
         print(text)
     return path
+
+
+def interleaved(sides: list, rounds: int):
+    """(round, side) for every side in every round, the order reversed on odd rounds, so that a shared box's
+    drift within a round lands on both ends alike: how every side-by-side benchmark here orders its runs."""
+    for rnd in range(rounds):
+        for side in (sides if rnd % 2 == 0 else sides[::-1]):
+            yield rnd, side
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    """The q-th percentile (nearest rank on the sorted values, q in 0..100); None for no values."""
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def latency_summary(xs: list[float]) -> dict:
+    """Seconds -> {n, p50, p90, p99 in ms}."""
+    out: dict = {"n": len(xs)}
+    for q in (50, 90, 99):
+        v = percentile(xs, q)
+        out[f"p{q}"] = None if v is None else round(v * 1000, 1)
+    return out | {"unit": "ms"}

@@ -257,3 +257,45 @@ def vllm_spec(threads: int, model_dir: Path, venv: Path, dtype: str, max_seqs: i
            "--max-model-len", str(max_len), "--max-num-seqs", str(max_seqs), *(["--enforce-eager"] if eager else [])]
     return ServerSpec("vllm", cmd, env, port, "/health", None,
                       {"dtype": dtype, "kv_cache_gib": kv_gib, "enforce_eager": eager})
+
+
+class ProcessGroup:
+    """Processes a benchmark starts (each in its own session, its output in log_dir/<name>.log) and stops together:
+    SIGTERM to each process group, newest first, then SIGKILL after 20 s."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, name: str, cmd: list[str], env: dict) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "wb")
+        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append((name, p))
+        return p
+
+    def stop(self) -> None:
+        for _, p in reversed(self.procs):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for _, p in self.procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def wait_http(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 60.0) -> None:
+    """Until GET url answers 200; raises if proc exits first or timeout_s passes."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} not ready after {timeout_s}s")

@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import platform
-import socket
 import subprocess
 import sys
 import time
@@ -33,16 +32,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from benchmarks.harness.results import percentile  # noqa: E402
+from benchmarks.harness.servers import free_port, wait_http  # noqa: E402
+
 MODEL = "bench-model"
 KEY = "sk-bench"
 MSGS = [{"role": "system", "content": "You are a helpful assistant."},
         {"role": "user", "content": "Write one short sentence about the sea."}]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _pin(core: int | None) -> None:
@@ -91,10 +88,6 @@ def run_gateway(port: int, stub_port: int, tokenizer_dir: str, redis_url: str = 
 
 # ---- load generation ----------------------------------------------------------------------------
 
-def _pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
-
 
 def _chat_body(i: int) -> bytes:
     import msgspec
@@ -126,8 +119,8 @@ async def fixed_rate(session, url, bodies, headers, rate: float, seconds: float)
 
     await asyncio.gather(*(fire(i) for i in range(n)))
     achieved = n / (time.perf_counter() - start)
-    return {"requests": n, "achieved_rps": round(achieved, 1), "p50_ms": round(_pct(lat, 50) * 1e3, 3),
-            "p99_ms": round(_pct(lat, 99) * 1e3, 3), "max_ms": round(max(lat) * 1e3, 3)}
+    return {"requests": n, "achieved_rps": round(achieved, 1), "p50_ms": round(percentile(lat, 50) * 1e3, 3),
+            "p99_ms": round(percentile(lat, 99) * 1e3, 3), "max_ms": round(max(lat) * 1e3, 3)}
 
 
 async def max_throughput(session, url, bodies, headers, concurrency: int, seconds: float) -> dict:
@@ -198,20 +191,6 @@ async def measure(args, gw_port: int, stub_port: int, tokenizer_dir: str, pids: 
     return out
 
 
-def _wait(port: int, path: str, timeout_s: float = 60) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    raise TimeoutError(f"port {port}{path} not ready")
-
-
 def _tokenizer_dir() -> str:
     try:
         from edgeinfer.backend.model.gguf_import import ensure_default_model
@@ -261,7 +240,7 @@ def main() -> int:
     gw_core = cores[0]
     other = cores[1] if len(cores) > 1 else cores[0]
     tok_dir = _tokenizer_dir()
-    stub_port, gw_port = _free_port(), _free_port()
+    stub_port, gw_port = free_port(), free_port()
     me = [sys.executable, "-m", "benchmarks.serving.gateway"]
     valkey = None
     if args.redis:
@@ -276,8 +255,8 @@ def main() -> int:
                                "--redis-url", valkey.url if valkey else ""], stdout=subprocess.DEVNULL)]
     try:
         _pin(other)
-        _wait(stub_port, "/ready")
-        _wait(gw_port, "/ready")
+        wait_http(f"http://127.0.0.1:{stub_port}/ready")
+        wait_http(f"http://127.0.0.1:{gw_port}/ready")
         import uvloop
 
         res = uvloop.run(measure(args, gw_port, stub_port, tok_dir,

@@ -24,7 +24,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmarks.serving.gateway import MODEL, _free_port, _pct, run_stub  # noqa: E402
+from benchmarks.harness.results import percentile  # noqa: E402
+from benchmarks.harness.servers import free_port  # noqa: E402
+from benchmarks.serving.gateway import MODEL, run_stub  # noqa: E402
 
 KEY = "sk-bench"
 WORDS = "The quick brown fox jumps over the lazy dog 12345, and then some more text! "
@@ -87,8 +89,8 @@ async def measure(url: str, chars: int, prompts: int) -> dict:
         window = time.perf_counter() - t0
         done.set()
         await prober
-    return {"window_s": round(window, 2), "probes": len(lat), "health_p50_ms": round(_pct(lat, 50) * 1e3, 2),
-            "health_p99_ms": round(_pct(lat, 99) * 1e3, 2), "health_max_ms": round(max(lat) * 1e3, 2),
+    return {"window_s": round(window, 2), "probes": len(lat), "health_p50_ms": round(percentile(lat, 50) * 1e3, 2),
+            "health_p99_ms": round(percentile(lat, 99) * 1e3, 2), "health_max_ms": round(max(lat) * 1e3, 2),
             "answers": sorted({f"{s} {m[:60]}" for s, m in answers})}
 
 
@@ -109,12 +111,12 @@ def main() -> int:
         run_gateway(args.port, args.stub_port, args.workers)
         return 0
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    stub_port = _free_port()
+    stub_port = free_port()
     stub = subprocess.Popen([sys.executable, "-m", "benchmarks.serving.huge_prompts", "--role", "stub", "--port", str(stub_port)], env=env)
     results = {}
     try:
         for name, workers in (("thread", 0), ("processes", 2)):
-            port = _free_port()
+            port = free_port()
             gw = subprocess.Popen([sys.executable, "-m", "benchmarks.serving.huge_prompts", "--role", "gateway", "--port", str(port),
                                    "--stub-port", str(stub_port), "--workers", str(workers)], env=env)
             try:

@@ -30,15 +30,14 @@ import os
 import platform
 import re
 import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from benchmarks.harness.results import write_result  # noqa: E402
+from benchmarks.harness.results import latency_summary, write_result  # noqa: E402
+from benchmarks.harness.servers import ProcessGroup, free_port, wait_http  # noqa: E402
 
 KEY = "sk-bench-load"
 SEED = "bench-load-seed"
@@ -48,63 +47,6 @@ QUESTIONS = ["Where should I go for a beach holiday in May?", "What is a good ci
              "Suggest a quiet mountain village.", "Where can I see northern lights?",
              "Which island is good for diving?", "Recommend a place for hiking in autumn.",
              "Where is good street food?", "Suggest a winter city break."]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
-
-
-def _summary(xs: list[float]) -> dict:
-    return {"n": len(xs), **{f"p{q}": (None if _pct(xs, q) is None else round(_pct(xs, q) * 1000, 1))
-                             for q in (50, 90, 99)}, "unit": "ms"}
-
-
-class Procs:
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.procs: list[tuple[str, subprocess.Popen]] = []
-
-    def start(self, name: str, cmd: list[str], env: dict) -> subprocess.Popen:
-        log = open(self.log_dir / f"{name}.log", "wb")
-        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.procs.append((name, p))
-        return p
-
-    def stop(self) -> None:
-        for _, p in reversed(self.procs):
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for _, p in self.procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-
-
-def _wait_http(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    import requests
-
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: process exited with {proc.returncode}")
-        try:
-            if requests.get(url, timeout=1).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} not ready after {timeout_s}s")
 
 
 def finished_by_reason(url: str) -> dict[str, float]:
@@ -234,7 +176,7 @@ def main() -> int:
     model_dir = ensure_default_model()
     log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_load_{os.getpid()}"
     log_dir.mkdir(parents=True, exist_ok=True)
-    procs = Procs(log_dir)
+    procs = ProcessGroup(log_dir)
     secret = os.urandom(16).hex()   # the gateway's internal secret, shared with the backends through the env
     env = {**os.environ, "EDGEINFER_CACHE_SEED": SEED, "EDGEINFER_INTERNAL_SECRET": secret, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(ROOT)}
@@ -242,19 +184,19 @@ def main() -> int:
     result: dict = {}
     try:
         for i in range(args.backends):
-            port = _free_port()
+            port = free_port()
             proc = procs.start(f"backend{i}", [sys.executable, "-m", "edgeinfer.backend.server", "--model", str(model_dir),
                                                "--port", str(port), "--node-id", f"load-{i}", "--num-pages", "512",
                                                "--max-num-seqs", "16", "--store-tier", "none",
                                                "--log-level", "WARNING"], env)
             backends.append((f"http://127.0.0.1:{port}", proc))
         for url, proc in backends:
-            _wait_http(url + "/ready", proc, 180)
+            wait_http(url + "/ready", proc, 180)
         import requests
 
         model = requests.get(backends[0][0] + "/internal/info", headers={"authorization": f"Bearer {secret}"},
                              timeout=5).json()["model"]
-        gw_port = _free_port()
+        gw_port = free_port()
         cfg = log_dir / "gateway.toml"
         nodes = "".join(f'[[nodes]]\nid = "load-{i}"\nurl = "{u}"\nmodel = "{model}"\n\n'
                         for i, (u, _) in enumerate(backends))
@@ -263,7 +205,7 @@ def main() -> int:
                        f'{nodes}[[tenants]]\nid = "bench"\napi_key_sha256 = ["{hash_key(KEY)}"]\n')
         gw = procs.start("gateway", [sys.executable, "-m", "edgeinfer.ops.cli", "gateway", "--config", str(cfg)], env)
         gw_url = f"http://127.0.0.1:{gw_port}"
-        _wait_http(gw_url + "/ready", gw, 60)
+        wait_http(gw_url + "/ready", gw, 60)
 
         stats = asyncio.run(drive(gw_url, model, args))
         leaked = {}
@@ -287,8 +229,8 @@ def main() -> int:
             "errors": stats["errors"], "wall_s": stats["wall_s"],
             "completion_tokens": stats["tokens"], "tokens_per_s": round(stats["tokens"] / stats["wall_s"], 2),
             "requests_per_s": round(stats["completed"] / stats["wall_s"], 3),
-            "ttft": _summary(stats["ttft"]), "itl": _summary(stats["itl"]),
-            "request_latency": _summary(stats["latency"]),
+            "ttft": latency_summary(stats["ttft"]), "itl": latency_summary(stats["itl"]),
+            "request_latency": latency_summary(stats["latency"]),
             "backend_finished_by_reason": reasons, "pages_used_after": leaked, "pages_leaked": sum(leaked.values()),
         }
     finally:

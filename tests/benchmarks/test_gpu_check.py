@@ -67,8 +67,8 @@ run_step quick 10 true
 def test_bench_kernels_dry_run_writes_rows_for_every_shape(tmp_path):
     out = tmp_path / "bk.json"
     env = _env(tmp_path, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_kernels.py"), "--cpu-dry-run", "--out", str(out)],
-                       capture_output=True, text=True, env=env, timeout=600)
+    r = subprocess.run([sys.executable, "-m", "benchmarks.kernels.gpu", "--cpu-dry-run", "--out", str(out)],
+                       capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
     report = json.loads(out.read_text())
     assert report["dry_run"] is True
