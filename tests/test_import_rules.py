@@ -129,3 +129,15 @@ def test_the_gateway_reads_the_default_tokenizer_without_importing_the_model(tmp
     (native_default_dir() / "tokenizer.json").write_text("{}")
     assert resolve_tokenizer_dir("default") == tmp_path / "models" / "gguf-native" / "SmolLM2-135M-Instruct"
     assert resolve_tokenizer_dir("/some/dir") == Path("/some/dir")
+
+
+def test_the_installed_packages_never_import_the_benchmarks_or_the_tests():
+    """benchmarks/ and tests/ are not installed (pyproject packages only edgeinfer*): an import of either from a
+    package would work in a checkout and fail for a user."""
+    bad = []
+    for name, f in modules().items():
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            targets = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
+            bad += [f"{name} imports {t}" for t in targets if t.split(".")[0] in ("benchmarks", "tests")]
+    assert not bad, bad

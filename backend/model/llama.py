@@ -245,7 +245,7 @@ class LlamaModel(nn.Module):
         self.step_ops = None   # kernels.cpu.attn's ops (or their references) once prepack() picks the CPU path
         self.parallel = None   # backend.parallel.comm.Comm once backend.parallel.shard made this a rank's shard
         self.vocab_range = (0, cfg.vocab_size)   # the embedding / head rows this rank holds (vocab-parallel)
-        self.lean_decode = True   # decode-only steps through DecodePlan where it applies (bench_step turns it off)
+        self.lean_decode = True   # decode-only steps through DecodePlan where it applies (benchmarks.engine.step turns it off)
         self._decode_plan: DecodePlan | None = None   # built by prepack() once the linears are packed
 
     @property

@@ -47,7 +47,7 @@ class MLAAttention(nn.Module):
         self.w_uv = nn.Parameter(w[:, m.qk_nope_head_dim:].contiguous(), requires_grad=False)
         self.scale = m.softmax_scale
         self.prefill_form = "expanded"
-        self.decode_form = "absorbed"   # "expanded": re-expand every context latent each step (bench_mla's baseline)
+        self.decode_form = "absorbed"   # "expanded": re-expand every context latent each step (the mla benchmark's baseline)
         self.norms_or_partial_rope = True   # never the fused GQA rope op or DecodePlan
 
     def _q_and_latent(self, x: torch.Tensor, cos_sin, rotary) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -10,11 +10,12 @@ GGUF's own dequantized weights through dense fp32 linears.
 
 Variants:
   fp32 dequantized     the dequantized import (today's tests' checkpoint), oneDNN-prepacked fp32 linears
-  native int4          the served default: Q4_1 blocks in torch's CPU int4 GEMM, Q8_0 embedding as int8 +
-                       scales, the tied head a oneDNN-prepacked fp32 copy (exact)
-  native, bf16 head    the same with the head held as plain bf16 (half the head's bytes; slower GEMM here)
+  native int4          the served default: Q4_1 blocks on the CPU kernels (kernels/cpu; torch's CPU int4 GEMM
+                       where they cannot be built), the Q8_0 embedding as int8 + scales, the tied head on the
+                       embedding's own int8 table
+  native, bf16 head    the same with the head held as plain bf16 (a comparison: more bytes, a slower GEMM here)
   torch only           python + torch + the package imported, no model (the floor every variant pays)
-Writes benchmarks/results/bench_gguf_native.json.
+Writes benchmarks/results/engine.native_int4.json.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def perplexity(chunks_n: int, chunk_len: int) -> list[dict]:
     rows, ref = [], None
     for variant, path, prepack in [("gguf dequantized (fp32 dense)", ensure_default_model(), True),
                                    ("native int4 reference (exact weights)", ensure_native_default_model(), False),
-                                   ("native int4 served (int4 GEMM, bf16 acts)", ensure_native_default_model(), True)]:
+                                   ("native int4 as served (prepacked: the CPU kernels, or torch int4 without them)", ensure_native_default_model(), True)]:
         model = load_model(path, prepack=prepack)
         ppl, pred, secs = evaluate(model, chunks, "fp32")
         ref = pred if ref is None else ref
