@@ -44,10 +44,10 @@ def headline_rows(part: Part, result_path: Path) -> list[tuple[str, object]]:
         return [("(unreadable result)", f"{type(e).__name__}: {e}")]
 
 
-def summary_md(suite: Suite, out_dir: Path) -> str:
+def summary_md(suite: Suite, results: dict[str, Path]) -> str:
     lines = [f"# {suite.name}: {suite.question}", "", "| part | number | value |", "|---|---|---|"]
     for p in suite.parts:
-        for label, value in headline_rows(p, out_dir / f"{p.module}.json") or [("-", "-")]:
+        for label, value in headline_rows(p, results[p.module]) or [("-", "-")]:
             lines.append(f"| {p.module} | {label} | {value} |")
     return "\n".join(lines) + "\n"
 
@@ -85,14 +85,21 @@ def run_suite(suite: Suite, smoke: bool, out_dir: Path | None, extra: list[str] 
         out_dir = Path(tempfile.mkdtemp(prefix=f"bench-{suite.name}-")) if smoke else ROOT / "benchmarks" / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     failed = []
+    results: dict[str, Path] = {}
     for p in suite.parts:
         smoke_args = [x.replace("{out_dir}", str(out_dir)) for x in p.smoke] if smoke else []
-        args = [*smoke_args, *(extra or []), "--out", str(out_dir / f"{p.module}.json")]
+        args = [*smoke_args, *(extra or [])]
+        given = [args[i + 1] for i, x in enumerate(args[:-1]) if x == "--out"]
+        given += [x.split("=", 1)[1] for x in args if x.startswith("--out=")]
+        results[p.module] = Path(given[-1]) if given else out_dir / f"{p.module}.json"
+        if not given:
+            args += ["--out", str(results[p.module])]
         rc = run_part(p, args, p.smoke_env if smoke else None, p.smoke_timeout_s if smoke else None)
         if rc != 0:
             failed.append(f"{p.module} (rc {rc})")
-    md = summary_md(suite, out_dir)
-    (out_dir / f"{suite.name}.summary.md").write_text(md)
+    md = summary_md(suite, results)
+    # beside the results: the run's directory, or where a one-part suite's --out put its result
+    (results[suite.parts[-1].module].parent / f"{suite.name}.summary.md").write_text(md)
     print(md)
     if failed:
         print("failed: " + ", ".join(failed), file=sys.stderr)

@@ -76,3 +76,14 @@ def test_the_entry_point_lists_suites_and_refuses_unknown_names(tmp_path):
     assert r.returncode == 2 and "pass a part's own arguments by naming the part" in r.stderr
     r = _run(["table"], 60, tmp_path)
     assert r.returncode == 0 and all(f"| {s.name} |" in r.stdout for s in SUITES)
+
+
+def test_a_one_part_suite_passes_its_parts_arguments_and_out_through(tmp_path):
+    recorded = ROOT / "benchmarks" / "results" / "sizing.json"
+    before = recorded.read_bytes()
+    out = tmp_path / "elsewhere" / "k2.json"
+    r = _run(["sizing", "--gpus", "4", "--out", str(out)], 120, tmp_path / "home")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(out.read_text())["node"]["gpus"] == 4
+    assert recorded.read_bytes() == before          # the recorded result is not overwritten
+    assert (out.parent / "sizing.summary.md").read_text().startswith("# sizing: ")
