@@ -110,6 +110,11 @@ def main() -> int:
     if args.role == "gateway":
         run_gateway(args.port, args.stub_port, args.workers)
         return 0
+    # the gateway's tokenizer "default" is the built-in model's import, which the gateway never makes itself
+    # (`edgeinfer serve` does, on first start): make it here on a fresh EDGEINFER_HOME
+    from edgeinfer.backend.model.gguf_import import ensure_native_default_model
+
+    ensure_native_default_model()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     stub_port = free_port()
     stub = subprocess.Popen([sys.executable, "-m", "benchmarks.serving.huge_prompts", "--role", "stub", "--port", str(stub_port)], env=env)
