@@ -25,13 +25,19 @@ def _run(args: list[str], timeout: float, home: Path) -> subprocess.CompletedPro
                           text=True, timeout=timeout)
 
 
+@pytest.fixture(scope="module")
+def shared_home(tmp_path_factory) -> Path:
+    """One EDGEINFER_HOME for the smoke runs: the built-in model is imported once, by the first suite that needs
+    it, not once per suite."""
+    return tmp_path_factory.mktemp("bench-home")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("suite", [s.name for s in SUITES])
-def test_every_suite_runs_in_smoke_mode(suite, tmp_path):
+def test_every_suite_runs_in_smoke_mode(suite, tmp_path, shared_home):
     s = BY_NAME[suite]
     out = tmp_path / "out"
-    r = _run([suite, "--smoke", "--out-dir", str(out)], sum(p.smoke_timeout_s for p in s.parts) + 60,
-             tmp_path / "home")
+    r = _run([suite, "--smoke", "--out-dir", str(out)], sum(p.smoke_timeout_s for p in s.parts) + 60, shared_home)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     for p in s.parts:
         result = out / f"{p.module}.json"
@@ -43,7 +49,7 @@ def test_every_suite_runs_in_smoke_mode(suite, tmp_path):
     if suite == "fairness":   # the medians over runs read what a run writes
         med = tmp_path / "medians.json"
         r = _run(["fairness.tenants", "--summarize", str(out / "fairness.tenants.json"), "--out", str(med)], 60,
-                 tmp_path / "home")
+                 shared_home)
         assert r.returncode == 0, r.stderr[-2000:]
         medians = json.loads(med.read_text())["medians"]
         assert medians and all(m["runs"] == 1 and m["p99_ratio"] is not None for m in medians.values()), medians
