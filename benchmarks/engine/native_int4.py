@@ -63,21 +63,9 @@ def load(variant: str):
 
 
 def step_ms(model, batch: int, steps: int) -> float:
-    from edgeinfer.backend.engine.config import EngineConfig
-    from edgeinfer.backend.engine.engine import LLMEngine
-    from edgeinfer.protocol.wire import GenerateRequest, SamplingParams
+    from benchmarks.engine.step import decoding_engine
 
-    eng = LLMEngine(model, None, EngineConfig(max_num_seqs=64, max_num_batched_tokens=4096, num_pages=512))
-    g = torch.Generator().manual_seed(batch)
-    for i in range(batch):
-        prompt = torch.randint(100, 49000, (64,), generator=g).tolist()
-        sp = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
-        seq = eng._make_seq(GenerateRequest(f"b{i}", prompt, sp, "bench"), lambda chunk: None)
-        eng._seqs[seq.request_id] = seq
-        eng.scheduler.add(seq)
-    eng.step()                    # prefill
-    for _ in range(2):            # warm-up decodes
-        eng.step()
+    eng = decoding_engine(model, batch, 64, num_pages=512, max_tokens=steps + 8, warmup=2)
     t = time.perf_counter()
     for _ in range(steps):
         eng.step()

@@ -33,7 +33,11 @@ HERE = Path(__file__).resolve()
 
 # ---------------------------------------------------------------- worker (runs inside the tree measured)
 
-def _engine(model, batch: int, prompt_len: int):
+def decoding_engine(model, batch: int, prompt_len: int, num_pages: int = 2048, max_tokens: int = 10_000,
+                    warmup: int = 3):
+    """An engine on the caller's thread with `batch` sequences of random prompts (seeded by batch) prefilled in
+    one step and `warmup` decode steps done: every later step() is a decode step of `batch` rows. Imports only
+    edgeinfer, so a worker in another tree (--baseline-tree) can run it; engine.native_int4 uses it too."""
     import torch
 
     from edgeinfer.backend.engine.config import EngineConfig
@@ -41,16 +45,16 @@ def _engine(model, batch: int, prompt_len: int):
     from edgeinfer.protocol.wire import GenerateRequest, SamplingParams
 
     eng = LLMEngine(model, None, EngineConfig(max_num_seqs=max(64, batch), max_num_batched_tokens=4096,
-                                              num_pages=2048))
+                                              num_pages=num_pages))
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
         prompt = torch.randint(100, 49000, (prompt_len,), generator=g).tolist()
-        sp = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         seq = eng._make_seq(GenerateRequest(f"b{i}", prompt, sp, "bench"), lambda chunk: None)
         eng._seqs[seq.request_id] = seq
         eng.scheduler.add(seq)
     eng.step()                       # prefill
-    for _ in range(3):               # warm-up decodes
+    for _ in range(warmup):          # warm-up decodes
         eng.step()
     assert len(eng.scheduler.running) == batch and all(not s.is_prefilling for s in eng.scheduler.running)
     return eng
@@ -173,7 +177,7 @@ def worker(args) -> dict:
         model = load_model(path)
         out: dict = {"weight_bytes": model.weight_bytes(), "rows": []}
         for b in args.batch:
-            eng = _engine(model, b, args.prompt_len)
+            eng = decoding_engine(model, b, args.prompt_len)
             wall, cpu = [], []
             for _ in range(args.steps):
                 w, c = time.perf_counter(), time.process_time()
