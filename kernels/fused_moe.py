@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from edgeinfer.kernels._triton import cdiv, check, check_tensor, jit, require_triton, tl, upcast_dot
-from edgeinfer.kernels.w4a16_gemm import ACT_DTYPES, dequant_tile, group_dequantize_tensor
+from edgeinfer.kernels.w4a16_gemm import ACT_DTYPES, dequant_tile, group_dequantize_tensor, load_even_odd
 
 BLOCK_M = 16
 
@@ -103,31 +103,35 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M
 
 
 @jit
+def _expert_tile(pairs_ptr, tile_expert_ptr, qw_ptr, s_ptr, z_ptr, stride_qe, stride_se, TK,
+                 BLOCK_M: tl.constexpr):
+    """This program's M tile of expert-sorted pairs: (expert, pair ids, which are real, the expert's qweight,
+    scales and zeros); expert >= NUM_EXPERTS marks a tile past the last expert's run. Both kernels start so."""
+    pid_m = tl.program_id(0).to(tl.int64)
+    e = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
+    pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    return e, pairs, pairs < TK, qw_ptr + e * stride_qe, s_ptr + e * stride_se, z_ptr + e * stride_se
+
+
+@jit
 def _gate_up_kernel(x_ptr, pairs_ptr, tile_expert_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
                     TK, H, INTER, NUM_EXPERTS, TOP_K,
                     stride_xm, stride_qe, stride_qn, stride_se, stride_sn, stride_om,
                     GROUP_SIZE: tl.constexpr, SYMMETRIC: tl.constexpr, UPCAST_DOT: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1).to(tl.int64)
-    e = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
+    e, pairs, mask_m, qw_e, s_e, z_e = _expert_tile(pairs_ptr, tile_expert_ptr, qw_ptr, s_ptr, z_ptr, stride_qe,
+                                                    stride_se, TK, BLOCK_M)
     if e < NUM_EXPERTS:
-        pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        mask_m = pairs < TK
         tok = pairs // TOP_K
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = rn < INTER
         rb = tl.arange(0, BLOCK_K // 2)
-        qw_e = qw_ptr + e * stride_qe
-        s_e = s_ptr + e * stride_se
-        z_e = z_ptr + e * stride_se
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
             kb = k0 // 2 + rb
-            x_even = tl.load(x_ptr + tok[:, None] * stride_xm + (2 * kb)[None, :], mask=mask_m[:, None], other=0.0)
-            x_odd = tl.load(x_ptr + tok[:, None] * stride_xm + (2 * kb + 1)[None, :], mask=mask_m[:, None],
-                            other=0.0)
+            x_even, x_odd = load_even_odd(x_ptr, tok, kb, stride_xm, 1, mask_m)
             if UPCAST_DOT:
                 x_even, x_odd = x_even.to(tl.float32), x_odd.to(tl.float32)
             group = k0 // GROUP_SIZE
@@ -149,24 +153,17 @@ def _down_kernel(a_ptr, pairs_ptr, tile_expert_ptr, weights_ptr, qw_ptr, s_ptr, 
                  stride_am, stride_qe, stride_qn, stride_se, stride_sn, stride_om,
                  GROUP_SIZE: tl.constexpr, SYMMETRIC: tl.constexpr, UPCAST_DOT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1).to(tl.int64)
-    e = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
+    e, pairs, mask_m, qw_e, s_e, z_e = _expert_tile(pairs_ptr, tile_expert_ptr, qw_ptr, s_ptr, z_ptr, stride_qe,
+                                                    stride_se, TK, BLOCK_M)
     if e < NUM_EXPERTS:
-        pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        mask_m = pairs < TK
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = rn < N
         rb = tl.arange(0, BLOCK_K // 2)
-        qw_e = qw_ptr + e * stride_qe
-        s_e = s_ptr + e * stride_se
-        z_e = z_ptr + e * stride_se
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kb = k0 // 2 + rb
-            a_even = tl.load(a_ptr + pairs[:, None] * stride_am + (2 * kb)[None, :], mask=mask_m[:, None], other=0.0)
-            a_odd = tl.load(a_ptr + pairs[:, None] * stride_am + (2 * kb + 1)[None, :], mask=mask_m[:, None],
-                            other=0.0)
+            a_even, a_odd = load_even_odd(a_ptr, pairs, kb, stride_am, 1, mask_m)
             w_even, w_odd = dequant_tile(qw_e, s_e, z_e, rn, mask_n, kb, k0 // GROUP_SIZE, stride_qn, stride_sn,
                                          a_even, SYMMETRIC, BLOCK_N)
             if UPCAST_DOT:

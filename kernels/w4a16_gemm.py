@@ -121,6 +121,16 @@ def dequant_tile(qw_ptr, s_ptr, z_ptr, rows, mask_n, kb, group, stride_qn, strid
 
 
 @jit
+def load_even_odd(ptr, rows, kb, stride_row, stride_col, mask_rows):
+    """Rows `rows` of a row-major activation at the even and the odd columns of packed columns `kb` (the columns
+    whose weights one packed byte holds) -> (even, odd), masked rows 0. Shared like dequant_tile."""
+    base = ptr + rows[:, None] * stride_row
+    even = tl.load(base + (2 * kb)[None, :] * stride_col, mask=mask_rows[:, None], other=0.0)
+    odd = tl.load(base + (2 * kb + 1)[None, :] * stride_col, mask=mask_rows[:, None], other=0.0)
+    return even, odd
+
+
+@jit
 def _w4a16_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, out_ptr,
                   M, N, K,
                   stride_xm, stride_xk, stride_qn, stride_sn, stride_om,
@@ -136,10 +146,7 @@ def _w4a16_kernel(x_ptr, qw_ptr, scales_ptr, zeros_ptr, out_ptr,
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kb = k0 // 2 + rb
-        x_even = tl.load(x_ptr + rm[:, None] * stride_xm + (2 * kb)[None, :] * stride_xk,
-                         mask=mask_m[:, None], other=0.0)
-        x_odd = tl.load(x_ptr + rm[:, None] * stride_xm + (2 * kb + 1)[None, :] * stride_xk,
-                        mask=mask_m[:, None], other=0.0)
+        x_even, x_odd = load_even_odd(x_ptr, rm, kb, stride_xm, stride_xk, mask_m)
         w_even, w_odd = dequant_tile(qw_ptr, scales_ptr, zeros_ptr, rn, mask_n, kb, k0 // GROUP_SIZE, stride_qn,
                                      stride_sn, x_even, SYMMETRIC, BLOCK_N)
         if UPCAST_DOT:  # interpreter only: its tl.dot multiplies bf16 bit patterns
