@@ -8,7 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.harness.results import ROOT
+
 RESULTS = ROOT / "benchmarks" / "results"
 
 Headline = Callable[[dict], list[tuple[str, object]]]

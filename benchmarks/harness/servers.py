@@ -155,20 +155,15 @@ class Running:
 
     def _wait_ready(self) -> None:
         assert self.proc is not None
-        end = time.monotonic() + self.ready_timeout_s
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.spec.name} exited with {self.proc.returncode} before it was ready; "
-                                   f"log: {self.log_path}\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.spec.url + self.spec.ready_path, timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"{self.spec.name} not ready after {self.ready_timeout_s:.0f}s; log: {self.log_path}\n"
-                           f"{self.log_tail()}")
+        try:
+            wait_http(self.spec.url + self.spec.ready_path, self.proc, self.ready_timeout_s, every_s=0.5,
+                      request_timeout_s=2.0)
+        except RuntimeError:
+            raise RuntimeError(f"{self.spec.name} exited with {self.proc.returncode} before it was ready; "
+                               f"log: {self.log_path}\n{self.log_tail()}") from None
+        except TimeoutError:
+            raise TimeoutError(f"{self.spec.name} not ready after {self.ready_timeout_s:.0f}s; log: {self.log_path}\n"
+                               f"{self.log_tail()}") from None
 
     def log_tail(self, n: int = 3000) -> str:
         try:
@@ -285,17 +280,19 @@ class ProcessGroup:
                 p.wait()
 
 
-def wait_http(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 60.0) -> None:
-    """Until GET url answers 200; raises if proc exits first or timeout_s passes."""
+def wait_http(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 60.0, every_s: float = 0.1,
+              request_timeout_s: float = 1.0) -> None:
+    """Until GET url answers 200, asking every `every_s`; raises RuntimeError if proc exits first, TimeoutError
+    after timeout_s. Every way a benchmark waits for a server it started."""
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"{url}: process exited with {proc.returncode}")
         try:
-            with urllib.request.urlopen(url, timeout=1) as r:
+            with urllib.request.urlopen(url, timeout=request_timeout_s) as r:
                 if r.status == 200:
                     return
         except OSError:
             pass
-        time.sleep(0.1)
+        time.sleep(every_s)
     raise TimeoutError(f"{url} not ready after {timeout_s}s")
