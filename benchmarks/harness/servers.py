@@ -89,19 +89,23 @@ def status_kib(pid: int, key: str) -> int:
 
 
 class RssWatch(threading.Thread):
-    """Samples the process tree: the peak of the summed VmRSS, and each process's VmHWM (its own peak)."""
+    """Samples the process tree: the peak of the summed VmRSS, each process's sampled VmRSS peak and its VmHWM
+    (its own peak as the kernel counts it)."""
 
     def __init__(self, sid: int, every_s: float = 0.25) -> None:
         super().__init__(daemon=True, name=f"rss-{sid}")
         self.sid, self.every_s = sid, every_s
         self.peak_sum_kib = 0
+        self.peak_kib: dict[int, int] = {}
         self.hwm_kib: dict[int, int] = {}
         self._stop_evt = threading.Event()
 
     def sample(self) -> None:
         total = 0
         for pid in tree_pids(self.sid):
-            total += status_kib(pid, "VmRSS")
+            rss = status_kib(pid, "VmRSS")
+            total += rss
+            self.peak_kib[pid] = max(self.peak_kib.get(pid, 0), rss)
             self.hwm_kib[pid] = max(self.hwm_kib.get(pid, 0), status_kib(pid, "VmHWM"))
         self.peak_sum_kib = max(self.peak_sum_kib, total)
 

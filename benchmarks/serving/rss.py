@@ -18,7 +18,6 @@ import asyncio
 import json
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -26,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.harness import load  # noqa: E402
-from benchmarks.harness.servers import Running, edgeinfer_spec, status_kib, tree_pids  # noqa: E402
+from benchmarks.harness.servers import RssWatch, Running, edgeinfer_spec, status_kib, tree_pids  # noqa: E402
 from benchmarks.peers import Prompts, prompt_tokens, tokenizer  # noqa: E402
 
 ROLLUP_KEYS = ("Rss", "Pss", "Pss_Anon", "Pss_File", "Anonymous", "Shared_Clean", "Private_Clean", "Private_Dirty")
@@ -64,37 +63,20 @@ def smaps_rollup(pid: int) -> dict[str, int]:
     return out
 
 
-class PerProcess(threading.Thread):
-    """Every 0.25 s: each process's VmRSS (its sampled peak) and the summed peak over the tree (`edgeinfer serve`,
-    its backend and valkey, which run in sessions of their own)."""
+class PerProcess(RssWatch):
+    """The harness's tree sampler (every 0.25 s: each process's VmRSS peak and VmHWM, the summed peak over the tree:
+    `edgeinfer serve`, its backend and valkey, which run in sessions of their own), started when the server is
+    idle rather than at its start, plus each process's command line."""
 
-    def __init__(self, sid: int) -> None:
-        super().__init__(daemon=True)
-        self.sid = sid
-        self.peak_kib: dict[int, int] = {}
-        self.hwm_kib: dict[int, int] = {}
+    def __init__(self, root: int) -> None:
+        super().__init__(root)
         self.cmd: dict[int, list[str]] = {}
-        self.peak_sum_kib = 0
-        self._halt = threading.Event()
 
     def sample(self) -> None:
-        total = 0
-        for pid in tree_pids(self.sid):
-            rss = status_kib(pid, "VmRSS")
-            total += rss
-            self.peak_kib[pid] = max(self.peak_kib.get(pid, 0), rss)
-            self.hwm_kib[pid] = max(self.hwm_kib.get(pid, 0), status_kib(pid, "VmHWM"))
+        super().sample()
+        for pid in self.peak_kib:
             if pid not in self.cmd:
                 self.cmd[pid] = cmdline(pid)
-        self.peak_sum_kib = max(self.peak_sum_kib, total)
-
-    def run(self) -> None:
-        while not self._halt.wait(0.25):
-            self.sample()
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.join(timeout=5)
 
 
 def mib(kib: int) -> float:
@@ -137,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         took = time.monotonic() - t0
         watch.sample()
         rollups = {pid: smaps_rollup(pid) for pid in tree_pids(srv.proc.pid)}
-        watch.stop()
+        watch.finish()
         errors = [s.error for s in shots if s.error]
         procs = []
         for pid in sorted(watch.peak_kib):
