@@ -155,6 +155,7 @@ class Int4Experts(nn.Module):
         self.register_buffer("gu_x8", None)   # CPU prepack: [E, ceil(2I/8), H/32 * 160]
         self.register_buffer("dn_x8", None)   # [E, ceil(H/8), I/32 * 160]
         self.residual_activations = False
+        self._kernel_args: tuple | None = None   # kernel_form() for forward, computed once (as W4A16Linear's)
 
     @classmethod
     def from_linears(cls, gate_up: list, down: list) -> Int4Experts:
@@ -237,7 +238,9 @@ class Int4Experts(nn.Module):
             y = cpu_kernels.q4_1x8_moe(x.float().contiguous(), ids, weights.float().contiguous(), self.gu_x8,
                                        self.dn_x8, self.intermediate, self.residual_activations)
             return y.to(x.dtype)
-        w1q, w1s, w1z, w2q, w2s, w2z = self.kernel_form()
+        if self._kernel_args is None:   # with mins, fp32 zero points of every expert: not once per step
+            self._kernel_args = self.kernel_form()
+        w1q, w1s, w1z, w2q, w2s, w2z = self._kernel_args
         if kernel_takes(x):
             return kernels.fused_moe_w4a16(x, weights, ids, w1q, w1s, w1z, w2q, w2s, w2z, self.group_size)
         return kernels.fused_moe_w4a16_reference(x, weights, ids, w1q, w1s, w1z, w2q, w2s, w2z, self.group_size)
