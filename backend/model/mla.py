@@ -100,15 +100,10 @@ class MLAAttention(nn.Module):
     def decode_expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv, meta) -> torch.Tensor:
         """The non-absorbed decode, for comparison only: each sequence's context latents expanded through kv_b_proj
         to per-head K and V every step (what a cache of expanded K/V would hold), then attention."""
-        m, h = self.mla, self.cfg.num_heads
-        out = torch.empty(q_nope.shape[0], h, m.v_head_dim, dtype=q_nope.dtype, device=q_nope.device)
+        out = torch.empty(q_nope.shape[0], self.cfg.num_heads, self.mla.v_head_dim, dtype=q_nope.dtype,
+                          device=q_nope.device)
         for j, n in enumerate(meta.decode_context_lens.tolist()):
-            lat = kernels_gather(kv, meta.decode_block_tables[j], n, self.w_uk.dtype)
-            c, k_pe = lat[:, : m.kv_lora_rank], lat[:, m.kv_lora_rank:]
-            k = torch.cat((torch.einsum("hnr,cr->hcn", self.w_uk, c), k_pe[None].expand(h, -1, -1)), -1)
-            v = torch.einsum("hvr,cr->hcv", self.w_uv, c)
-            q = torch.cat((q_nope[j], q_pe[j]), -1)[:, None].to(c.dtype)                   # [H, 1, nope + rope]
-            out[j] = _causal(q, k, v, n, self.scale)[:, 0].to(out.dtype)
+            out[j] = self._expanded(q_nope[j:j + 1], q_pe[j:j + 1], kv, meta.decode_block_tables[j], n)[0]
         return out
 
     def _chunks(self, meta):
@@ -119,17 +114,23 @@ class MLAAttention(nn.Module):
 
     def prefill_expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv, meta) -> torch.Tensor:
         """Each chunk's context latents expanded through kv_b_proj to per-head K and V, causal attention."""
-        m, h = self.mla, self.cfg.num_heads
-        out = torch.empty(q_nope.shape[0], h, m.v_head_dim, dtype=q_nope.dtype, device=q_nope.device)
+        out = torch.empty(q_nope.shape[0], self.cfg.num_heads, self.mla.v_head_dim, dtype=q_nope.dtype,
+                          device=q_nope.device)
         for j, a, b, n in self._chunks(meta):
-            lat = kernels_gather(kv, meta.prefill_block_tables[j], n, self.w_uk.dtype)
-            c, k_pe = lat[:, : m.kv_lora_rank], lat[:, m.kv_lora_rank:]
-            k_nope = torch.einsum("hnr,cr->hcn", self.w_uk, c)
-            v = torch.einsum("hvr,cr->hcv", self.w_uv, c)
-            q = torch.cat((q_nope[a:b], q_pe[a:b]), -1).transpose(0, 1).to(c.dtype)      # [H, L, nope + rope]
-            k = torch.cat((k_nope, k_pe[None].expand(h, -1, -1)), -1)                      # [H, n, nope + rope]
-            out[a:b] = _causal(q, k, v, n, self.scale).transpose(0, 1).to(out.dtype)
+            out[a:b] = self._expanded(q_nope[a:b], q_pe[a:b], kv, meta.prefill_block_tables[j], n)
         return out
+
+    def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv, block_table: torch.Tensor, n: int
+                  ) -> torch.Tensor:
+        """The last L of a sequence's n positions, [L, H, nope] and [L, H, rope], against its n context latents
+        expanded to per-head K (W_UK c, k_pe) and V (W_UV c) -> [L, H, v] in q's dtype."""
+        m, h = self.mla, self.cfg.num_heads
+        lat = kernels_gather(kv, block_table, n, self.w_uk.dtype)
+        c, k_pe = lat[:, : m.kv_lora_rank], lat[:, m.kv_lora_rank:]
+        k = torch.cat((torch.einsum("hnr,cr->hcn", self.w_uk, c), k_pe[None].expand(h, -1, -1)), -1)  # [H, n, d]
+        v = torch.einsum("hvr,cr->hcv", self.w_uv, c)
+        q = torch.cat((q_nope, q_pe), -1).transpose(0, 1).to(c.dtype)                                  # [H, L, d]
+        return _causal(q, k, v, n, self.scale).transpose(0, 1).to(q_nope.dtype)
 
     def prefill_latent(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv, meta) -> torch.Tensor:
         """The chunk attends in the latent form, as decode does (scores against the 576-wide rows)."""
