@@ -132,12 +132,8 @@ def _local_rows(kv: list[LayerKV], pages: list[int]) -> torch.Tensor:
 
 def _write_local_rows(kv: list[LayerKV], pages: list[int], buf: torch.Tensor) -> None:
     idx = torch.tensor(pages, dtype=torch.long)
-    off = 0
-    for t in _parts(kv):
-        u = t.view(torch.uint8)
-        nb = u[0].numel()
-        u.index_copy_(0, idx, buf[:, off:off + nb].reshape((len(pages), *u.shape[1:])))
-        off += nb
+    for t, rows in zip(_parts(kv), _split_rows(kv, buf), strict=True):
+        t.view(torch.uint8).index_copy_(0, idx, rows)
 
 
 def _page_shapes(kv: list[LayerKV]) -> list[torch.Size]:
