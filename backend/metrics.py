@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter as Tally
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from edgeinfer.backend.engine.engine import EngineObserver
 
@@ -12,6 +12,8 @@ _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class BackendMetrics(EngineObserver):
+    """`registry`: the node's series (open on GET /metrics); `tenant_registry`: series labelled by tenant id."""
+
     def __init__(self, model: str) -> None:
         r = self.registry = CollectorRegistry()
         L = ["model"]
@@ -48,17 +50,19 @@ class BackendMetrics(EngineObserver):
         self.max_kv_tokens = Gauge("edgeinfer_backend_kv_max_tokens", "Tokens that fit in the KV budget", L,
                                    registry=r)
         T = ["model", "tenant"]
+        # tenant ids: shown on GET /metrics only to the gateway's secret or the operator key (backend/server.py)
+        rt = self.tenant_registry = CollectorRegistry()
         self.tenant_served = Counter("edgeinfer_backend_tenant_served_tokens",
                                      "Tokens computed for a tenant (kind: prefill, decode; recompute included)",
-                                     T + ["kind"], registry=r)
+                                     T + ["kind"], registry=rt)
         self.tenant_queue = Histogram("edgeinfer_backend_tenant_queue_seconds",
                                       "Arrival to first admission into the running batch", T, buckets=_LAT,
-                                      registry=r)
+                                      registry=rt)
         self.tenant_cached_pages = Gauge("edgeinfer_backend_tenant_cached_pages",
-                                         "Prefix-cache pages a tenant holds (in use or free)", T, registry=r)
+                                         "Prefix-cache pages a tenant holds (in use or free)", T, registry=rt)
         self.tenant_counter = Gauge("edgeinfer_backend_tenant_virtual_tokens",
                                     "Fair scheduler's virtual token counter (weighted service / weight)", T,
-                                    registry=r)
+                                    registry=rt)
         self.contended_steps = Counter("edgeinfer_backend_contended_steps",
                                        "Steps whose prefill the fair scheduler capped (> 1 tenant active)", L,
                                        registry=r)
@@ -145,3 +149,8 @@ class BackendMetrics(EngineObserver):
         self.pages_total.labels(m).set(engine.blocks.num_pages)
         self.pages_free.labels(m).set(engine.blocks.num_free)
         self.pages_used.labels(m).set(engine.blocks.num_used)
+
+    def render(self, tenants: bool) -> bytes:
+        """Prometheus text: the node's series, and the per-tenant ones when `tenants`."""
+        body = generate_latest(self.registry)
+        return body + generate_latest(self.tenant_registry) if tenants else body

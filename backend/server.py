@@ -2,7 +2,8 @@
 
 /internal/* answers only a caller holding the internal secret (the gateway: `authorization: Bearer
 <secret>`, compared in constant time) or the operator key (ops canary and health gates); anything else
-is a 401 before the body is read. /health, /ready, /metrics stay open; /admin/* needs the operator key.
+is a 401 before the body is read. /health, /ready, /metrics stay open (/metrics without tenant ids, which it
+shows only to the internal secret or the operator key); /admin/* needs the operator key.
 
 Queueing: a generate stream carries a keepalive (an empty NDJSON line) every --keepalive-s without a chunk
 while the engine keeps stepping, so the gateway can tell a queued request on a working node from one on a
@@ -29,7 +30,6 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
-from prometheus_client import generate_latest
 
 from edgeinfer.backend.config import BackendConfig
 from edgeinfer.backend.engine.engine import LLMEngine, RequestError
@@ -114,7 +114,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
             if hasattr(ext, "before_generate"):
                 await ext.before_generate(request.app, req)
         resp = web.StreamResponse(headers={"content-type": "application/x-ndjson", "x-node-id": st.node_id})
-        await resp.prepare(request)
+        try:
+            await resp.prepare(request)
+        except ConnectionResetError as e:     # the caller left before the headers: nothing was started
+            log.info("request %s: the caller left before the response headers (%s)", req.request_id, e)
+            return resp
         gen = engine.stream_batches(req, st.keepalive_s)
         try:
             async for batch in gen:       # every chunk the engine delivered so far: one write
@@ -180,9 +184,11 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    """Open, without tenant ids; the per-tenant series too for the gateway's secret or the operator key."""
     st = request.app[STATE]
     st.metrics.on_step(st.engine, None, 0.0)
-    return web.Response(body=generate_latest(st.metrics.registry), content_type="text/plain")
+    trusted = _operator_ok(request) or (st.internal_secret is not None and _bearer_is(request, st.internal_secret))
+    return web.Response(body=st.metrics.render(trusted), content_type="text/plain")
 
 
 def _bearer_is(request: web.Request, key: str) -> bool:

@@ -39,13 +39,14 @@ from edgeinfer.gateway.schemas import (
 )
 from edgeinfer.gateway.served_model import ServedModel
 from edgeinfer.gateway.state import STATE, GatewayState
-from edgeinfer.gateway.structured import constraint_for, guided_constraint
+from edgeinfer.gateway.structured import Pending, SchemaLimits, check_depth, constraint_for, guided_constraint
 from edgeinfer.gateway.tools import ToolPlan, ToolStream, plan_tools, render_messages, split_output
-from edgeinfer.gateway.upstream import UpstreamBroken
+from edgeinfer.gateway.upstream import GRAMMAR_FAILED, UpstreamBroken, error_code_name
 from edgeinfer.protocol.wire import Constraint, SamplingParams, StreamChunk
 
 _SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache", "x-accel-buffering": "no"}
 _DONE = b"data: [DONE]\n\n"
+SHUTDOWN_MESSAGE = "the gateway is shutting down: this stream was cut at the end of its shutdown grace"
 
 
 async def read_body(request: web.Request, st: GatewayState) -> bytes:
@@ -72,13 +73,43 @@ async def read_body(request: web.Request, st: GatewayState) -> bytes:
                        code="timeout") from e
 
 
+_raw_fields = msgspec.json.Decoder(dict[str, msgspec.Raw])
+
+
 def decode(decoder: msgspec.json.Decoder, body: bytes):
     try:
         return decoder.decode(body)
+    except RecursionError:
+        raise _too_deep(body) from None
     except msgspec.ValidationError as e:
         raise from_validation_error(e) from e
     except msgspec.DecodeError as e:
         raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from e
+
+
+def _too_deep(body: bytes) -> APIError:
+    """The 400 for a body msgspec could not decode for its nesting, naming the top-level field that nests
+    too deeply (each field decoded alone: C speed, no Python walk over the bytes)."""
+    try:
+        fields = _raw_fields.decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        fields = {}
+    for name, raw in fields.items():
+        try:
+            msgspec.json.decode(raw)
+        except RecursionError:
+            return APIError(400, f"{name} nests too deeply to be parsed", code="nesting_too_deep", param=name)
+        except msgspec.DecodeError:
+            pass
+    return APIError(400, "the request body nests too deeply to be parsed", code="nesting_too_deep")
+
+
+def check_nesting(limits: SchemaLimits, **fields) -> None:
+    """400 naming the field when a free-form field (decoded as Any) nests deeper than limits.max_depth:
+    what reads it later (templates, json.dumps, pickling to a worker) recurses once per level."""
+    for name, value in fields.items():
+        if isinstance(value, (dict, list)):
+            check_depth(value, name, limits)
 
 
 def served_model(st: GatewayState, tenant: TenantConfig, name: str) -> ServedModel:
@@ -128,6 +159,7 @@ class Job:
         self.completion_tokens = 0                          # charged when the lease is given back
         self.tools: ToolPlan | None = None                  # chat with tools: output parsed into tool_calls
         self.echo: dict[int, str] = {}                      # completions with echo: choice index -> prompt text
+        self.constraint_param: str | None = None            # the field a constraint came from (400s name it)
 
     def check_chars(self, chars: int, param: str) -> None:
         """The tenant's prompt size cap, checked before anything is tokenized."""
@@ -210,7 +242,8 @@ class Job:
     def runs(self, prompts: list[Sequence[int]], n: int, make_sampling,
              constraint: Constraint | None = None) -> list[Run]:
         lists = [ids if isinstance(ids, list) else ids.tolist() for ids in prompts]  # type: ignore[attr-defined]
-        return [Run(p * n + i, ids, make_sampling(i), f"{self.backend_id}-{p * n + i}", constraint=constraint)
+        return [Run(p * n + i, ids, make_sampling(i), f"{self.backend_id}-{p * n + i}", constraint=constraint,
+                    constraint_param=self.constraint_param if constraint is not None else None)
                 for p, ids in enumerate(lists) for i in range(n)]
 
 
@@ -275,15 +308,27 @@ async def execute(job: Job, runs: list[Run], n: int, stream: bool, include_usage
         job.completion_tokens = usage.completion_tokens
 
 
-def _error_event(message: str, code: str) -> bytes:
-    err = APIError(502, message, code=code)
+def _error_event(message: str, code: str, param: str | None = None) -> bytes:
+    err = APIError(502, message, code=code, param=param)
     return b"data: " + encode(err.body()) + b"\n\n"
+
+
+def chunk_error(run: Run, chunk: StreamChunk) -> APIError:
+    """What a backend's error chunk means to the client: 400 naming the constraint's field when the
+    request's own grammar failed (error_code 422), else 502."""
+    reason = chunk.error or chunk.finish_reason
+    code = error_code_name(chunk.error_code)
+    if code == "backend_error":
+        return APIError(502, f"generation failed on the backend: {reason}", code=code)
+    return APIError(400, str(reason), code=code, param=run.constraint_param if code == GRAMMAR_FAILED else None)
 
 
 async def _stream(job: Job, runs: list[Run], tally: Tally, include_usage: bool, t0: float) -> web.StreamResponse:
     st, model = job.st, job.model
     resp = web.StreamResponse(headers={**_SSE_HEADERS, **job.headers, "x-request-id": job.rid})
     await resp.prepare(job.request)
+    job.request["stream"] = resp
+    job.request["cut_event"] = _error_event(SHUTDOWN_MESSAGE, "shutting_down") + _DONE
     chat = job.kind == "chat"
     latency = _Latency(st.metrics.series(job.tenant.id, model.name), t0)
     started: set[int] = set()
@@ -295,8 +340,8 @@ async def _stream(job: Job, runs: list[Run], tally: Tally, include_usage: bool, 
             if chunk.token_ids:
                 latency.observe(run.index, t)
             if chunk.error is not None or chunk.finish_reason in ("abort", "error"):
-                held += (_error_event(f"generation failed on the backend: {chunk.error or chunk.finish_reason}",
-                                      "backend_error"), _DONE)
+                err = chunk_error(run, chunk)
+                held += (_error_event(err.message, err.code or "backend_error", err.param), _DONE)
                 await resp.write(b"".join(held))
                 return resp
             tally.add(run, chunk)
@@ -377,8 +422,7 @@ async def _collect(job: Job, runs: list[Run], tally: Tally, t0: float) -> web.Re
             if chunk.token_ids:
                 latency.observe(run.index, t)
             if chunk.error is not None or chunk.finish_reason in ("abort", "error"):
-                raise APIError(502, f"generation failed on the backend: {chunk.error or chunk.finish_reason}",
-                               code="backend_error")
+                raise chunk_error(run, chunk)
             tally.add(run, chunk)
             texts[run.index].append(chunk.text)
             if chunk.logprobs:
@@ -413,6 +457,17 @@ def _message(text: str, reason: str | None, tools: ToolPlan | None) -> tuple[Ass
     return AssistantMessage("assistant", content, calls), "tool_calls" if reason == "stop" else reason
 
 
+def constraint_field(req, tools: ToolPlan | None) -> str | None:
+    """The request field a constraint comes from, named in a 400 if its grammar fails on the backend."""
+    if tools is not None and tools.mode != "auto":
+        return "tool_choice"
+    for name in ("response_format", "guided_json", "guided_choice", "guided_regex"):
+        value = getattr(req, name, None)
+        if value is not None and (name != "response_format" or value.get("type") != "text"):
+            return name
+    return None
+
+
 def check_bias_ids(model: ServedModel, bias: dict[str, float] | None) -> None:
     vocab = model.tokenizer.vocab_size
     for t in logit_bias_ids(bias):
@@ -441,9 +496,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     check_chat(req, st.cfg.server.max_n)
     model = served_model(st, tenant, req.model)
     check_bias_ids(model, req.logit_bias)
-    tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
-    constraint = constraint_for(req.response_format) or guided_constraint(req.guided_json, req.guided_choice,
-                                                                          req.guided_regex)
+    limits, pending = st.schema_limits, Pending()
+    check_nesting(limits, tools=req.tools, tool_choice=req.tool_choice, response_format=req.response_format,
+                  guided_json=req.guided_json, chat_template_kwargs=req.chat_template_kwargs,
+                  messages=[m.tool_calls for m in req.messages if m.tool_calls])
+    tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, limits, pending)
+    constraint = constraint_for(req.response_format, limits, pending) or guided_constraint(
+        req.guided_json, req.guided_choice, req.guided_regex, limits, pending)
     if tools is not None and tools.mode != "auto":
         if constraint is not None:
             raise bad_value("response_format", "response_format cannot be combined with a tool_choice that "
@@ -452,11 +511,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     messages = render_messages(message_dicts(req.messages), tools)
     job = Job(request, st, tenant, model, "chat")
     job.tools = tools
+    job.constraint_param = constraint_field(req, tools)
     job.check_chars(sum(len(m["content"]) for m in messages), "messages")
     session = _session(request, req.prompt_cache_key)
     top = req.top_logprobs or 0
     sampling_params(req, 1, req.seed, req.logprobs, top)   # a bad sampling value: 400 before admission
     async with job.admitted():
+        await st.schemas.check(pending)       # off the event loop, after admission (gateway/schema_guard.py)
         prompt = await model.encode_chat(messages, req.chat_template_kwargs)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = job.limits([prompt], requested)
@@ -479,8 +540,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     check_completion(req, st.cfg.server.max_n)
     model = served_model(st, tenant, req.model)
     check_bias_ids(model, req.logit_bias)
-    constraint = constraint_for(req.response_format) or guided_constraint(req.guided_json, req.guided_choice,
-                                                                          req.guided_regex)
+    limits, pending = st.schema_limits, Pending()
+    check_nesting(limits, response_format=req.response_format, guided_json=req.guided_json)
+    constraint = constraint_for(req.response_format, limits, pending) or guided_constraint(
+        req.guided_json, req.guided_choice, req.guided_regex, limits, pending)
     p = req.prompt
     texts = [p] if isinstance(p, str) else list(p) if p and isinstance(p[0], str) else []
     count = len(texts) if texts else (1 if p and isinstance(p[0], int) else len(p))
@@ -488,11 +551,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise bad_value("n", f"{count} prompts x n={req.n} = {count * req.n} choices exceeds the "
                              f"limit of {st.cfg.server.max_n}")
     job = Job(request, st, tenant, model, "completion")
+    job.constraint_param = constraint_field(req, None)
     job.check_chars(sum(len(t) for t in texts), "prompt")  # type: ignore[arg-type]
     session = _session(request, req.prompt_cache_key)
     top = req.logprobs or 0
     sampling_params(req, 1, req.seed, req.logprobs is not None, top)   # a bad sampling value: 400 before admission
     async with job.admitted():
+        await st.schemas.check(pending)
         prompts: list[Sequence[int]]
         if texts:
             prompts = [await model.encode_prompt(t) for t in texts]  # type: ignore[arg-type]

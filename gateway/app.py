@@ -83,6 +83,9 @@ async def edge_middleware(request: web.Request, handler) -> web.StreamResponse:
     rid = request["request_id"] = api.new_request_id(request.headers.get("x-request-id"))
     status, error = 500, None
     st.inflight += 1
+    task = asyncio.current_task()
+    if task is not None:
+        st.handlers.add(task)
     try:
         if st.draining and request.path.startswith("/v1/"):
             raise APIError(503, "the gateway is shutting down", code="shutting_down", headers={"retry-after": "1"})
@@ -104,6 +107,12 @@ async def edge_middleware(request: web.Request, handler) -> web.StreamResponse:
         log.info("client closed the connection (request %s, %s %s): %s", rid, request.method, request.path, e)
         return web.Response(status=499)        # never sent: aiohttp sees the closed transport and drops it
     except asyncio.CancelledError:
+        if st.cut and not _client_gone(request):    # the shutdown grace is over (_on_shutdown): end it now
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            status, error = 503, "shutting_down"
+            return await _cut_response(request, rid)
         status, error = 499, "client_closed"
         if _client_gone(request):
             log.info("client closed the connection (request %s, %s %s)", rid, request.method, request.path)
@@ -115,6 +124,7 @@ async def edge_middleware(request: web.Request, handler) -> web.StreamResponse:
                                         code="internal_error"), rid)
     finally:
         st.inflight -= 1
+        st.handlers.discard(task)   # type: ignore[arg-type]
         endpoint = _ENDPOINTS.get(request.path)
         tenant = request.get("tenant", "")
         model = request.get("model", "")
@@ -137,6 +147,24 @@ async def edge_middleware(request: web.Request, handler) -> web.StreamResponse:
                                                     None, None))  # type: ignore[arg-type]
 
 
+SHUTDOWN_MESSAGE = "the gateway is shutting down: this request was cut at the end of its shutdown grace"
+
+
+async def _cut_response(request: web.Request, rid: str) -> web.StreamResponse:
+    """A request cut by shutdown: a 503 if nothing was sent yet, else its stream's error event written
+    (`request["cut_event"]`, set by the streaming handlers once their headers are out) and the stream ended."""
+    resp = request.get("stream")
+    if resp is None or not resp.prepared:
+        return _error_response(APIError(503, SHUTDOWN_MESSAGE, code="shutting_down", headers={"retry-after": "1"}),
+                               rid)
+    try:
+        await resp.write(request["cut_event"])
+        await resp.write_eof()
+    except ConnectionError:
+        pass
+    return resp
+
+
 def _client_gone(request: web.Request) -> bool:
     transport = request.transport
     return transport is None or transport.is_closing()
@@ -154,10 +182,12 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    """The open series; with the metrics or admin key, the per-tenant ones too (gateway/metrics.py)."""
     st = request.app[STATE]
+    trusted = st.metrics_trusted(request)
     st.metrics.inflight.set(st.inflight)
     st.metrics.limiter_fallbacks.set(st.admission.failures)
-    return web.Response(body=st.metrics.render(), headers={"content-type": "text/plain; version=0.0.4"})
+    return web.Response(body=st.metrics.render(trusted), headers={"content-type": "text/plain; version=0.0.4"})
 
 
 async def openapi(request: web.Request) -> web.Response:
@@ -205,6 +235,7 @@ async def _resources(app: web.Application):
     if st.tasks:
         await asyncio.wait(list(st.tasks), timeout=5)
     st.upstream.close()
+    st.schemas.close()
     await st.session.close()
     if pool is not None:
         for m in st.models.values():
@@ -222,9 +253,14 @@ async def _on_shutdown(app: web.Application) -> None:
     deadline = time.monotonic() + st.cfg.server.shutdown_grace_s
     while st.inflight > 0 and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    if st.inflight:
+    if st.handlers:
         log.warning("shutdown grace of %.0fs over with %d requests still running; cancelling them",
-                    st.cfg.server.shutdown_grace_s, st.inflight)
+                    st.cfg.server.shutdown_grace_s, len(st.handlers))
+        st.cut = True
+        running = list(st.handlers)
+        for task in running:
+            task.cancel()
+        await asyncio.wait(running, timeout=5)
 
 
 def create_app(cfg: GatewayConfig, *, state: GatewayState | None = None, **overrides) -> web.Application:

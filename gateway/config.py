@@ -40,6 +40,7 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     health_stale_intervals: int = 3         # unanswered this many health intervals: unroutable, waits moved
     max_attempts: int = 3                   # nodes tried before the first byte
     admin_key_sha256: str = ""              # empty: admin endpoints disabled
+    metrics_key_sha256: str = ""            # a scraper's key: /metrics with per-tenant series (the admin key too)
     page_seed_env: str = CACHE_SEED_ENV  # same variable backend.server reads for --cache-seed
     page_seed: str = CACHE_SEED   # the env var wins; must equal the backends' --cache-seed
     internal_secret_env: str = "EDGEINFER_INTERNAL_SECRET"  # same variable backend.server reads
@@ -51,6 +52,13 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     route_affinity_tokens: int = 256        # bonus of the x-session-affinity node, in cached tokens
     stream_lease_ttl_s: float = 30.0        # with redis: a dead gateway's share of max_concurrent_streams frees after this
     tokenizer_workers: int = 2              # processes tokenizing long prompts off the event loop (0: a thread)
+    schema_workers: int = 1                 # processes checking JSON schemas off the event loop (0: a thread)
+    schema_check_timeout_s: float = 5.0     # one request's schema checks; over it: 400, the workers replaced
+    max_schema_bytes: int = 128 * 1024      # one schema (response_format, guided_json, a tool's parameters)
+    max_schema_depth: int = 64              # JSON nesting of a schema or of any free-form field
+    max_schema_properties: int = 1000       # `properties` keys in one schema, together
+    max_schema_alternatives: int = 1000     # anyOf/oneOf/allOf branches + enum values (+ guided_choice values)
+    max_tools: int = 128                    # functions in one request's tools
     access_log: bool = True
 
 
@@ -130,13 +138,17 @@ def hash_key(api_key: str) -> str:
 
 def _check(cfg: GatewayConfig) -> GatewayConfig:
     s = cfg.server
-    for name in ("max_body_bytes", "max_n", "default_max_tokens", "max_attempts"):
+    for name in ("max_body_bytes", "max_n", "default_max_tokens", "max_attempts", "max_schema_bytes",
+                 "max_schema_depth", "max_schema_properties", "max_schema_alternatives", "max_tools"):
         if getattr(s, name) < 1:
             raise ConfigError(f"server.{name}={getattr(s, name)} must be >= 1")
+    if s.schema_workers < 0:
+        raise ConfigError(f"server.schema_workers={s.schema_workers} must be >= 0 (0: check schemas in a thread)")
     if s.tokenizer_workers < 0:
         raise ConfigError(f"server.tokenizer_workers={s.tokenizer_workers} must be >= 0 (0: tokenize in a thread)")
     for name in ("body_read_timeout_s", "connect_timeout_s", "first_byte_timeout_s", "chunk_timeout_s",
-                 "keepalive_timeout_s", "shutdown_grace_s", "health_interval_s", "stream_lease_ttl_s"):
+                 "keepalive_timeout_s", "shutdown_grace_s", "health_interval_s", "stream_lease_ttl_s",
+                 "schema_check_timeout_s"):
         v = getattr(s, name)
         if not math.isfinite(v) or v <= 0:
             raise ConfigError(f"server.{name}={v!r} is invalid: expected a finite number of seconds > 0")

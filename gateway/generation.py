@@ -33,6 +33,7 @@ class Run:
     node: Node | None = None
     tried: list[str] = field(default_factory=list)
     constraint: Constraint | None = None      # response_format / tool_choice grammar (gateway/structured.py)
+    constraint_param: str | None = None       # the request field it came from: named in a 400 when it fails
 
 
 @dataclass
@@ -72,7 +73,7 @@ async def start(st, target: Target, run: Run) -> None:
             continue
         except BackendRejected as e:
             node.inflight -= 1
-            raise APIError(e.status, str(e), code=e.code) from e
+            raise APIError(e.status, str(e), code=e.code, param=run.constraint_param if e.grammar else None) from e
         except BaseException:
             node.inflight -= 1
             raise

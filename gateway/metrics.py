@@ -1,4 +1,8 @@
-"""Prometheus metrics, one registry per app (tests run several apps in one process)."""
+"""Prometheus metrics, one pair of registries per app (tests run several apps in one process).
+
+`registry` holds the series without tenant ids: GET /metrics shows them to anyone who reaches the port.
+`tenant_registry` holds every series labelled by tenant: shown only with the metrics or admin key
+(server.metrics_key_sha256, server.admin_key_sha256), so no tenant learns another's ids or traffic."""
 
 from __future__ import annotations
 
@@ -24,28 +28,29 @@ class TenantModelSeries(NamedTuple):
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        t = self.tenant_registry = CollectorRegistry()
         p = "edgeinfer_gateway_"
         self.requests = Counter(p + "requests_total", "HTTP requests by outcome",
-                                ["tenant", "model", "endpoint", "status"], registry=r)
-        self.prompt_tokens = Counter(p + "prompt_tokens_total", "prompt tokens", ["tenant", "model"], registry=r)
+                                ["tenant", "model", "endpoint", "status"], registry=t)
+        self.prompt_tokens = Counter(p + "prompt_tokens_total", "prompt tokens", ["tenant", "model"], registry=t)
         self.completion_tokens = Counter(p + "completion_tokens_total", "generated tokens",
-                                         ["tenant", "model"], registry=r)
+                                         ["tenant", "model"], registry=t)
         self.cached_tokens = Counter(p + "cached_tokens_total", "prompt tokens served from the prefix cache",
-                                     ["tenant", "model"], registry=r)
+                                     ["tenant", "model"], registry=t)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "request arrival to first token",
-                              ["tenant", "model"], buckets=_LATENCY, registry=r)
+                              ["tenant", "model"], buckets=_LATENCY, registry=t)
         self.itl = Histogram(p + "inter_token_latency_seconds", "gap between streamed token chunks",
-                             ["tenant", "model"], buckets=_ITL, registry=r)
+                             ["tenant", "model"], buckets=_ITL, registry=t)
         self.duration = Histogram(p + "request_duration_seconds", "request arrival to last byte",
-                                  ["tenant", "model", "endpoint"], buckets=_LATENCY, registry=r)
+                                  ["tenant", "model", "endpoint"], buckets=_LATENCY, registry=t)
         self.rate_limited = Counter(p + "rate_limit_rejections_total", "429s by limit",
-                                    ["tenant", "limit"], registry=r)
+                                    ["tenant", "limit"], registry=t)
         self.routing = Counter(p + "routing_decisions_total", "node choice: prefix hit, affinity or load fallback",
                                ["model", "decision"], registry=r)
         self.retries = Counter(p + "upstream_retries_total", "node failed before the first byte; tried another",
                                ["model", "node"], registry=r)
         self.aborts = Counter(p + "client_aborts_total", "client went away; backend request aborted",
-                              ["tenant", "model"], registry=r)
+                              ["tenant", "model"], registry=t)
         self.inflight = Gauge(p + "inflight_requests", "requests being served", registry=r)
         self.node_records_refused = Counter(p + "node_records_refused_total",
                                             "registry node records not believed (unsigned, bad signature, expired)",
@@ -64,5 +69,6 @@ class Metrics:
                 self.itl.labels(tenant, model), self.aborts.labels(tenant, model))
         return s
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, tenants: bool) -> bytes:
+        body = generate_latest(self.registry)
+        return body + generate_latest(self.tenant_registry) if tenants else body

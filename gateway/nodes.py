@@ -14,6 +14,11 @@ prompts to the nodes in its pool. A refused record is ignored (counted, logged o
 already in the pool under that id is neither updated nor replaced by it. Without a secret every record is
 believed (insecure backends: there is nothing to sign with).
 
+Ages are read on the pool's `LoopClock`, which does not count time the gateway's own event loop was stalled
+(a long synchronous step in a handler): a node is judged by how long it went unanswered while the gateway
+could have heard it, so a stalled gateway does not mark its healthy nodes dead, and a probe whose timeout
+fired because the loop stalled is inconclusive, not a failure.
+
 A registry node that the listing misses (Redis restarted empty, a listing failed) stays: it leaves
 only when its own probe fails, when another id lists its URL, or after `forget_after_s` unlisted.
 """
@@ -41,6 +46,42 @@ log = logging.getLogger(__name__)
 _NO_ANSWER = (TimeoutError, aiohttp.ClientConnectionError, OSError)
 
 
+class LoopClock:
+    """time.monotonic() less the time this event loop was stalled: `run` ticks every `tick_s`; a tick that
+    comes late by more than `slack_s` counts its lateness as stalled, and so does the lateness of the tick
+    still due when `now()` is read (the loop has just come back from a stall it has not ticked through).
+    While `run` is not running it is time.monotonic()."""
+
+    def __init__(self, tick_s: float = 0.05, slack_s: float = 0.05) -> None:
+        self.tick_s, self.slack_s = tick_s, slack_s
+        self.last = time.monotonic()
+        self.stalled_s = 0.0
+        self.running = False
+
+    def _late(self, t: float) -> float:
+        late = t - self.last - self.tick_s
+        return late if self.running and late > self.slack_s else 0.0
+
+    def stalled(self) -> float:
+        """Seconds stalled so far, the stall not yet ticked through included."""
+        return self.stalled_s + self._late(time.monotonic())
+
+    def now(self) -> float:
+        t = time.monotonic()
+        return t - self.stalled_s - self._late(t)
+
+    async def run(self) -> None:
+        self.last, self.running = time.monotonic(), True
+        try:
+            while True:
+                await asyncio.sleep(self.tick_s)
+                t = time.monotonic()
+                self.stalled_s += self._late(t)
+                self.last = t
+        finally:
+            self.running = False
+
+
 @dataclass(eq=False)
 class Node:
     node_id: str
@@ -58,6 +99,7 @@ class Node:
     stale_after_s: float = math.inf  # set by the pool: an older last answer makes the node unroutable
     probe_failed: bool = False     # the last probe got no answer or no 200
     listed_at: float = field(default_factory=time.monotonic)  # registry nodes: the last listing holding it
+    clock: LoopClock = field(default_factory=LoopClock, repr=False)   # the pool's: answered_at is on it
     # the first-byte waits on this node (gateway.upstream): expired at once when a probe goes unanswered
     watchers: set[asyncio.Timeout] = field(default_factory=set, repr=False)
     generate_url: str = field(init=False)
@@ -70,7 +112,7 @@ class Node:
 
     @property
     def answer_age(self) -> float:
-        return time.monotonic() - self.answered_at
+        return self.clock.now() - self.answered_at
 
     @property
     def answering(self) -> bool:
@@ -114,6 +156,7 @@ class NodePool:
         self.record_key = record_key
         self._refused_metric = refused
         self._refusals_logged: set[str] = set()
+        self.clock = LoopClock()
         self.nodes: dict[str, Node] = {}
         for n in static:
             self._adopt(n)
@@ -121,6 +164,7 @@ class NodePool:
 
     def _adopt(self, node: Node) -> Node:
         node.stale_after_s = self.stale_after_s
+        node.clock = self.clock
         self.nodes[node.node_id] = node
         return node
 
@@ -173,10 +217,11 @@ class NodePool:
     async def probe(self, node: Node) -> None:
         session: aiohttp.ClientSession = self._session()
         timeout = aiohttp.ClientTimeout(total=self.probe_timeout_s)
+        stalled_before = self.clock.stalled()
         try:
             async with session.get(node.url + "/ready", timeout=timeout) as r:
                 ready = r.status == 200
-            node.answered_at = time.monotonic()
+            node.answered_at = self.clock.now()
             if ready and node.info is None:  # /ready answers 503 while draining; info is fixed per version
                 async with session.get(node.url + "/internal/info", timeout=timeout) as r:
                     r.raise_for_status()
@@ -189,6 +234,10 @@ class NodePool:
             if was != ready:
                 log.info("node %s (%s) is %s", node.node_id, node.url, "ready" if ready else "not ready")
         except (*_NO_ANSWER, aiohttp.ClientError, msgspec.MsgspecError) as e:
+            if isinstance(e, TimeoutError) and self.clock.stalled() - stalled_before > self.probe_timeout_s / 2:
+                log.info("probe of node %s timed out while this gateway's event loop was stalled (%.1f s): "
+                         "inconclusive", node.node_id, self.clock.stalled() - stalled_before)
+                return
             if node.ready:
                 log.warning("node %s (%s) probe failed: %s: %s", node.node_id, node.url, type(e).__name__, e)
             node.ready = False
@@ -241,13 +290,14 @@ class NodePool:
         await asyncio.gather(*(self.probe(n) for n in list(self.nodes.values())))
 
     async def run(self) -> None:
+        clock = asyncio.get_running_loop().create_task(self.clock.run())
         try:
             while True:
                 await self._sync()
                 self._supervise()
                 await asyncio.sleep(self.interval_s)
         finally:
-            tasks = [t for _, t in self._loops.values()]
+            tasks = [clock, *(t for _, t in self._loops.values())]
             self._loops.clear()
             for t in tasks:
                 t.cancel()

@@ -20,6 +20,10 @@ class PromptEncoder:
         messages, extra = payload if isinstance(payload, tuple) else (payload, {})
         return self._encode_text(self.tokenizer.apply_chat_template(messages, **extra))
 
+    def text_ids(self, text: str) -> list[int]:
+        """The text alone: no BOS, no template (/tokenize with add_special_tokens false)."""
+        return self.tokenizer.encode(text)
+
     def prompt_ids(self, prompt: str) -> list[int]:
         ids = self._encode_text(prompt)
         tok = self.tokenizer

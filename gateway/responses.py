@@ -21,7 +21,7 @@ from aiohttp import web
 from edgeinfer.gateway.errors import APIError, bad_value
 from edgeinfer.gateway.schemas import REASONING_EFFORTS, encode
 from edgeinfer.gateway.state import STATE
-from edgeinfer.gateway.structured import constraint_for
+from edgeinfer.gateway.structured import Pending, constraint_for
 from edgeinfer.gateway.tools import ToolStream, plan_tools, render_messages, split_output
 
 
@@ -217,6 +217,7 @@ class ResponseBuilder:
 
 
 async def collect(job, runs, tally, builder: ResponseBuilder) -> web.Response:
+    from edgeinfer.gateway import api
     from edgeinfer.gateway.generation import merged
     from edgeinfer.gateway.upstream import UpstreamBroken
 
@@ -225,8 +226,7 @@ async def collect(job, runs, tally, builder: ResponseBuilder) -> web.Response:
     try:
         async for run, chunk, _t in merged(runs):
             if chunk.error is not None or chunk.finish_reason in ("abort", "error"):
-                raise APIError(502, f"generation failed on the backend: {chunk.error or chunk.finish_reason}",
-                               code="backend_error")
+                raise api.chunk_error(run, chunk)
             tally.add(run, chunk)
             parts.append(chunk.text)
             reason = chunk.finish_reason or reason
@@ -239,6 +239,7 @@ async def collect(job, runs, tally, builder: ResponseBuilder) -> web.Response:
 
 
 async def stream(job, runs, tally, builder: ResponseBuilder) -> web.StreamResponse:
+    from edgeinfer.gateway import api
     from edgeinfer.gateway.generation import merged
     from edgeinfer.gateway.upstream import UpstreamBroken
 
@@ -246,6 +247,8 @@ async def stream(job, runs, tally, builder: ResponseBuilder) -> web.StreamRespon
                                        "x-accel-buffering": "no", **job.headers, "x-request-id": job.rid})
     await resp.prepare(job.request)
     b = builder
+    job.request["stream"] = resp
+    job.request["cut_event"] = b.event("error", code="shutting_down", message=api.SHUTDOWN_MESSAGE, param=None)
     await resp.write(b.event("response.created", response=b.obj("in_progress", [], None, None))
                      + b.event("response.in_progress", response=b.obj("in_progress", [], None, None)))
     tool_stream = ToolStream() if b.tools is not None else None
@@ -258,8 +261,8 @@ async def stream(job, runs, tally, builder: ResponseBuilder) -> web.StreamRespon
     try:
         async for run, chunk, _t in merged(runs):
             if chunk.error is not None or chunk.finish_reason in ("abort", "error"):
-                await resp.write(b.event("error", code="backend_error", message="generation failed on the "
-                                         f"backend: {chunk.error or chunk.finish_reason}", param=None))
+                err = api.chunk_error(run, chunk)
+                await resp.write(b.event("error", code=err.code, message=err.message, param=err.param))
                 return resp
             tally.add(run, chunk)
             reason = chunk.finish_reason or reason
@@ -310,8 +313,12 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     request["model"] = req.model
     check(req)
     model = api.served_model(st, tenant, req.model)
-    tools = plan_tools(chat_tools(req.tools), chat_tool_choice(req.tool_choice), req.parallel_tool_calls)
-    constraint = constraint_for(response_format(req.text))
+    limits, pending = st.schema_limits, Pending()
+    api.check_nesting(limits, input=req.input, tools=req.tools, tool_choice=req.tool_choice, text=req.text,
+                      reasoning=req.reasoning, stream_options=req.stream_options)
+    tools = plan_tools(chat_tools(req.tools), chat_tool_choice(req.tool_choice), req.parallel_tool_calls, limits,
+                       pending)
+    constraint = constraint_for(response_format(req.text), limits, pending)
     if tools is not None and tools.mode != "auto":
         if constraint is not None:
             raise bad_value("text.format", "text.format cannot be combined with a tool_choice that forces a call")
@@ -319,12 +326,15 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     messages = render_messages(input_messages(req), tools)
     job = api.Job(request, st, tenant, model, "responses")
     job.tools = tools
+    job.constraint_param = "tool_choice" if tools is not None and tools.mode != "auto" else \
+        "text.format" if constraint is not None else None
     job.check_chars(sum(len(m["content"]) for m in messages), "input")
     session = api._session(request, req.prompt_cache_key)
     shape = ChatShape(model=req.model, temperature=req.temperature, top_p=req.top_p)
     api.sampling_params(shape, 1, req.seed, False, 0)
     builder = ResponseBuilder(req, model.name, tools)
     async with job.admitted():
+        await st.schemas.check(pending)
         prompt = await model.encode_chat(messages)
         max_tokens = job.limits([prompt], req.max_output_tokens)
         job.check_budget(len(prompt))
@@ -351,6 +361,10 @@ class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     tokens: list[int]
 
 
+_tokenize_decoder = msgspec.json.Decoder(TokenizeRequest)
+_detokenize_decoder = msgspec.json.Decoder(DetokenizeRequest)
+
+
 async def tokenize(request: web.Request) -> web.Response:
     from edgeinfer.gateway import api
     from edgeinfer.gateway.errors import from_validation_error
@@ -358,26 +372,37 @@ async def tokenize(request: web.Request) -> web.Response:
 
     st = request.app[STATE]
     tenant = st.authenticate(request)
-    req = api.decode(msgspec.json.Decoder(TokenizeRequest), await api.read_body(request, st))
+    req = api.decode(_tokenize_decoder, await api.read_body(request, st))
+    request["model"] = req.model
     model = api.served_model(st, tenant, req.model)
     if (req.prompt is None) == (req.messages is None):
         raise bad_value("prompt", "give exactly one of prompt (text) or messages (a chat)")
+    api.check_nesting(st.schema_limits, messages=req.messages, chat_template_kwargs=req.chat_template_kwargs)
+    job = api.Job(request, st, tenant, model, "tokenize")
+    msgs: list[dict[str, Any]] = []
     if req.messages is not None:
         try:
             msgs = message_dicts(msgspec.convert(req.messages, list[ChatMessage]))
         except msgspec.ValidationError as e:
             raise from_validation_error(e) from e
-        extra = dict(req.chat_template_kwargs or {})
-        if not req.add_generation_prompt:
-            extra["add_generation_prompt"] = False
-        ids = list(await model.encode_chat(msgs, extra or None))
+        job.check_chars(sum(len(m["content"]) for m in msgs), "messages")
     else:
         assert req.prompt is not None
-        ids = list(await model.encode_prompt(req.prompt)) if req.add_special_tokens else \
-            model.tokenizer.encode(req.prompt)
+        job.check_chars(len(req.prompt), "prompt")
+    async with job.admitted():     # the tenant's request rate and concurrency, as for chat (no tokens charged)
+        if req.messages is not None:
+            extra = dict(req.chat_template_kwargs or {})
+            if not req.add_generation_prompt:
+                extra["add_generation_prompt"] = False
+            ids = list(await model.encode_chat(msgs, extra or None))
+        else:
+            assert req.prompt is not None
+            ids = list(await model.encode_prompt(req.prompt)) if req.add_special_tokens else \
+                list(await model.encode_text(req.prompt))
     nodes = st.pool.for_model(model.name)
     max_len = min((n.info.max_model_len for n in nodes if n.info), default=None)
-    return web.json_response({"count": len(ids), "max_model_len": max_len, "tokens": ids})
+    return web.json_response({"count": len(ids), "max_model_len": max_len, "tokens": ids},
+                             headers=job.headers)
 
 
 async def detokenize(request: web.Request) -> web.Response:
@@ -385,8 +410,13 @@ async def detokenize(request: web.Request) -> web.Response:
 
     st = request.app[STATE]
     tenant = st.authenticate(request)
-    req = api.decode(msgspec.json.Decoder(DetokenizeRequest), await api.read_body(request, st))
+    req = api.decode(_detokenize_decoder, await api.read_body(request, st))
+    request["model"] = req.model
     model = api.served_model(st, tenant, req.model)
     model.check_ids(req.tokens)
-    return web.json_response({"prompt": model.tokenizer.decode(req.tokens, False)})
+    job = api.Job(request, st, tenant, model, "detokenize")
+    async with job.admitted():
+        text = model.tokenizer.decode(req.tokens, False)
+    job.check_chars(len(text), "tokens")
+    return web.json_response({"prompt": text}, headers=job.headers)
 

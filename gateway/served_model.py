@@ -42,7 +42,7 @@ class ServedModel:
         self.pool: TokenizerPool | None = None     # set by the app while it runs (gateway/app.py)
         self.token_str = lru_cache(maxsize=65536)(self._token_str)
         self.ids = PromptEncoder(tokenizer)
-        self._chat_ids, self._prompt_ids = self.ids.chat_ids, self.ids.prompt_ids
+        self._chat_ids, self._prompt_ids, self._text_ids = self.ids.chat_ids, self.ids.prompt_ids, self.ids.text_ids
 
     @classmethod
     def load(cls, name: str, tokenizer_spec: str) -> ServedModel:
@@ -78,6 +78,9 @@ class ServedModel:
 
     async def encode_prompt(self, prompt: str) -> Sequence[int]:
         return await self._run(self._prompt_ids, prompt, "prompt", len(prompt))
+
+    async def encode_text(self, text: str) -> Sequence[int]:
+        return await self._run(self._text_ids, text, "text", len(text))
 
     def check_ids(self, ids: list[int]) -> None:
         vocab = self.tokenizer.vocab_size

@@ -22,7 +22,9 @@ from edgeinfer.gateway.errors import APIError
 from edgeinfer.gateway.metrics import Metrics
 from edgeinfer.gateway.nodes import Node, NodePool
 from edgeinfer.gateway.routing import PrefixIndex, Router
+from edgeinfer.gateway.schema_guard import SchemaGuard
 from edgeinfer.gateway.served_model import ServedModel
+from edgeinfer.gateway.structured import SchemaLimits
 from edgeinfer.gateway.tenants import TenantTable
 from edgeinfer.gateway.upstream import Upstream
 
@@ -56,10 +58,14 @@ class GatewayState:
     admission: Admission | RedisAdmission    # rate limits + stream caps (gateway/admission/)
     index: PrefixIndex
     fill_index: bool
+    schemas: SchemaGuard
+    schema_limits: SchemaLimits
     redis: Redis | None = None
     session: aiohttp.ClientSession | None = None
     inflight: int = 0
+    handlers: set[asyncio.Task] = field(default_factory=set)    # the requests being served, to cut at shutdown
     draining: bool = False
+    cut: bool = False               # the shutdown grace is over: handlers cancelled now end with an error
     started: int = field(default_factory=lambda: int(time.time()))
     tasks: set[asyncio.Task] = field(default_factory=set)
 
@@ -75,6 +81,21 @@ class GatewayState:
         _, _, key = (_authorization(request) or "").partition(" ")
         if not hmac.compare_digest(hashlib.sha256(key.strip().encode()).hexdigest(), want.lower()):
             raise APIError(401, "invalid admin key", code="invalid_api_key")
+
+    def metrics_trusted(self, request: web.Request) -> bool:
+        """Whether the caller may see per-tenant metrics: Bearer <metrics key or admin key>. No credential:
+        False (the open series only); a credential that matches neither: 401."""
+        header = _authorization(request)
+        if header is None:
+            return False
+        _, _, key = header.partition(" ")
+        digest = hashlib.sha256(key.strip().encode()).hexdigest()
+        wanted = [w.lower() for w in (self.cfg.server.metrics_key_sha256, self.cfg.server.admin_key_sha256) if w]
+        if any(hmac.compare_digest(digest, w) for w in wanted):
+            return True
+        raise APIError(401, "invalid metrics key: per-tenant metrics need server.metrics_key_sha256's or "
+                            "server.admin_key_sha256's key; without a key /metrics shows the open series",
+                       code="invalid_api_key")
 
     def reload_tenants(self) -> int:
         """Re-read [[tenants]] from the config file; on error keep the current table and raise ConfigError."""
@@ -119,7 +140,8 @@ def build_state(cfg: GatewayConfig, models: dict[str, ServedModel] | None = None
     admission = (RedisAdmission(redis_client, s.key_prefix, s.stream_lease_ttl_s) if redis_client is not None
                  else Admission())
     st = GatewayState(cfg, models, TenantTable(cfg.tenants), metrics, pool, router, upstream, admission, index,
-                      fill_index=cfg.fill_index_at_gateway, redis=redis_client)
+                      fill_index=cfg.fill_index_at_gateway, schemas=SchemaGuard(s.schema_workers, s.schema_check_timeout_s),
+                      schema_limits=SchemaLimits.of(s), redis=redis_client)
     holder["state"] = st
     return st
 

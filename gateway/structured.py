@@ -1,18 +1,108 @@
 """`response_format` -> the backend's Constraint (a JSON Schema the output must match).
 
 {"type": "text"} is no constraint; {"type": "json_object"} is any JSON object; {"type": "json_schema",
-"json_schema": {"name", "schema", "strict"}} is that schema. The schema is checked here against the JSON
-Schema meta-schema, so a mistake is a 400 naming its place (param "response_format.json_schema.schema.
-properties.age.type"); what the grammar compiler cannot do (on the backend) is a 400 with its message.
+"json_schema": {"name", "schema", "strict"}} is that schema. A schema passes two checks:
+
+- `measure`, on the event loop, before admission: size, depth, property count, alternatives (anyOf / oneOf /
+  allOf branches, enum values, guided_choice values), each against `SchemaLimits`; the walk is iterative and
+  stops at the first limit passed, so its cost is bounded whatever the request holds (a 2.8 MB schema of
+  100,000 properties stops after max_properties + 1 of them). A limit passed is a 400 naming it.
+- `check_schema`, the JSON Schema meta-schema (jsonschema, pure Python: 0.2 s for 1,000 required properties,
+  quadratic in `required`), after admission and off the event loop (gateway/schema_guard.py), so a mistake is
+  a 400 naming its place (param "response_format.json_schema.schema.properties.age.type").
+
+What the grammar compiler cannot do (on the backend) is a 400 with its message.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from edgeinfer.gateway.errors import APIError
 from edgeinfer.protocol.wire import Constraint
+
+
+class Pending(list[tuple[Any, str]]):
+    """(schema, param) pairs still to be checked against the meta-schema (schema_guard.SchemaGuard.check)."""
+
+
+@dataclass(frozen=True)
+class SchemaLimits:
+    """Caps on one request's schemas (server.max_schema_*; docs/GATEWAY.md "Limits")."""
+    max_bytes: int = 128 << 10          # one schema as compact JSON
+    max_depth: int = 64                 # JSON nesting levels of one schema (or of a free-form field)
+    max_properties: int = 1000          # keys of every `properties` object of one schema, together
+    max_alternatives: int = 1000        # anyOf / oneOf / allOf branches and enum values of one schema, together
+    max_tools: int = 128                # OpenAI's own cap on tools per request
+
+    @classmethod
+    def of(cls, server: Any) -> SchemaLimits:
+        return cls(server.max_schema_bytes, server.max_schema_depth, server.max_schema_properties,
+                   server.max_schema_alternatives, server.max_tools)
+
+
+DEFAULT_LIMITS = SchemaLimits()
+_ALTERNATIVES = ("anyOf", "oneOf", "allOf", "enum")
+
+
+def _too_big(param: str, what: str, limit: int, setting: str) -> APIError:
+    return APIError(400, f"{param} {what}: at most {limit} are accepted (server.{setting})", param=param,
+                    code="schema_too_large")
+
+
+def check_depth(value: Any, param: str, limits: SchemaLimits = DEFAULT_LIMITS) -> None:
+    """400 naming `param` when value (decoded JSON) nests deeper than limits.max_depth; bounded work."""
+    stack = [(value, 1)]
+    seen = 0
+    while stack:
+        node, depth = stack.pop()
+        if depth > limits.max_depth:
+            raise _too_big(param, f"nests more than {limits.max_depth} levels deep", limits.max_depth,
+                           "max_schema_depth")
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        for child in children:
+            if isinstance(child, (dict, list)):
+                seen += 1
+                stack.append((child, depth + 1))
+        if seen > 1_000_000:          # max_body_bytes bounds this long before; a backstop, not a limit
+            break
+
+
+def measure(schema: Any, param: str, limits: SchemaLimits = DEFAULT_LIMITS) -> None:
+    """400 naming the limit when the schema passes one of `limits`; stops at the first (bounded work)."""
+    properties = alternatives = 0
+    stack = [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limits.max_depth:
+            raise _too_big(param, f"nests more than {limits.max_depth} levels deep", limits.max_depth,
+                           "max_schema_depth")
+        if isinstance(node, dict):
+            props = node.get("properties")
+            if isinstance(props, dict):
+                properties += len(props)
+                if properties > limits.max_properties:
+                    raise _too_big(param, f"has more than {limits.max_properties} properties",
+                                   limits.max_properties, "max_schema_properties")
+            for key in _ALTERNATIVES:
+                alts = node.get(key)
+                if isinstance(alts, list):
+                    alternatives += len(alts)
+                    if alternatives > limits.max_alternatives:
+                        raise _too_big(param, f"has more than {limits.max_alternatives} alternatives "
+                                              "(anyOf / oneOf / allOf branches and enum values)",
+                                       limits.max_alternatives, "max_schema_alternatives")
+            children: Any = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    size = len(json.dumps(schema, separators=(",", ":")))   # bounded by the caps above and max_body_bytes
+    if size > limits.max_bytes:
+        raise _too_big(param, f"is {size} bytes as compact JSON", limits.max_bytes, "max_schema_bytes")
 
 ANY_OBJECT = Constraint("json_schema", '{"type":"object"}')
 _PARAM = "response_format"
@@ -22,21 +112,45 @@ def _bad(message: str, param: str = _PARAM) -> APIError:
     return APIError(400, message, param=param, code="invalid_response_format")
 
 
-def _check_schema(schema: Any, param: str) -> None:
+def schema_problem(schema: Any, param: str) -> tuple[str, str] | None:
+    """(param of the bad part, message) when schema is not valid JSON Schema, else None. Pure Python and
+    picklable both ways: what gateway/schema_guard.py runs in its worker processes."""
     from jsonschema import Draft202012Validator
     from jsonschema.exceptions import SchemaError
 
     if not isinstance(schema, dict):
-        raise _bad(f"{param} must be a JSON Schema object, got {type(schema).__name__}", param)
+        return param, f"{param} must be a JSON Schema object, got {type(schema).__name__}"
     try:
         Draft202012Validator.check_schema(schema)
     except SchemaError as e:
         where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e.path)
-        raise _bad(f"{param}{where} is not valid JSON Schema: {e.message}", f"{param}{where}") from e
+        return f"{param}{where}", f"{param}{where} is not valid JSON Schema: {e.message}"
+    except RecursionError:
+        return param, f"{param} nests too deeply to be checked"
+    return None
 
 
-def constraint_for(response_format: dict[str, Any] | None) -> Constraint | None:
-    """The Constraint for a response_format, or None for plain text; APIError 400 naming the bad part."""
+def raise_problem(problem: tuple[str, str] | None) -> None:
+    if problem is not None:
+        raise _bad(problem[1], problem[0])
+
+
+def check_schema(schema: Any, param: str, limits: SchemaLimits = DEFAULT_LIMITS,
+                 pending: Pending | None = None) -> None:
+    """The limits now; the meta-schema now (pending None) or later, off the loop (appended to pending)."""
+    if not isinstance(schema, dict):
+        raise _bad(f"{param} must be a JSON Schema object, got {type(schema).__name__}", param)
+    measure(schema, param, limits)
+    if pending is None:
+        raise_problem(schema_problem(schema, param))
+    else:
+        pending.append((schema, param))
+
+
+def constraint_for(response_format: dict[str, Any] | None, limits: SchemaLimits = DEFAULT_LIMITS,
+                   pending: Pending | None = None) -> Constraint | None:
+    """The Constraint for a response_format, or None for plain text; APIError 400 naming the bad part.
+    With `pending`, the schema's meta-schema check is left to the caller (schema_guard.SchemaGuard.check)."""
     if response_format is None:
         return None
     kind = response_format.get("type")
@@ -52,7 +166,7 @@ def constraint_for(response_format: dict[str, Any] | None) -> Constraint | None:
         raise _bad("response_format.json_schema is required for type 'json_schema': an object with "
                    "'name' and 'schema'", f"{_PARAM}.json_schema")
     schema = spec.get("schema", {"type": "object"})
-    _check_schema(schema, f"{_PARAM}.json_schema.schema")
+    check_schema(schema, f"{_PARAM}.json_schema.schema", limits, pending)
     return schema_constraint(schema)
 
 
@@ -88,18 +202,27 @@ def schema_constraint(schema: dict[str, Any]) -> Constraint:
 
 
 def guided_constraint(guided_json: dict[str, Any] | str | None, guided_choice: list[str] | None,
-                      guided_regex: str | None) -> Constraint | None:
+                      guided_regex: str | None, limits: SchemaLimits = DEFAULT_LIMITS,
+                      pending: Pending | None = None) -> Constraint | None:
     """vLLM's guided_json / guided_choice / guided_regex onto the same grammar path (check_common allows one)."""
     if guided_json is not None:
         schema = guided_json
         if isinstance(schema, str):
+            if len(schema) > limits.max_bytes:
+                raise _too_big("guided_json", f"is {len(schema)} characters", limits.max_bytes, "max_schema_bytes")
             try:
                 schema = json.loads(schema)
+            except RecursionError as e:
+                raise _too_big("guided_json", "nests too deeply to be parsed", limits.max_depth,
+                               "max_schema_depth") from e
             except ValueError as e:
                 raise _bad(f"guided_json is not valid JSON: {e}", "guided_json") from e
-        _check_schema(schema, "guided_json")
+        check_schema(schema, "guided_json", limits, pending)
         return schema_constraint(schema)
     if guided_choice is not None:
+        if len(guided_choice) > limits.max_alternatives:
+            raise _too_big("guided_choice", f"has {len(guided_choice)} values", limits.max_alternatives,
+                           "max_schema_alternatives")
         alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in guided_choice)
         return Constraint("lark", f"start: {alternatives}")
     if guided_regex is not None:

@@ -48,7 +48,8 @@ def _encode(name: str, kind: str, payload) -> bytes | WorkerFailed:
 
     model = _models[name]
     try:
-        ids = model.chat_ids(payload) if kind == "chat" else model.prompt_ids(payload)
+        ids = (model.chat_ids(payload) if kind == "chat" else model.text_ids(payload) if kind == "text"
+               else model.prompt_ids(payload))
     except TokenizerError as e:
         return WorkerFailed(True, str(e))
     except Exception as e:  # jinja2 TemplateError and the like: not always picklable, so sent as text

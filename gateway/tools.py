@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 
 from edgeinfer.gateway.errors import APIError
+from edgeinfer.gateway.structured import DEFAULT_LIMITS, Pending, SchemaLimits, check_schema
 from edgeinfer.protocol.wire import Constraint
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -78,12 +79,18 @@ class ToolPlan:
 
 
 def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None,
-               parallel: bool | None) -> ToolPlan | None:
-    """None when no tools are offered (or tool_choice is "none"); APIError 400 naming the bad part."""
+               parallel: bool | None, limits: SchemaLimits = DEFAULT_LIMITS,
+               pending: Pending | None = None) -> ToolPlan | None:
+    """None when no tools are offered (or tool_choice is "none"); APIError 400 naming the bad part.
+    Each function's parameters schema passes structured.check_schema (with `pending`: its meta-schema check
+    is left to the caller, off the event loop)."""
     if not tools:
         if tool_choice not in (None, "none", "auto"):
             raise _bad("tool_choice", "tool_choice needs tools")
         return None
+    if len(tools) > limits.max_tools:
+        raise APIError(400, f"tools has {len(tools)} functions: at most {limits.max_tools} are accepted "
+                            "(server.max_tools)", param="tools", code="too_many_tools")
     functions = []
     for i, t in enumerate(tools):
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
@@ -95,9 +102,7 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, 
                                                     f"letters, digits, '_' or '-'")
         params = f.get("parameters")
         if params is not None:
-            from edgeinfer.gateway.structured import _check_schema
-
-            _check_schema(params, f"tools[{i}].function.parameters")
+            check_schema(params, f"tools[{i}].function.parameters", limits, pending)
         functions.append({k: f[k] for k in ("name", "description", "parameters") if k in f})
     names = [f["name"] for f in functions]
     if len(set(names)) != len(names):

@@ -43,6 +43,14 @@ class UpstreamBroken(Exception):
     """The node failed after the first chunk: the request cannot be moved."""
 
 
+GRAMMAR_FAILED = "invalid_grammar"    # the request's own constraint hit a parser limit (backend error_code 422)
+
+
+def error_code_name(status: int | None) -> str:
+    """The OpenAI-style code of a backend error chunk's status."""
+    return GRAMMAR_FAILED if status == 422 else "invalid_request" if status in (400, 413) else "backend_error"
+
+
 class BackendRejected(Exception):
     """The backend answered the request with an error the request caused (e.g. 400 prompt too long, 500 it
     failed alone on a healthy node): not retried on another node, the node is not marked down."""
@@ -51,6 +59,10 @@ class BackendRejected(Exception):
         super().__init__(message)
         self.status = status
         self.code = code
+
+    @property
+    def grammar(self) -> bool:
+        return self.code == GRAMMAR_FAILED
 
 
 class UpstreamStream:
@@ -166,7 +178,7 @@ class Upstream:
                 raise BackendRejected(500, f"generation failed on node {node.node_id}: {first.error}",
                                       code="generation_failed")
             if code in (400, 413, 422):
-                raise BackendRejected(400, first.error)
+                raise BackendRejected(400, first.error, error_code_name(code))
             raise Retryable(f"node {node.node_id}: {code}: {first.error}")
         return stream, first
 

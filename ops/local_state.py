@@ -5,6 +5,8 @@
   their MAC accepted, by the next: a restart keeps its prefix cache.
 - `running.json` (0600, while a `serve` runs): its pid, the gateway URL and the registry's Redis URL, so
   `edgeinfer ops status` on the same machine finds the node without --redis-url.
+- `serve.lock`: flocked by the one `serve` that owns this home (its valkey data, node id `local-0`,
+  running.json); a second `serve` on the same home is refused in one line. The flock dies with its holder.
 """
 
 from __future__ import annotations
@@ -51,6 +53,38 @@ class LocalSecrets:
         made = cls(secrets.token_hex(16), secrets.token_hex(32), secrets.token_hex(16))
         _write_private(path, asdict(made))
         return made
+
+
+class HomeLock:
+    """The flock on `<home>/serve/serve.lock` that makes one `edgeinfer serve` the owner of its home."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    @classmethod
+    def take(cls, path: Path | None = None) -> HomeLock | str:
+        """The lock, or the one-line reason it is held by another serve."""
+        import fcntl
+
+        path = path or serve_dir() / "serve.lock"
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            return (f"another edgeinfer serve (pid {holder}) is running with this home, {home_dir()} (its valkey "
+                    "data, node id local-0 and running.json); stop it first, or give this one its own home: "
+                    "EDGEINFER_HOME=/some/other/dir edgeinfer serve --port P")
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        return cls(fd)
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)     # closing the last descriptor releases the flock
+            self.fd = -1
 
 
 def write_running(gateway_url: str, redis_url: str | None, path: Path | None = None) -> Path:

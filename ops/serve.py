@@ -24,7 +24,7 @@ from pathlib import Path
 import msgspec
 
 from edgeinfer.ops.children import Children, Stopped, exit_code, raise_on_stop_signals
-from edgeinfer.ops.local_state import LocalSecrets, clear_running, write_running
+from edgeinfer.ops.local_state import HomeLock, LocalSecrets, clear_running, write_running
 from edgeinfer.ops.local_valkey import LocalValkey, ValkeyError
 from edgeinfer.protocol.defaults import home_dir
 
@@ -58,8 +58,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def port_in_use(host: str, port: int) -> str | None:
-    """None if host:port can be bound now, else why not."""
+    """None if host:port can be bound now, else why not. SO_REUSEADDR, as the servers bind: a socket in
+    TIME_WAIT from the last run (an immediate restart) is not in use; a listening one still is."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as e:
@@ -107,6 +109,10 @@ def main(argv: list[str]) -> int:
             print(f"edgeinfer serve: error: {what} port {h}:{p} is not free ({why}); pick another with "
                   f"--{'port' if what == 'gateway' else 'backend-port'}", file=sys.stderr)
             return 2
+    owner = HomeLock.take()
+    if isinstance(owner, str):
+        print(f"edgeinfer serve: error: {owner}", file=sys.stderr)
+        return 2
     children = Children()
     raise_on_stop_signals()
     try:
@@ -120,6 +126,7 @@ def main(argv: list[str]) -> int:
     finally:
         children.stop_all()
         clear_running()
+        owner.release()
 
 
 def _start(args: argparse.Namespace, cfg, children: Children) -> int:

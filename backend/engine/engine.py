@@ -20,7 +20,13 @@ from edgeinfer.backend.engine.config import EngineConfig
 from edgeinfer.backend.engine.fair import make_scheduler
 from edgeinfer.backend.engine.grammar import GrammarCompiler, GrammarError
 from edgeinfer.backend.engine.model_runner import ModelRunner
-from edgeinfer.backend.engine.sampler import SamplingError, make_generator, sample
+from edgeinfer.backend.engine.sampler import (
+    GrammarFailed,
+    SamplingError,
+    grammar_failed,
+    make_generator,
+    sample,
+)
 from edgeinfer.backend.engine.scheduler import Scheduler
 from edgeinfer.backend.engine.sequence import SeqStatus, Sequence
 from edgeinfer.backend.engine.step_cost import StepCost
@@ -438,6 +444,10 @@ class LLMEngine:
                 raise got
             self._append_token(seq, got[0], got[1], now)
         except Exception as e:
+            if isinstance(e, GrammarFailed):
+                log.info("request %s: %s", seq.request_id, e)
+                self._finish_error(seq, str(e), e.code)
+                return
             log.warning("request %s failed: %s: %s", seq.request_id, type(e).__name__, e)
             self._finish_error(seq, f"generation failed: {e}" if isinstance(e, SamplingError)
                                else f"generation failed: {type(e).__name__}: {e}")
@@ -473,7 +483,7 @@ def _grammar_done(seq: Sequence, tok: int) -> bool:
     m = seq.matcher
     assert m is not None
     if not m.consume_token(tok):
-        raise SamplingError(f"request {seq.request_id}: token {tok} broke the grammar: {m.get_error()}")
+        raise grammar_failed(seq, m.get_error())
     return m.is_stopped()
 
 

@@ -30,6 +30,20 @@ Sampled = tuple[int, TokenLogprob | None]
 class SamplingError(RuntimeError):
     """One sequence's token could not be sampled; the other sequences of the step are unaffected."""
 
+    code = 500      # this request failed on a healthy node: the gateway does not retry it
+
+
+class GrammarFailed(SamplingError):
+    """The request's own grammar failed while decoding (a parser limit: Earley items, lexer fuel, ...): the
+    request's fault, reported as 422 so the gateway answers 400 naming the constraint (docs/GATEWAY.md)."""
+
+    code = 422
+
+
+def grammar_failed(seq: Sequence, error: str) -> GrammarFailed:
+    return GrammarFailed(f"the request's grammar failed at output token {len(seq.output_ids)}: {error.strip()}; "
+                         "simplify the schema, regex or choices")
+
 
 def is_greedy(sp: SamplingParams) -> bool:
     return sp.temperature < GREEDY_BELOW
@@ -133,7 +147,7 @@ def sample(seqs: list[Sequence], logits: torch.Tensor, grammars: GrammarCompiler
         raw = logits[i]
         try:
             if seq.matcher is not None and seq.matcher.is_error():
-                raise SamplingError(f"request {seq.request_id}: the grammar failed: {seq.matcher.get_error()}")
+                raise grammar_failed(seq, seq.matcher.get_error())
             if i in greedy:
                 tok = greedy[i]
                 if i in odd:

@@ -33,6 +33,7 @@ logged warning; ext requires them (an error naming the reason); torch never buil
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -113,16 +114,43 @@ def build_extension(name: str, source: Path) -> None:
 
     from torch.utils.cpp_extension import _get_build_directory, load
 
-    built = Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    built = build_dir / f"{name}.so"
     fresh = built.exists() and built.stat().st_mtime >= source.stat().st_mtime
-    if not fresh:
-        log.info("kernels/cpu: compiling %s (first start after an install or change; about a minute with g++)",
-                 source.name)
-    t0 = time.monotonic()
-    load(name=name, sources=[str(source)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, is_python_module=False,
-         verbose=False)
+    with _build_lock(build_dir):
+        if not fresh:
+            log.info("kernels/cpu: compiling %s (first start after an install or change; about a minute with "
+                     "g++)", source.name)
+        t0 = time.monotonic()
+        load(name=name, sources=[str(source)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, is_python_module=False,
+             verbose=False)
     if not fresh:
         log.info("kernels/cpu: %s ready in %.0f s", source.name, time.monotonic() - t0)
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path):
+    """Hold an flock on the build directory while torch builds in it. torch's own `lock` file (a FileBaton)
+    is left behind when a build is killed (Ctrl-C during the first start), and the next build then waits on
+    it forever; an flock dies with its holder. So, holding ours, a `lock` file found is stale: removed, with
+    one line naming it. Another live process building the same extension is waited for, with one line."""
+    import fcntl
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "edgeinfer.flock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("kernels/cpu: another process is building %s; waiting for it", build_dir)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                log.warning("kernels/cpu: removing a stale build lock left by an interrupted compile: %s", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @functools.cache

@@ -13,6 +13,8 @@ from tests.gateway.stub_backend import StubBackend
 
 DEMO_KEY = config_mod.DEMO_API_KEY
 OTHER_KEY = "sk-test-other"
+METRICS_KEY = "sk-test-metrics-scraper"
+METRICS_AUTH = {"authorization": f"Bearer {METRICS_KEY}"}   # /metrics with the per-tenant series
 MODEL = "stub-model"
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -49,7 +51,8 @@ def tenant(**kw) -> dict:
 def gateway_config(tokenizer_dir: Path, stubs: list[StubBackend], tenants: list[dict] | None = None,
                    source: str = "", **server) -> dict:
     data = {
-        "server": {"health_interval_s": 0.2, "shutdown_grace_s": 5.0, "page_seed": "test-seed", **server},
+        "server": {"health_interval_s": 0.2, "shutdown_grace_s": 5.0, "page_seed": "test-seed",
+                   "metrics_key_sha256": config_mod.hash_key(METRICS_KEY), **server},
         "models": [{"name": MODEL, "tokenizer": str(tokenizer_dir)}],
         "nodes": [{"id": s.node_id, "url": s.url, "model": MODEL} for s in stubs],  # type: ignore[attr-defined]
         "tenants": tenants if tenants is not None else [tenant()],

@@ -8,7 +8,7 @@ import requests
 
 from edgeinfer.gateway import config as config_mod
 from tests.conftest import wait_until
-from tests.gateway.conftest import DEMO_KEY, MODEL, OTHER_KEY, client, tenant
+from tests.gateway.conftest import DEMO_KEY, METRICS_AUTH, MODEL, OTHER_KEY, client, tenant
 
 MSGS = [{"role": "user", "content": "hi"}]
 AUTH = {"authorization": f"Bearer {DEMO_KEY}"}
@@ -112,7 +112,7 @@ def _limit_429(gw):
     h = e.value.response.headers
     assert int(h["retry-after"]) >= 1 and h["x-ratelimit-remaining-requests"] == "0"
     assert e.value.body["code"] == "rate_limit_exceeded"
-    m = requests.get(gw.url + "/metrics", timeout=5).text
+    m = requests.get(gw.url + "/metrics", headers=METRICS_AUTH, timeout=5).text
     assert 'edgeinfer_gateway_rate_limit_rejections_total{limit="requests",tenant="demo"} 1.0' in m
 
 

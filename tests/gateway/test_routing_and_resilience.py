@@ -17,7 +17,16 @@ from edgeinfer.gateway import config as config_mod
 from edgeinfer.gateway.nodes import Node
 from edgeinfer.gateway.routing import affinity_node
 from tests.conftest import wait_until
-from tests.gateway.conftest import DEMO_KEY, MODEL, OTHER_KEY, client, gateway_config, parsed, tenant
+from tests.gateway.conftest import (
+    DEMO_KEY,
+    METRICS_AUTH,
+    MODEL,
+    OTHER_KEY,
+    client,
+    gateway_config,
+    parsed,
+    tenant,
+)
 from tests.gateway.stub_backend import PHRASE
 
 MSGS = [{"role": "user", "content": "Tell me about foxes, please, in detail."}]
@@ -41,7 +50,7 @@ def test_second_turn_lands_on_the_node_holding_the_prefix(harness):
         r = c.chat.completions.create(model=MODEL, messages=convo, max_tokens=5)
         assert r.usage.prompt_tokens_details.cached_tokens > 0
     assert len(first.requests) == 4 and other.requests == []
-    m = requests.get(gw.url + "/metrics", timeout=5).text
+    m = requests.get(gw.url + "/metrics", headers=METRICS_AUTH, timeout=5).text
     assert 'edgeinfer_gateway_routing_decisions_total{decision="prefix",model="stub-model"} 3.0' in m
     assert 'edgeinfer_gateway_cached_tokens_total{model="stub-model",tenant="demo"}' in m
 
@@ -135,9 +144,9 @@ def test_client_disconnect_aborts_backend_request(harness):
     rid = stub.requests[0].request_id
     assert wait_until(lambda: rid in stub.aborts and rid in stub.disconnects, 5)
     assert rid not in stub.completed
-    m = requests.get(gw.url + "/metrics", timeout=5).text
+    m = requests.get(gw.url + "/metrics", headers=METRICS_AUTH, timeout=5).text
     assert wait_until(lambda: 'edgeinfer_gateway_client_aborts_total{model="stub-model",tenant="demo"} 1.0'
-                      in requests.get(gw.url + "/metrics", timeout=5).text, 5), m
+                      in requests.get(gw.url + "/metrics", headers=METRICS_AUTH, timeout=5).text, 5), m
 
 
 def test_client_disconnect_non_streaming_aborts(harness):
@@ -219,7 +228,7 @@ def test_metrics_and_json_access_log_without_keys(harness, caplog):
     assert len(ok["request_id"]) == 32 and ok["route"] in ("load", "prefix", "affinity")
     assert any(r["status"] == 401 for r in recs)
     assert "sk-" not in caplog.text
-    m = requests.get(gw.url + "/metrics", timeout=5).text
+    m = requests.get(gw.url + "/metrics", headers=METRICS_AUTH, timeout=5).text
     for needle in ('edgeinfer_gateway_requests_total{endpoint="chat",model="stub-model",status="200",tenant="demo"} 1.0',
                    'edgeinfer_gateway_completion_tokens_total{model="stub-model",tenant="demo"} 3.0',
                    "edgeinfer_gateway_time_to_first_token_seconds_bucket",
