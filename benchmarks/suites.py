@@ -224,6 +224,10 @@ SUITES: list[Suite] = [
         Part("fairness.wait_estimate", "the backend's first-token wait estimate against the actual wait",
              ["--requests", "4", "--probes", "1", "--probe-every", "0.5", "--max-tokens", "4"],
              _keys(("estimate / actual wait (median)", "estimate_over_actual.estimate_s.median"))),
+        Part("fairness.cache_timing", "TTFT after another tenant sent the same prompt vs cold (a side channel?)",
+             ["--samples", "4", "--prompt-len", "32"],
+             _keys(("other-tenant-primed / cold TTFT (median)", "primed_by_other_over_cold"),
+                   ("own-primed / cold TTFT (median)", "own_over_cold"))),
     ]),
     Suite("quality", "What do INT4 weights and FP8 KV cost in accuracy?", [
         Part("quality.perplexity", "perplexity and next-token agreement per weight/KV variant, KV bytes per token",

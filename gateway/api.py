@@ -73,35 +73,33 @@ async def read_body(request: web.Request, st: GatewayState) -> bytes:
                        code="timeout") from e
 
 
-_raw_fields = msgspec.json.Decoder(dict[str, msgspec.Raw])
-
-
 def decode(decoder: msgspec.json.Decoder, body: bytes):
     try:
         return decoder.decode(body)
     except RecursionError:
-        raise _too_deep(body) from None
+        raise TooDeep(body) from None
     except msgspec.ValidationError as e:
         raise from_validation_error(e) from e
     except msgspec.DecodeError as e:
         raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from e
 
 
-def _too_deep(body: bytes) -> APIError:
-    """The 400 for a body msgspec could not decode for its nesting, naming the top-level field that nests
-    too deeply (each field decoded alone: C speed, no Python walk over the bytes)."""
-    try:
-        fields = _raw_fields.decode(body)
-    except (msgspec.DecodeError, RecursionError):
-        fields = {}
-    for name, raw in fields.items():
-        try:
-            msgspec.json.decode(raw)
-        except RecursionError:
-            return APIError(400, f"{name} nests too deeply to be parsed", code="nesting_too_deep", param=name)
-        except msgspec.DecodeError:
-            pass
-    return APIError(400, "the request body nests too deeply to be parsed", code="nesting_too_deep")
+class TooDeep(APIError):
+    """A body msgspec could not decode for its nesting. `named()` finds the field (gateway/nesting.py: numpy,
+    which releases the GIL, so it runs in a thread and the loop keeps serving): the middleware answers that."""
+
+    def __init__(self, body: bytes, limit: int = 64) -> None:
+        super().__init__(400, "the request body nests too deeply to be parsed", code="nesting_too_deep")
+        self.raw, self.limit = body, limit
+
+    async def named(self) -> APIError:
+        from edgeinfer.gateway.nesting import deep_field
+
+        field = await asyncio.to_thread(deep_field, self.raw, self.limit)
+        if field is None:
+            return self
+        return APIError(400, f"{field} nests more than {self.limit} levels deep: the request body cannot be parsed",
+                        code="nesting_too_deep", param=field)
 
 
 def check_nesting(limits: SchemaLimits, **fields) -> None:
@@ -328,7 +326,7 @@ async def _stream(job: Job, runs: list[Run], tally: Tally, include_usage: bool, 
     resp = web.StreamResponse(headers={**_SSE_HEADERS, **job.headers, "x-request-id": job.rid})
     await resp.prepare(job.request)
     job.request["stream"] = resp
-    job.request["cut_event"] = _error_event(SHUTDOWN_MESSAGE, "shutting_down") + _DONE
+    job.request["cut_event"] = lambda: _error_event(SHUTDOWN_MESSAGE, "shutting_down") + _DONE
     chat = job.kind == "chat"
     latency = _Latency(st.metrics.series(job.tenant.id, model.name), t0)
     started: set[int] = set()
@@ -497,12 +495,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     model = served_model(st, tenant, req.model)
     check_bias_ids(model, req.logit_bias)
     limits, pending = st.schema_limits, Pending()
-    check_nesting(limits, tools=req.tools, tool_choice=req.tool_choice, response_format=req.response_format,
-                  guided_json=req.guided_json, chat_template_kwargs=req.chat_template_kwargs,
-                  messages=[m.tool_calls for m in req.messages if m.tool_calls])
     tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, limits, pending)
     constraint = constraint_for(req.response_format, limits, pending) or guided_constraint(
         req.guided_json, req.guided_choice, req.guided_regex, limits, pending)
+    check_nesting(limits, tools=req.tools, tool_choice=req.tool_choice, response_format=req.response_format,
+                  guided_json=req.guided_json, chat_template_kwargs=req.chat_template_kwargs,
+                  messages=[m.tool_calls for m in req.messages if m.tool_calls])
     if tools is not None and tools.mode != "auto":
         if constraint is not None:
             raise bad_value("response_format", "response_format cannot be combined with a tool_choice that "
@@ -541,9 +539,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     model = served_model(st, tenant, req.model)
     check_bias_ids(model, req.logit_bias)
     limits, pending = st.schema_limits, Pending()
-    check_nesting(limits, response_format=req.response_format, guided_json=req.guided_json)
     constraint = constraint_for(req.response_format, limits, pending) or guided_constraint(
         req.guided_json, req.guided_choice, req.guided_regex, limits, pending)
+    check_nesting(limits, response_format=req.response_format, guided_json=req.guided_json)
     p = req.prompt
     texts = [p] if isinstance(p, str) else list(p) if p and isinstance(p[0], str) else []
     count = len(texts) if texts else (1 if p and isinstance(p[0], int) else len(p))

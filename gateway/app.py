@@ -93,6 +93,8 @@ async def edge_middleware(request: web.Request, handler) -> web.StreamResponse:
         status = resp.status
         return resp
     except APIError as e:
+        if isinstance(e, api.TooDeep):
+            e = await e.named()
         status, error = e.status, e.code
         return _error_response(e, rid)
     except web.HTTPException as e:
@@ -152,13 +154,13 @@ SHUTDOWN_MESSAGE = "the gateway is shutting down: this request was cut at the en
 
 async def _cut_response(request: web.Request, rid: str) -> web.StreamResponse:
     """A request cut by shutdown: a 503 if nothing was sent yet, else its stream's error event written
-    (`request["cut_event"]`, set by the streaming handlers once their headers are out) and the stream ended."""
+    (`request["cut_event"]()`, set by the streaming handlers once their headers are out) and the stream ended."""
     resp = request.get("stream")
     if resp is None or not resp.prepared:
         return _error_response(APIError(503, SHUTDOWN_MESSAGE, code="shutting_down", headers={"retry-after": "1"}),
                                rid)
     try:
-        await resp.write(request["cut_event"])
+        await resp.write(request["cut_event"]())
         await resp.write_eof()
     except ConnectionError:
         pass

@@ -248,7 +248,7 @@ async def stream(job, runs, tally, builder: ResponseBuilder) -> web.StreamRespon
     await resp.prepare(job.request)
     b = builder
     job.request["stream"] = resp
-    job.request["cut_event"] = b.event("error", code="shutting_down", message=api.SHUTDOWN_MESSAGE, param=None)
+    job.request["cut_event"] = lambda: b.event("error", code="shutting_down", message=api.SHUTDOWN_MESSAGE, param=None)
     await resp.write(b.event("response.created", response=b.obj("in_progress", [], None, None))
                      + b.event("response.in_progress", response=b.obj("in_progress", [], None, None)))
     tool_stream = ToolStream() if b.tools is not None else None
@@ -314,11 +314,11 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     check(req)
     model = api.served_model(st, tenant, req.model)
     limits, pending = st.schema_limits, Pending()
-    api.check_nesting(limits, input=req.input, tools=req.tools, tool_choice=req.tool_choice, text=req.text,
-                      reasoning=req.reasoning, stream_options=req.stream_options)
     tools = plan_tools(chat_tools(req.tools), chat_tool_choice(req.tool_choice), req.parallel_tool_calls, limits,
                        pending)
     constraint = constraint_for(response_format(req.text), limits, pending)
+    api.check_nesting(limits, input=req.input, tools=req.tools, tool_choice=req.tool_choice, text=req.text,
+                      reasoning=req.reasoning, stream_options=req.stream_options)
     if tools is not None and tools.mode != "auto":
         if constraint is not None:
             raise bad_value("text.format", "text.format cannot be combined with a tool_choice that forces a call")

@@ -212,3 +212,66 @@ async def test_concurrent_requests_with_and_without_the_secret(backend):
     statuses = await asyncio.gather(*(one(i) for i in range(8)))
     assert statuses == [401, 200] * 4
     assert sorted(rec.calls) == sorted(f"generate:c{i}" for i in range(1, 8, 2))
+
+
+async def test_metrics_show_tenant_ids_only_to_the_gateway_or_the_operator(backend):
+    """Issue 39 item 6: the open /metrics carries no tenant ids; the gateway's secret and the operator key see
+    the per-tenant series."""
+    _, http, _ = backend
+    req = {**body("r-tenant"), "tenant": {"id": "tenant-secret-co"}}
+    async with http.post("/internal/generate", json=req, headers=GATEWAY) as r:
+        assert r.status == 200 and (await _stream(r))[-1].finish_reason == "length"
+    async with http.get("/metrics") as r:
+        text = await r.text()
+    assert r.status == 200 and "edgeinfer_backend_requests_running" in text
+    assert "tenant-secret-co" not in text and "tenant=" not in text
+    for headers in (GATEWAY, OPERATOR):
+        async with http.get("/metrics", headers=headers) as r:
+            assert 'tenant="tenant-secret-co"' in await r.text()
+
+
+class _SlowExtension:
+    """An extension whose before_generate finishes its work even when the caller leaves (shielded), as a
+    store write must: the handler reaches the response headers after the client is gone."""
+
+    def __init__(self) -> None:
+        self.done = asyncio.Event()
+
+    async def before_generate(self, app, req) -> None:
+        try:
+            await asyncio.shield(asyncio.sleep(0.5))
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.5)
+            asyncio.current_task().uncancel()   # type: ignore[union-attr]
+        self.done.set()
+
+    async def start(self, app) -> None:
+        pass
+
+    async def stop(self, app) -> None:
+        pass
+
+
+async def test_a_caller_leaving_before_the_headers_is_one_info_line_not_an_error(backend, caplog):
+    import logging
+
+    st, http, _ = backend
+    ext = _SlowExtension()
+    st.extensions.append(ext)
+    port = http._base_url.port   # type: ignore[union-attr]
+    payload = msgspec.json.encode(body("r-gone"))
+    raw = (f"POST /internal/generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {SECRET}\r\n"
+           f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n").encode() + payload
+    with caplog.at_level(logging.INFO):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(raw)
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        writer.transport.abort()            # the caller leaves before any response byte
+        await asyncio.wait_for(ext.done.wait(), 10)
+        await asyncio.sleep(0.5)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
+    left = [r for r in caplog.records if "left before the response headers" in r.getMessage()]
+    assert len(left) == 1 and left[0].levelno == logging.INFO
+    assert not st.in_flight

@@ -303,3 +303,34 @@ def test_tool_call_round_trip_streaming(gw):
                 text += ch.delta.content or ""
                 assert not ch.delta.tool_calls
     assert text.strip()
+
+
+# ---- grammar limits reached after compile (issue 39, item 4) --------------------------------------
+
+SELF_RECURSIVE = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("extra, param", [
+    ({"guided_regex": "x{1000000}"}, "guided_regex"),
+    ({"guided_regex": "(x{1000}){1000}"}, "guided_regex"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": SELF_RECURSIVE}}},
+     "response_format"),
+    ({"guided_choice": [f"v{i}" for i in range(10_000)]}, "guided_choice"),
+])
+def test_a_grammar_over_the_parsers_limits_is_400_naming_its_field(gw, extra, param, stream):
+    """The request's own grammar is at fault: 400 naming the field (was 500 generation_failed), for a
+    stream too (the grammar fails on the first token, before any byte is sent)."""
+    g, name = gw
+    with pytest.raises(openai.BadRequestError) as e:
+        out = client(g).chat.completions.create(model=name, messages=[{"role": "user", "content": "Say x."}],
+                                                max_tokens=8, temperature=0, stream=stream, extra_body=extra)
+        if stream:
+            list(out)
+    err = e.value.body
+    assert e.value.status_code == 400 and err["param"] == param, err
+    assert err["code"] in ("invalid_grammar", "schema_too_large"), err
+    # the node is fine: the next request is answered
+    ok = client(g).chat.completions.create(model=name, messages=[{"role": "user", "content": "Say hi."}],
+                                           max_tokens=2, temperature=0)
+    assert ok.choices[0].message.content

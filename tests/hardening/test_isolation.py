@@ -10,14 +10,13 @@ import itertools
 import logging
 import random
 import re
-import statistics
 import time
 
 import pytest
 import requests
 
 from edgeinfer.backend.engine.config import EngineConfig
-from edgeinfer.backend.engine.engine import LLMEngine, RequestError
+from edgeinfer.backend.engine.engine import EngineObserver, LLMEngine, RequestError
 from edgeinfer.cache_store.codec import PageKey
 from edgeinfer.gateway import config as config_mod
 from edgeinfer.gateway.state import STATE as GW_STATE
@@ -40,9 +39,9 @@ def rand_prompt(seed: int, n: int) -> list[int]:
     return [rng.randrange(100, 40000) for _ in range(n)]
 
 
-async def run(eng: LLMEngine, prompt: list[int], ns: str, max_tokens: int = 4, bridge=None):
+async def run(eng: LLMEngine, prompt: list[int], ns: str, max_tokens: int = 4, bridge=None, rid: str | None = None):
     """-> (token ids, usage, ttft seconds)"""
-    req = GenerateRequest(f"iso-{next(_ids)}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0,
+    req = GenerateRequest(rid or f"iso-{next(_ids)}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0,
                                                                       ignore_eos=True), ns)
     t0 = time.perf_counter()
     if bridge is not None:
@@ -84,37 +83,39 @@ async def test_engine_other_namespace_never_hits_same_namespace_and_group_do(eng
     assert u.cached_tokens == 192
 
 
-async def test_engine_prefix_cache_is_no_timing_side_channel_across_tenants(engine):
-    """TTFT of a probe prompt for bob: (a) alice sent the same prompt just before, (b) nobody did, (c) positive
-    control: bob himself sent it before. (a) vs (b) must be indistinguishable, (c) vs (b) clearly not."""
-    n, length = 30, 64   # 30 samples per condition: 150 model calls, the slowest test of the folder
-    primed, cold, own = [], [], []
-    for i in range(n):
-        p_other, p_cold, p_own = (rand_prompt(1000 + 3 * i + k, length) for k in range(3))
-        conditions = [("other", p_other), ("cold", p_cold), ("own", p_own)]
-        if i % 2:
-            conditions.reverse()      # alternate the order so drift in machine load hits every condition
-        for kind, p in conditions:
-            if kind == "other":
-                await run(engine, p, "tenant:alice", max_tokens=1)
-                _, u, t = await run(engine, p, "tenant:bob", max_tokens=1)
-                assert u.cached_tokens == 0
-                primed.append(t)
-            elif kind == "own":
-                await run(engine, p, "tenant:bob", max_tokens=1)
-                _, u, t = await run(engine, p, "tenant:bob", max_tokens=1)
-                assert u.cached_tokens == 48
-                own.append(t)
-            else:
-                _, u, t = await run(engine, p, "tenant:bob", max_tokens=1)
-                cold.append(t)
-    across, control = mann_whitney_p(primed, cold), mann_whitney_p(own, cold)
-    med = {k: statistics.median(v) for k, v in (("primed", primed), ("cold", cold), ("own", own))}
-    print(f"TTFT medians {med}; Mann-Whitney p: other-tenant-primed vs cold {across:.3g}, "
-          f"same-tenant vs cold {control:.3g}")
-    assert control < 1e-4 and med["own"] < 0.7 * med["cold"], (control, med)   # the test has power
-    assert across > 0.01, (across, med)                                           # ...and finds nothing
-    assert 0.8 < med["primed"] / med["cold"] < 1.25, med
+class PrefillWork(EngineObserver):
+    """Prompt tokens the engine computed per request id (batch.prefills: (sequence, tokens) per step)."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, int] = {}
+
+    def on_step(self, engine, batch, dt: float) -> None:
+        for seq, n in batch.prefills:
+            self.tokens[seq.request_id] = self.tokens.get(seq.request_id, 0) + n
+
+
+async def test_engine_prefix_cache_saves_another_tenant_no_work(engine):
+    """The mechanism behind "no timing side channel across tenants": bob's prompt after alice sent it makes
+    the engine compute every prompt token, exactly as a cold prompt (the namespace salts every page key);
+    after bob himself sent it, the cached pages are not recomputed (the control). The timing statistic
+    itself (TTFT medians, Mann-Whitney) is `python -m benchmarks fairness.cache_timing`: it flaked here on a
+    loaded machine (issue 39)."""
+    work = PrefillWork()
+    engine.observers.append(work)
+    try:
+        for i in range(3):
+            p_other, p_cold, p_own = (rand_prompt(1000 + 3 * i + k, 64) for k in range(3))
+            bob_after_alice, cold, own = f"after-alice-{i}", f"cold-{i}", f"own-{i}"
+            await run(engine, p_other, "tenant:alice", max_tokens=1)
+            _, u_other, _ = await run(engine, p_other, "tenant:bob", max_tokens=1, rid=bob_after_alice)
+            _, u_cold, _ = await run(engine, p_cold, "tenant:bob", max_tokens=1, rid=cold)
+            await run(engine, p_own, "tenant:bob", max_tokens=1)
+            _, u_own, _ = await run(engine, p_own, "tenant:bob", max_tokens=1, rid=own)
+            assert u_other.cached_tokens == u_cold.cached_tokens == 0 and u_own.cached_tokens == 48
+            assert work.tokens[bob_after_alice] == work.tokens[cold] == 64, work.tokens
+            assert work.tokens[own] == 64 - 48, work.tokens
+    finally:
+        engine.observers.remove(work)
 
 
 def mann_whitney_p(a: list[float], b: list[float]) -> float:
