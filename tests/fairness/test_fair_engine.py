@@ -159,7 +159,7 @@ def test_the_contended_cap_comes_from_measured_steps(smol_model, smol_tokenizer,
     assert contended and all(n <= cap < 200 for n, cap in contended), contended
     assert [outs[i] for i in range(6)] == solo
     metrics.on_step(eng, None, 0.0)
-    val = metrics.tenant_registry.get_sample_value
+    val = metrics.registry.get_sample_value
     assert val("edgeinfer_backend_contended_steps_total", {"model": "m"}) == eng.scheduler.num_contended_steps
     assert val("edgeinfer_backend_contended_step_prefill_tokens", {"model": "m"}) == eng.scheduler.contended_cap
     assert val("edgeinfer_backend_step_cost_seconds", {"model": "m", "part": "prefill_token"}) == \
