@@ -138,42 +138,41 @@ class Attention(nn.Module):
 
     def forward_cpu(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, kv: LayerKV,
                     meta: AttentionMetadata, ops) -> torch.Tensor:
-        """fp32 on CPU through kernels.cpu.attn's ops: rope + KV store in one pass over the qkv rows, decode
-        attention reading the pool's pages (fp8 pages quantized by kernels.kv_store, dequantized in the op)."""
+        """fp32 on CPU through kernels.cpu.attn's ops: rope + KV store in one pass over the qkv rows (fp8 pages
+        quantized there, a scale per token-head), decode and prefill attention reading the pool's pages (fp8
+        converted in registers); prefill rows attend to K/V as stored, each row alone (row-invariant: a cached
+        prefix and a cold prefill give the same bits, docs/QUANTIZATION.md)."""
         c = self.cfg
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        fp8 = kv.k_scale is not None
-        k_cache, v_cache = (None, None) if fp8 else (kv.k, kv.v)
         if self.norms_or_partial_rope:   # QK-norm and/or partial rotary: the op's variant with both
             qn, kn = self.q_norm, self.k_norm
-            ops.rope_norm_kv_store_(qkv, positions, rotary.cos, rotary.sin, k_cache, v_cache, meta.slot_mapping,
+            ops.rope_norm_kv_store_(qkv, positions, rotary.cos, rotary.sin, kv.k, kv.v, meta.slot_mapping,
                                     c.num_heads, c.num_kv_heads, c.head_dim, None if qn is None else qn.weight,
-                                    None if kn is None else kn.weight, c.rms_norm_eps)
+                                    None if kn is None else kn.weight, c.rms_norm_eps, kv.k_scale, kv.v_scale)
         else:
-            ops.rope_kv_store_(qkv, positions, rotary.cos, rotary.sin, k_cache, v_cache, meta.slot_mapping,
-                               c.num_heads, c.num_kv_heads)
-        if fp8:
-            kv_end = c.q_size + c.kv_size
-            kernels.kv_store(qkv[:, c.q_size:kv_end].view(t, c.num_kv_heads, c.head_dim),
-                             qkv[:, kv_end:].view(t, c.num_kv_heads, c.head_dim),
-                             kv.k, kv.v, meta.slot_mapping, kv.k_scale, kv.v_scale)
+            ops.rope_kv_store_(qkv, positions, rotary.cos, rotary.sin, kv.k, kv.v, meta.slot_mapping,
+                               c.num_heads, c.num_kv_heads, kv.k_scale, kv.v_scale)
         q = qkv[:, : c.q_size].view(t, c.num_heads, c.head_dim)
         nd = meta.num_decode
         dec = None
         if nd:
             dec = ops.decode_attention(q[:nd], kv.k, kv.v, meta.decode_block_tables, meta.decode_context_lens,
                                        self.scale, kv.k_scale, kv.v_scale)
-        return self._prefill_and_project(q, dec, kv, meta)
+        return self._prefill_and_project(q, dec, kv, meta, ops)
 
     def _prefill_and_project(self, q: torch.Tensor, dec: torch.Tensor | None, kv: LayerKV,
-                             meta: AttentionMetadata) -> torch.Tensor:
+                             meta: AttentionMetadata, ops=None) -> torch.Tensor:
         """o_proj of the attention output: dec (the first meta.num_decode rows, already attended) followed by
-        the prefill rows of q attended here."""
+        the prefill rows of q attended here (the CPU ops' prefill_attention when `ops` is given)."""
         c = self.cfg
         t, nd = q.shape[0], meta.num_decode
         pre = None
-        if t > nd:
+        if t > nd and ops is not None:
+            pre = ops.prefill_attention(q[nd:].contiguous(), kv.k, kv.v, meta.prefill_block_tables,
+                                        meta.prefill_cu_seqlens_q, meta.prefill_context_lens, self.scale,
+                                        kv.k_scale, kv.v_scale)
+        elif t > nd:
             pre = kernels.paged_prefill_attention(q[nd:].contiguous(), kv.k, kv.v, meta.prefill_block_tables,
                                                   meta.prefill_cu_seqlens_q, meta.prefill_context_lens,
                                                   self.scale, kv.k_scale, kv.v_scale,
@@ -404,8 +403,8 @@ class DecodePlan:
     linears' per-call layout checks and the ops' packet lookups. Measured at batch 1 on the served model (2
     threads, one process, 5 alternated pairs of 128-token generations): median 188.5 -> 234.2 tok/s (1.24x).
     Applies when every decoder linear is a bias-free Q4_1 x8 W4A16Linear with a fused gate_up (the GGUF
-    default), the KV pool is not fp8 (its store is a separate op) and the rows are under
-    linear.DENSE_MIN_ROWS; otherwise the model runs _forward_cpu (docs/KERNELS.md)."""
+    default) and the rows are under linear.DENSE_MIN_ROWS (any KV dtype: the rope op quantizes fp8 pages as it
+    stores them); otherwise the model runs _forward_cpu (docs/KERNELS.md)."""
 
     def __init__(self, model: LlamaModel, first: RMSNorm, layers: list[tuple], residual: bool) -> None:
         self.model, self.layers = model, layers
@@ -435,8 +434,7 @@ class DecodePlan:
         return cls(model, layers[0].input_layernorm, rows, residual.pop())
 
     def applies(self, x: torch.Tensor, kv_caches: list[LayerKV]) -> bool:
-        return (x.shape[0] < linear_mod.DENSE_MIN_ROWS and x.dtype == torch.float32
-                and kv_caches[0].k_scale is None)
+        return x.shape[0] < linear_mod.DENSE_MIN_ROWS and x.dtype == torch.float32
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV], meta: AttentionMetadata,
             ops) -> torch.Tensor:
@@ -453,9 +451,10 @@ class DecodePlan:
                 self.layers, kv_caches):
             c = attn.cfg
             qkv = gemm(h, qkv_w, qkv_n)
-            rope_kv_store_(qkv, positions, cos, sin, kv.k, kv.v, slots, c.num_heads, c.num_kv_heads)
+            rope_kv_store_(qkv, positions, cos, sin, kv.k, kv.v, slots, c.num_heads, c.num_kv_heads, kv.k_scale,
+                           kv.v_scale)
             q = qkv[:, : c.q_size].view(t, c.num_heads, c.head_dim)
-            out = decode_attention(q, kv.k, kv.v, tables, lens, attn.scale, None, None)
+            out = decode_attention(q, kv.k, kv.v, tables, lens, attn.scale, kv.k_scale, kv.v_scale)
             a = gemm(out.reshape(t, c.q_size).contiguous(), o_w, o_n)
             add_rms_norm_(a, x, post_w, post_eps)
             h = gemm(silu_mul(gemm(a, gu_w, gu_n)), down_w, down_n)

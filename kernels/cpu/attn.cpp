@@ -76,6 +76,41 @@ struct Fp8Table {
 };
 const Fp8Table FP8;
 
+// 8 / 16 e4m3fn bytes -> fp32 values times 2^-8, exactly, without a table: the byte sign-extended to 16 bits and
+// shifted left by 7 puts its 7 magnitude bits on fp16's exponent (low 4 bits) and mantissa (top 3 bits) and
+// its sign on bit 15 (bit 14, the shifted sign, is cleared): an fp16 of value * 2^-8 (subnormals included,
+// fp16's bias being 8 more than e4m3's), which F16C widens. Callers fold the 2^8 into the row's scale.
+inline __m256 fp8x8_scaled_down(const uint8_t* p) {
+  const __m128i b = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(static_cast<short>(0xBF80))));
+}
+
+inline void fp8x16_scaled_down(const uint8_t* p, __m256& lo, __m256& hi) {
+  const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(static_cast<short>(0xBF80)));
+  lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+
+constexpr float FP8_UNDO = 256.0f;   // the 2^8 the conversions above leave out
+
+// fp32 in [-448, 448] -> e4m3fn byte, round to nearest even (torch's float -> float8_e4m3fn on such values)
+inline uint8_t fp8_e4m3_encode(float y) {
+  uint32_t u;
+  std::memcpy(&u, &y, 4);
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80);
+  const float a = std::fabs(y);
+  if (std::isnan(a)) return sign | 0x7F;
+  if (a < 0.015625f) {                                   // below 2^-6: e4m3 subnormals, steps of 2^-9
+    return sign | static_cast<uint8_t>(std::nearbyint(a * 512.0f));   // 8 -> 0x08, the smallest normal
+  }
+  uint32_t b;
+  std::memcpy(&b, &a, 4);
+  b += 0x7FFFF + ((b >> 20) & 1);                        // 3 mantissa bits, ties to even
+  const int e = static_cast<int>(b >> 23) - 127 + 7;
+  return sign | static_cast<uint8_t>((e << 3) | ((b >> 20) & 7));
+}
+
 enum class Kind { F32, BF16, F16, FP8 };
 
 Kind kind_of(const at::Tensor& t) {
@@ -198,6 +233,148 @@ inline void pv(const float* p, const float* const* v, int64_t n, int64_t d0, flo
   for (int j = 0; j < NV; ++j) _mm256_storeu_ps(out + d0 + 8 * j, a[j]);
 }
 
+// dots for fp8 key rows: out[g * n + t] = hsum(q_g . k^_t) * f[t], k^ the row as fp8x16_scaled_down gives it and
+// f[t] its scale * 2^8 * sm_scale; two rows at a time (2 * GN independent FMA chains). head_dim % 16 == 0.
+template <int GN>
+inline void dots_fp8(const float* q, int64_t qsh, const uint8_t* const* k, const float* f, int64_t n, int64_t d,
+                     float* out) {
+  int64_t t = 0;
+  for (; t + 2 <= n; t += 2) {
+    __m256 a[GN], c[GN];
+    for (int g = 0; g < GN; ++g) a[g] = c[g] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 16) {
+      __m256 x0, x1, y0, y1;
+      fp8x16_scaled_down(k[t] + i, x0, x1);
+      fp8x16_scaled_down(k[t + 1] + i, y0, y1);
+      for (int g = 0; g < GN; ++g) {
+        const __m256 q0 = _mm256_loadu_ps(q + g * qsh + i), q1 = _mm256_loadu_ps(q + g * qsh + i + 8);
+        a[g] = _mm256_fmadd_ps(q1, x1, _mm256_fmadd_ps(q0, x0, a[g]));
+        c[g] = _mm256_fmadd_ps(q1, y1, _mm256_fmadd_ps(q0, y0, c[g]));
+      }
+    }
+    for (int g = 0; g < GN; ++g) {
+      out[g * n + t] = hsum(a[g]) * f[t];
+      out[g * n + t + 1] = hsum(c[g]) * f[t + 1];
+    }
+  }
+  if (t < n) {
+    __m256 a[GN];
+    for (int g = 0; g < GN; ++g) a[g] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 16) {
+      __m256 x0, x1;
+      fp8x16_scaled_down(k[t] + i, x0, x1);
+      for (int g = 0; g < GN; ++g) {
+        const __m256 q0 = _mm256_loadu_ps(q + g * qsh + i), q1 = _mm256_loadu_ps(q + g * qsh + i + 8);
+        a[g] = _mm256_fmadd_ps(q1, x1, _mm256_fmadd_ps(q0, x0, a[g]));
+      }
+    }
+    for (int g = 0; g < GN; ++g) out[g * n + t] = hsum(a[g]) * f[t];
+  }
+}
+
+// out[g * osh + d0 : .. + 16] = sum_t w[g * n + t] * v^_t[d0 : d0 + 16] for GN heads: each fp8 value row converted
+// once for the whole group (w: a probability times the row's scale * 2^8)
+template <int GN>
+inline void pv_fp8(const float* w, int64_t n, const uint8_t* const* v, int64_t d0, float* out, int64_t osh) {
+  __m256 a[GN][2];
+  for (int g = 0; g < GN; ++g) a[g][0] = a[g][1] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < n; ++t) {
+    __m256 x0, x1;
+    fp8x16_scaled_down(v[t] + d0, x0, x1);
+    for (int g = 0; g < GN; ++g) {
+      const __m256 wb = _mm256_set1_ps(w[g * n + t]);
+      a[g][0] = _mm256_fmadd_ps(wb, x0, a[g][0]);
+      a[g][1] = _mm256_fmadd_ps(wb, x1, a[g][1]);
+    }
+  }
+  for (int g = 0; g < GN; ++g) {
+    _mm256_storeu_ps(out + g * osh + d0, a[g][0]);
+    _mm256_storeu_ps(out + g * osh + d0 + 8, a[g][1]);
+  }
+}
+
+// scores s[0 : n] -> softmax probabilities, in place (max, exp, sum in 8 lanes then the tail, normalize)
+inline void softmax_(float* s, int64_t n) {
+  float mx = -INFINITY;
+  for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
+  const __m256 m8 = _mm256_set1_ps(mx);
+  __m256 sum8 = _mm256_setzero_ps();
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) {
+    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), m8));
+    _mm256_storeu_ps(s + t, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  float sum = hsum(sum8);
+  for (; t < n; ++t) {
+    s[t] = exp1(s[t] - mx);
+    sum += s[t];
+  }
+  const float inv = 1.0f / sum;
+  for (t = 0; t < n; ++t) s[t] *= inv;
+}
+
+// GN heads' scores over fp32 rows, then their softmax and p @ V: one query row's attention, as decode and
+// prefill both compute it (the same operations in the same order, whatever else is in the batch)
+inline void attend_rows(const float* q, int64_t qsh, const float* const* krow, const float* const* vrow, int64_t n,
+                        int64_t D, int64_t G, float scale, float* scores, float* o) {
+  for (int64_t g = 0; g < G; g += 4) {
+    float* st = scores + g * n;
+    switch (std::min<int64_t>(G - g, 4)) {
+      case 1: dots<1>(q + g * qsh, qsh, krow, n, D, scale, st); break;
+      case 2: dots<2>(q + g * qsh, qsh, krow, n, D, scale, st); break;
+      case 3: dots<3>(q + g * qsh, qsh, krow, n, D, scale, st); break;
+      default: dots<4>(q + g * qsh, qsh, krow, n, D, scale, st); break;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = scores + g * n;
+    softmax_(s, n);
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {   // p @ V, 64 columns at a time in 8 registers
+      switch (std::min<int64_t>(D - d0, 64) / 8) {
+        case 1: pv<1>(s, vrow, n, d0, o + g * D); break;
+        case 2: pv<2>(s, vrow, n, d0, o + g * D); break;
+        case 3: pv<3>(s, vrow, n, d0, o + g * D); break;
+        case 4: pv<4>(s, vrow, n, d0, o + g * D); break;
+        case 5: pv<5>(s, vrow, n, d0, o + g * D); break;
+        case 6: pv<6>(s, vrow, n, d0, o + g * D); break;
+        case 7: pv<7>(s, vrow, n, d0, o + g * D); break;
+        default: pv<8>(s, vrow, n, d0, o + g * D); break;
+      }
+    }
+  }
+}
+
+// attend_rows on fp8 pages read in place: kf / vf the rows' scales * 2^8 (kf also * sm_scale)
+inline void attend_fp8_rows(const float* q, int64_t qsh, const uint8_t* const* krow, const uint8_t* const* vrow,
+                            const float* kf, const float* vf, int64_t n, int64_t D, int64_t G, float* scores,
+                            float* o) {
+  for (int64_t g = 0; g < G; g += 4) {
+    float* st = scores + g * n;
+    switch (std::min<int64_t>(G - g, 4)) {
+      case 1: dots_fp8<1>(q + g * qsh, qsh, krow, kf, n, D, st); break;
+      case 2: dots_fp8<2>(q + g * qsh, qsh, krow, kf, n, D, st); break;
+      case 3: dots_fp8<3>(q + g * qsh, qsh, krow, kf, n, D, st); break;
+      default: dots_fp8<4>(q + g * qsh, qsh, krow, kf, n, D, st); break;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = scores + g * n;
+    softmax_(s, n);
+    for (int64_t t = 0; t < n; ++t) s[t] *= vf[t];
+  }
+  for (int64_t g = 0; g < G; g += 4) {
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      switch (std::min<int64_t>(G - g, 4)) {
+        case 1: pv_fp8<1>(scores + g * n, n, vrow, d0, o + g * D, D); break;
+        case 2: pv_fp8<2>(scores + g * n, n, vrow, d0, o + g * D, D); break;
+        case 3: pv_fp8<3>(scores + g * n, n, vrow, d0, o + g * D, D); break;
+        default: pv_fp8<4>(scores + g * n, n, vrow, d0, o + g * D, D); break;
+      }
+    }
+  }
+}
+
 }  // namespace
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -248,11 +425,15 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   const int64_t work = max_len * D * H * 4;
   const int64_t grain = work * B < SMALL_WORK ? B * KVH : 1;
 
+  const bool fused_fp8 = kind == Kind::FP8 && D % 16 == 0;   // fp8 pages read in place, no fp32 copy
   at::parallel_for(0, B * KVH, grain, [&](int64_t lo, int64_t hi) {
     const int64_t cap = std::max<int64_t>(max_len, 1);
     std::vector<float> scores(G * cap);
-    std::vector<float> kbuf(kind == Kind::F32 ? 0 : cap * D), vbuf(kind == Kind::F32 ? 0 : cap * D);
-    std::vector<const float*> krow(cap), vrow(cap);
+    const bool buffered = kind != Kind::F32 && !fused_fp8;
+    std::vector<float> kbuf(buffered ? cap * D : 0), vbuf(buffered ? cap * D : 0);
+    std::vector<const float*> krow(fused_fp8 ? 0 : cap), vrow(fused_fp8 ? 0 : cap);
+    std::vector<const uint8_t*> kb(fused_fp8 ? cap : 0), vb(fused_fp8 ? cap : 0);
+    std::vector<float> kf(fused_fp8 ? cap : 0), vf(fused_fp8 ? cap : 0);
     for (int64_t task = lo; task < hi; ++task) {
       const int64_t b = task / KVH, kvh = task % KVH, n = lens[b];
       float* o = op + (b * H + kvh * G) * D;
@@ -262,62 +443,142 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
       }
       const int32_t* tb = tables + b * tstride;
       const float* qg = qp + b * qsb + kvh * G * qsh;
-      for (int64_t t = 0; t < n; ++t) {   // each row once: a pointer into an fp32 pool, else dequantized
+      for (int64_t t = 0; t < n; ++t) {   // each row once: a pointer into the pool, else dequantized
         const int64_t page = tb[t / S];
         TORCH_CHECK(page >= 0 && page < P, "block_tables[", b, ", ", t / S, "] = ", page, " is outside [0, ", P, ")");
         const int64_t r = (page * S + t % S) * KVH + kvh;
+        if (fused_fp8) {
+          kb[t] = static_cast<const uint8_t*>(kc) + r * D;
+          vb[t] = static_cast<const uint8_t*>(vc) + r * D;
+          kf[t] = scale_at(ks, scale_bf16, r) * FP8_UNDO * scale;
+          vf[t] = scale_at(vs, scale_bf16, r) * FP8_UNDO;
+          continue;
+        }
         krow[t] = load_row(kc, kind, r, D, scale_at(ks, scale_bf16, r), kbuf.data() + t * D);
         vrow[t] = load_row(vc, kind, r, D, scale_at(vs, scale_bf16, r), vbuf.data() + t * D);
         if (kind == Kind::F32) {   // rows straight from the pool: start their reads now (the scores read them next)
           const char* kp = reinterpret_cast<const char*>(krow[t]);
           const char* vp = reinterpret_cast<const char*>(vrow[t]);
-          for (int64_t o = 0; o < D * 4; o += 64) {
-            _mm_prefetch(kp + o, _MM_HINT_T1);
-            _mm_prefetch(vp + o, _MM_HINT_T1);
+          for (int64_t off = 0; off < D * 4; off += 64) {
+            _mm_prefetch(kp + off, _MM_HINT_T1);
+            _mm_prefetch(vp + off, _MM_HINT_T1);
           }
         }
       }
-      for (int64_t g = 0; g < G; g += 4) {
-        float* st = scores.data() + g * n;
-        switch (std::min<int64_t>(G - g, 4)) {
-          case 1: dots<1>(qg + g * qsh, qsh, krow.data(), n, D, scale, st); break;
-          case 2: dots<2>(qg + g * qsh, qsh, krow.data(), n, D, scale, st); break;
-          case 3: dots<3>(qg + g * qsh, qsh, krow.data(), n, D, scale, st); break;
-          default: dots<4>(qg + g * qsh, qsh, krow.data(), n, D, scale, st); break;
-        }
+      if (fused_fp8) {
+        attend_fp8_rows(qg, qsh, kb.data(), vb.data(), kf.data(), vf.data(), n, D, G, scores.data(), o);
+      } else {
+        attend_rows(qg, qsh, krow.data(), vrow.data(), n, D, G, scale, scores.data(), o);
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* s = scores.data() + g * n;
-        float mx = -INFINITY;
-        for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
-        const __m256 m8 = _mm256_set1_ps(mx);
-        __m256 sum8 = _mm256_setzero_ps();
-        int64_t t = 0;
-        for (; t + 8 <= n; t += 8) {
-          __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), m8));
-          _mm256_storeu_ps(s + t, e);
-          sum8 = _mm256_add_ps(sum8, e);
-        }
-        float sum = hsum(sum8);
-        for (; t < n; ++t) {
-          s[t] = exp1(s[t] - mx);
-          sum += s[t];
-        }
-        const float inv = 1.0f / sum;
-        for (t = 0; t < n; ++t) s[t] *= inv;
-        for (int64_t d0 = 0; d0 < D; d0 += 64) {   // p @ V, 64 columns at a time in 8 registers
-          switch (std::min<int64_t>(D - d0, 64) / 8) {
-            case 1: pv<1>(s, vrow.data(), n, d0, o + g * D); break;
-            case 2: pv<2>(s, vrow.data(), n, d0, o + g * D); break;
-            case 3: pv<3>(s, vrow.data(), n, d0, o + g * D); break;
-            case 4: pv<4>(s, vrow.data(), n, d0, o + g * D); break;
-            case 5: pv<5>(s, vrow.data(), n, d0, o + g * D); break;
-            case 6: pv<6>(s, vrow.data(), n, d0, o + g * D); break;
-            case 7: pv<7>(s, vrow.data(), n, d0, o + g * D); break;
-            default: pv<8>(s, vrow.data(), n, d0, o + g * D); break;
-          }
-        }
+    }
+  });
+  return out;
+}
+
+// Causal attention of the prefill rows of q against their sequences' pages (the new rows' K/V already stored):
+// every query row computed alone, with decode_attention's own operations (dots, softmax, p @ V in the same
+// order), so its result does not depend on the chunk or batch it came in, nor on the other rows: a prompt
+// prefilled cold and the same prompt's suffix after a prefix-cache hit give the same bits. fp32 pages are read
+// in place; other dtypes are dequantized once per (sequence, kv head) into fp32 rows (fp8: value * scale, the
+// reference's bits).
+//   q [T, H, D] fp32 packed by cu_seqlens_q [B + 1] int32; row i of sequence b sits at context_lens[b] -
+//   q_len_b + i and sees the keys up to it.
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
+                             const at::Tensor& context_lens, double sm_scale, const std::optional<at::Tensor>& k_scale,
+                             const std::optional<at::Tensor>& v_scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1,
+              "q must be fp32 [tokens, heads, head_dim] contiguous along head_dim, got ", q.scalar_type(), " shape ",
+              q.sizes(), " strides ", q.strides());
+  check_cache(k_cache, "k_cache");
+  check_cache(v_cache, "v_cache");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "v_cache ", v_cache.scalar_type(), v_cache.sizes(), " != k_cache ", k_cache.scalar_type(),
+              k_cache.sizes());
+  check_scale(k_scale, k_cache, "k_scale");
+  check_scale(v_scale, k_cache, "v_scale");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t P = k_cache.size(0), S = k_cache.size(1), KVH = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D, "q head_dim = ", D, " != k_cache head_dim = ", k_cache.size(3));
+  TORCH_CHECK(D % 8 == 0, "head_dim = ", D, " must be a multiple of 8");
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "q heads = ", H, " must be a multiple of kv_heads = ", KVH);
+  const int64_t B = block_tables.size(0);
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1,
+              "block_tables must be int32 [batch, max_pages] contiguous along pages, got ",
+              block_tables.scalar_type(), " shape ", block_tables.sizes());
+  TORCH_CHECK(cu_seqlens_q.dim() == 1 && cu_seqlens_q.scalar_type() == at::kInt && cu_seqlens_q.is_contiguous() &&
+              cu_seqlens_q.size(0) == B + 1, "cu_seqlens_q must be int32 [", B + 1, "], got ",
+              cu_seqlens_q.scalar_type(), " shape ", cu_seqlens_q.sizes());
+  TORCH_CHECK(context_lens.dim() == 1 && context_lens.scalar_type() == at::kInt && context_lens.is_contiguous() &&
+              context_lens.size(0) == B, "context_lens must be int32 [", B, "], got ", context_lens.scalar_type(),
+              " shape ", context_lens.sizes());
+  const int64_t W = block_tables.size(1), G = H / KVH, tstride = block_tables.stride(0);
+  const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  TORCH_CHECK(cu[0] == 0 && cu[B] == T, "cu_seqlens_q must run from 0 to the ", T, " rows of q, got ", cu[0],
+              " .. ", cu[B]);
+  std::vector<int64_t> row0(B + 1, 0);   // each sequence's first key row in the gathered rows
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t ql = cu[b + 1] - cu[b];
+    TORCH_CHECK(ql >= 0 && lens[b] >= ql && lens[b] <= W * S, "sequence ", b, ": ", ql, " query rows and context ",
+                lens[b], " (it must hold them, within ", W, " pages of ", S, " tokens)");
+    for (int64_t t = 0; t < lens[b]; ++t) {
+      const int64_t page = tables[b * tstride + t / S];
+      TORCH_CHECK(page >= 0 && page < P, "block_tables[", b, ", ", t / S, "] = ", page, " is outside [0, ", P, ")");
+    }
+    row0[b + 1] = row0[b] + lens[b];
+    max_len = std::max<int64_t>(max_len, lens[b]);
+  }
+  auto out = at::empty({T, H, D}, q.options());
+  if (T == 0) return out;
+  const Kind kind = kind_of(k_cache);
+  const void* kc = k_cache.data_ptr();
+  const void* vc = v_cache.data_ptr();
+  const bool scale_bf16 = k_scale.has_value() && k_scale->scalar_type() == at::kBFloat16;
+  const void* ks = k_scale.has_value() ? k_scale->data_ptr() : nullptr;
+  const void* vs = v_scale.has_value() ? v_scale->data_ptr() : nullptr;
+  // key / value row pointers per (kv head, gathered row): into the pool (fp32) or into fp32 copies
+  const int64_t rows = row0[B];
+  std::vector<const float*> krow(KVH * rows), vrow(KVH * rows);
+  std::vector<float> kbuf(kind == Kind::F32 ? 0 : KVH * rows * D), vbuf(kind == Kind::F32 ? 0 : KVH * rows * D);
+  at::parallel_for(0, KVH * B, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t task = lo; task < hi; ++task) {
+      const int64_t kvh = task / B, b = task % B;
+      for (int64_t t = 0; t < lens[b]; ++t) {
+        const int64_t r = (tables[b * tstride + t / S] * S + t % S) * KVH + kvh;
+        const int64_t j = kvh * rows + row0[b] + t;
+        krow[j] = load_row(kc, kind, r, D, scale_at(ks, scale_bf16, r), kbuf.data() + j * D);
+        vrow[j] = load_row(vc, kind, r, D, scale_at(vs, scale_bf16, r), vbuf.data() + j * D);
       }
+    }
+  });
+  // tasks: (sequence, kv head, query row); rows of one (sequence, kv head) in zigzag order (first, last, second,
+  // ...), so the contiguous ranges parallel_for hands each thread hold similar causal work
+  std::vector<int64_t> tasks;
+  tasks.reserve(T * KVH);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t kvh = 0; kvh < KVH; ++kvh) {
+      const int64_t ql = cu[b + 1] - cu[b];
+      for (int64_t k = 0; k < ql; ++k) {
+        const int64_t i = (k % 2 == 0) ? k / 2 : ql - 1 - k / 2;
+        tasks.push_back((((cu[b] + i) * KVH) + kvh) * B + b);
+      }
+    }
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t qst = q.stride(0), qsh = q.stride(1);
+  const float scale = static_cast<float>(sm_scale);
+  const int64_t grain = max_len * D * H * 4 * T < SMALL_WORK ? static_cast<int64_t>(tasks.size()) : 1;
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), grain, [&](int64_t lo, int64_t hi) {
+    std::vector<float> scores(G * std::max<int64_t>(max_len, 1));
+    for (int64_t k = lo; k < hi; ++k) {
+      const int64_t code = tasks[k], b = code % B, kvh = (code / B) % KVH, row = code / B / KVH;
+      const int64_t n = lens[b] - (cu[b + 1] - cu[b]) + (row - cu[b]) + 1;   // keys this row sees
+      const int64_t j = kvh * rows + row0[b];
+      attend_rows(qp + row * qst + kvh * G * qsh, qsh, krow.data() + j, vrow.data() + j, n, D, G, scale,
+                  scores.data(), op + (row * H + kvh * G) * D);
     }
   });
   return out;
@@ -349,7 +610,31 @@ void store_row(void* cache, Kind kind, int64_t slot, const float* x, int64_t n) 
       return;
     }
     case Kind::FP8:
-      TORCH_CHECK(false, "rope_kv_store_ does not quantize to fp8 (use kernels.kv_store)");
+      TORCH_CHECK(false, "store_row: fp8 rows go through store_fp8_row (they need their scales)");
+  }
+}
+
+// one slot's row of kv_heads heads of d values -> e4m3 with a scale per head, as kernels.kv_store quantizes:
+// scale = max(amax(|x|), 1e-8) / 448 rounded to the scale's dtype, then x / scale clamped to +-448, rounded to
+// nearest even (the same bytes as torch's cast)
+void store_fp8_row(void* cache, void* scales, bool scale_bf16, int64_t slot, const float* x, int64_t kv_heads,
+                   int64_t d) {
+  uint8_t* p = static_cast<uint8_t*>(cache) + slot * kv_heads * d;
+  for (int64_t h = 0; h < kv_heads; ++h) {
+    const float* r = x + h * d;
+    float amax = 0.0f;
+    for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(r[i]));
+    float sc = std::max(amax, 1e-8f) / 448.0f;
+    const int64_t si = slot * kv_heads + h;
+    if (scale_bf16) {
+      const uint16_t bits = to_bf16(sc);
+      static_cast<uint16_t*>(scales)[si] = bits;
+      const uint32_t u = static_cast<uint32_t>(bits) << 16;
+      std::memcpy(&sc, &u, 4);
+    } else {
+      static_cast<float*>(scales)[si] = sc;
+    }
+    for (int64_t i = 0; i < d; ++i) p[h * d + i] = fp8_e4m3_encode(std::min(std::max(r[i] / sc, -448.0f), 448.0f));
   }
 }
 
@@ -359,7 +644,7 @@ void rope_store(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& 
                 const std::optional<at::Tensor>& k_cache, const std::optional<at::Tensor>& v_cache,
                 const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                 const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double eps,
-                const char* op) {
+                const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale, const char* op) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.stride(1) == 1,
               "qkv must be fp32 [tokens, (heads + 2 kv_heads) * head_dim] contiguous along the row, got ",
               qkv.scalar_type(), " shape ", qkv.sizes(), " strides ", qkv.strides());
@@ -389,7 +674,10 @@ void rope_store(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& 
     check_cache(*k_cache, "k_cache");
     check_cache(*v_cache, "v_cache");
     kind = kind_of(*k_cache);
-    TORCH_CHECK(kind != Kind::FP8, op, " does not quantize to fp8 (pass no caches, then kernels.kv_store)");
+    check_scale(k_scale, *k_cache, "k_scale");
+    check_scale(v_scale, *v_cache, "v_scale");
+    if (kind == Kind::FP8)
+      TORCH_CHECK(k_scale->scalar_type() == v_scale->scalar_type(), op, ": k_scale and v_scale dtypes differ");
     TORCH_CHECK(k_cache->sizes() == v_cache->sizes() && k_cache->scalar_type() == v_cache->scalar_type(),
                 "v_cache ", v_cache->scalar_type(), v_cache->sizes(), " != k_cache ", k_cache->scalar_type(),
                 k_cache->sizes());
@@ -414,6 +702,9 @@ void rope_store(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& 
   const float e = static_cast<float>(eps);
   void* kc = k_cache.has_value() ? k_cache->data_ptr() : nullptr;
   void* vc = v_cache.has_value() ? v_cache->data_ptr() : nullptr;
+  void* ksp = k_scale.has_value() ? k_scale->data_ptr() : nullptr;
+  void* vsp = v_scale.has_value() ? v_scale->data_ptr() : nullptr;
+  const bool scale_bf16 = k_scale.has_value() && k_scale->scalar_type() == at::kBFloat16;
   const int64_t grain = T * nh * Dh * (qn ? 4 : 3) < SMALL_WORK ? std::max<int64_t>(T, 1) : 1;
   at::parallel_for(0, T, grain, [&](int64_t lo, int64_t hi) {
     std::vector<float> x(Dh);
@@ -435,7 +726,10 @@ void rope_store(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& 
         for (int64_t i = 0; i < half; ++i) y[i] = x[i] * c[i] + x[i + half] * s[i];
         for (int64_t i = half; i < D; ++i) y[i] = x[i] * c[i] + x[i - half] * s[i];
       }
-      if (kc && slot[t] >= 0) {
+      if (kc && slot[t] >= 0 && kind == Kind::FP8) {
+        store_fp8_row(kc, ksp, scale_bf16, slot[t], r + num_heads * Dh, num_kv_heads, Dh);
+        store_fp8_row(vc, vsp, scale_bf16, slot[t], r + nh * Dh, num_kv_heads, Dh);
+      } else if (kc && slot[t] >= 0) {
         store_row(kc, kind, slot[t], r + num_heads * Dh, kvn);
         store_row(vc, kind, slot[t], r + nh * Dh, kvn);
       }
@@ -449,10 +743,11 @@ void rope_store(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& 
 // sin = [-s, s] tables), then k and v written to their cache slots (slot -1: skipped); caches may be absent
 void rope_kv_store_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
                     const std::optional<at::Tensor>& k_cache, const std::optional<at::Tensor>& v_cache,
-                    const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
+                    const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads,
+                    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(cos.dim() == 2, "cos/sin must be contiguous fp32 [max_positions, head_dim], got ", cos.sizes());
   rope_store(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, cos.size(1),
-             std::nullopt, std::nullopt, 0.0, "rope_kv_store_");
+             std::nullopt, std::nullopt, 0.0, k_scale, v_scale, "rope_kv_store_");
 }
 
 // rope_kv_store_ for heads of head_dim values of which the first D = cos.size(1) rotate (partial rotary, GLM-4.5),
@@ -461,9 +756,10 @@ void rope_kv_store_(at::Tensor& qkv, const at::Tensor& positions, const at::Tens
 void rope_norm_kv_store_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
                          const std::optional<at::Tensor>& k_cache, const std::optional<at::Tensor>& v_cache,
                          const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                         const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double eps) {
+                         const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double eps,
+                         const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   rope_store(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, head_dim, q_norm,
-             k_norm, eps, "rope_norm_kv_store_");
+             k_norm, eps, k_scale, v_scale, "rope_norm_kv_store_");
 }
 
 namespace {
@@ -547,10 +843,15 @@ TORCH_LIBRARY(edgeinfer_cpu_attn, m) {
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
         "float sm_scale, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor", &decode_attention);
   m.def("rope_kv_store_(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(b!)? k_cache, "
-        "Tensor(c!)? v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads) -> ()", &rope_kv_store_);
+        "Tensor(c!)? v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads, Tensor(d!)? k_scale=None, "
+        "Tensor(e!)? v_scale=None) -> ()", &rope_kv_store_);
   m.def("rope_norm_kv_store_(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(b!)? k_cache, "
         "Tensor(c!)? v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads, int head_dim, Tensor? q_norm, "
-        "Tensor? k_norm, float eps) -> ()", &rope_norm_kv_store_);
+        "Tensor? k_norm, float eps, Tensor(d!)? k_scale=None, Tensor(e!)? v_scale=None) -> ()",
+        &rope_norm_kv_store_);
+  m.def("prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor cu_seqlens_q, "
+        "Tensor context_lens, float sm_scale, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor",
+        &prefill_attention);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()", &add_rms_norm_);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);

@@ -8,6 +8,7 @@ import torch
 
 from edgeinfer.kernels.kv_store import kv_store_reference
 from edgeinfer.kernels.paged_decode_attention import paged_decode_attention_reference
+from edgeinfer.kernels.paged_prefill_attention import paged_prefill_attention_reference
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, sm_scale, k_scale=None, v_scale=None):
@@ -15,14 +16,21 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, sm_scale, 
                                             k_scale, v_scale)
 
 
-def rope_kv_store_(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads) -> None:
+def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, sm_scale, k_scale=None,
+                      v_scale=None):
+    return paged_prefill_attention_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, sm_scale,
+                                             k_scale, v_scale)
+
+
+def rope_kv_store_(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, k_scale=None,
+                   v_scale=None) -> None:
     # whole heads, no QK-norm: the plain case of rope_norm_kv_store_ (as in attn.cpp)
     rope_norm_kv_store_(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
-                        cos.shape[1], None, None, 0.0)
+                        cos.shape[1], None, None, 0.0, k_scale, v_scale)
 
 
 def rope_norm_kv_store_(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, head_dim,
-                        q_norm, k_norm, eps) -> None:
+                        q_norm, k_norm, eps, k_scale=None, v_scale=None) -> None:
     t, d = qkv.shape[0], cos.shape[1]
     nh = num_heads + num_kv_heads
     x = qkv[:, : nh * head_dim].view(t, nh, head_dim)
@@ -35,7 +43,7 @@ def rope_norm_kv_store_(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping
     if k_cache is not None:
         k = qkv[:, num_heads * head_dim: nh * head_dim].view(t, num_kv_heads, head_dim)
         v = qkv[:, nh * head_dim:].view(t, num_kv_heads, head_dim)
-        kv_store_reference(k, v, k_cache, v_cache, slot_mapping)
+        kv_store_reference(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def rms_norm(x, weight, eps):

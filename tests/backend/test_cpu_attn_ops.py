@@ -148,6 +148,89 @@ def test_rope_norm_kv_store_matches_reference(ext, dtype, rotary, norm):
                                 heads, kv_heads, d, qn, kn, 1e-6)
 
 
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
+def test_rope_kv_store_quantizes_fp8_pages_as_the_reference_bit_for_bit(ext, scale_dtype):
+    """The fp8 store in the rope op (a scale per token-head, e4m3 round-to-nearest-even) writes kernels.kv_store's
+    bytes, on rows that hit every e4m3 case: ties, subnormals, the 448 clamp, zeros, negative zero."""
+    heads, kv_heads, d, t = 9, 3, 64, 9
+    g = torch.Generator().manual_seed(8)
+    cos, sin = torch.randn(64, d, generator=g), torch.randn(64, d, generator=g)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g) * torch.logspace(-4, 3, t)[:, None]
+    v0 = (heads + kv_heads) * d
+    grid = torch.tensor([2.0 ** e * (1 + m / 8) for e in range(-9, 9) for m in range(8)])
+    qkv[0, v0:v0 + d] = grid[:d] * torch.where(torch.arange(d) % 2 == 0, 1.0, -1.0)   # representable values
+    qkv[1, v0:v0 + d] = (grid[:d] + grid[1:d + 1]) / 2                               # exact ties
+    qkv[2, v0:v0 + d] = 0.0
+    qkv[2, v0] = -0.0
+    qkv[3, v0:v0 + d] = torch.linspace(-1e-5, 1e-5, d)                               # subnormal-sized
+    pos = torch.arange(t) * 3
+    slots = torch.tensor([0, 17, -1, 40, 41, 63, 2, 5, 6])
+    shape = (4, PAGE, kv_heads, d)
+    caches = [torch.zeros(shape, dtype=FP8) for _ in range(4)]
+    scales = [torch.ones(shape[:3], dtype=scale_dtype) for _ in range(4)]
+    a, b = qkv.clone(), qkv.clone()
+    ext.rope_kv_store_(a, pos, cos, sin, caches[0], caches[1], slots, heads, kv_heads, scales[0], scales[1])
+    ref.rope_kv_store_(b, pos, cos, sin, caches[2], caches[3], slots, heads, kv_heads, scales[2], scales[3])
+    assert torch.equal(a, b)
+    for x, y in ((caches[0], caches[2]), (caches[1], caches[3])):
+        assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+    assert torch.equal(scales[0], scales[2]) and torch.equal(scales[1], scales[3])
+    assert caches[1].view(torch.uint8).flatten(0, 1)[17].ne(0).any()       # the tie row was written
+    with pytest.raises(RuntimeError, match="an fp8 cache needs k_scale"):
+        ext.rope_kv_store_(qkv.clone(), pos, cos, sin, caches[0], caches[1], slots, heads, kv_heads)
+
+
+def _packed(q_lens: list[int]) -> torch.Tensor:
+    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(q_lens), 0)
+    return cu
+
+
+@pytest.mark.parametrize("dtype", KV_DTYPES)
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 1)])
+def test_prefill_attention_matches_reference_on_every_kv_dtype(ext, dtype, heads, kv_heads):
+    d, num_pages = 64, 40
+    k, v, ks, vs = pool(num_pages, kv_heads, d, dtype)
+    lens, q_lens = [17, 160, 33, 300], [17, 40, 1, 35]         # whole prompts, suffixes after a prefix, one row
+    bt, cl = tables(lens, num_pages, 20)
+    cu = _packed(q_lens)
+    q = torch.randn(int(cu[-1]), heads, d, generator=torch.Generator().manual_seed(9))
+    got = ext.prefill_attention(q, k, v, bt, cu, cl, d ** -0.5, ks, vs)
+    want = ref.prefill_attention(q, k, v, bt, cu, cl, d ** -0.5, ks, vs)
+    assert got.shape == want.shape == q.shape
+    assert rel_err(got, want) < ATTN_TOL
+    bugs = {"not causal (a row sees the next key)": ext.prefill_attention(q, k, v, bt, cu, cl + 1, d ** -0.5, ks, vs),
+            "one key short": ext.prefill_attention(q, k, v, bt, cu, cl - torch.tensor([0, 1, 1, 1], dtype=torch.int32),
+                                                   d ** -0.5, ks, vs)}
+    if ks is not None:
+        bugs["v scales ignored"] = ext.prefill_attention(q, k, v, bt, cu, cl, d ** -0.5, ks, torch.ones_like(vs))
+    for name, bad in bugs.items():
+        assert rel_err(bad, want) > 50 * ATTN_TOL, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, FP8])
+def test_prefill_rows_do_not_depend_on_their_chunk_or_batch(ext, dtype):
+    """A row's result is the same bits whether its prompt is prefilled whole, as a suffix after a cached prefix,
+    in any chunk split, or beside other sequences: what makes a prefix-cache hit change no answer. (SDPA, the
+    reference, computes 32-row blocks: its rows differ when a chunk leaves a block of 1-3 rows.)"""
+    d, heads, kv_heads, num_pages = 64, 9, 3, 40
+    k, v, ks, vs = pool(num_pages, kv_heads, d, dtype)
+    bt, cl = tables([300, 120], num_pages, 20)
+    q = torch.randn(300, heads, d, generator=torch.Generator().manual_seed(10))
+    whole = ext.prefill_attention(q, k, v, bt[:1], _packed([300]), cl[:1], 0.125, ks, vs)
+    for start in (1, 2, 3, 16, 33, 161, 298, 299):           # the suffix after a cached prefix of `start` tokens
+        part = ext.prefill_attention(q[start:].contiguous(), k, v, bt[:1], _packed([300 - start]), cl[:1], 0.125,
+                                     ks, vs)
+        assert torch.equal(part, whole[start:]), start
+    other = torch.randn(7, heads, d, generator=torch.Generator().manual_seed(11))
+    both = ext.prefill_attention(torch.cat((other, q[250:])), k, v, bt.flip(0), _packed([7, 50]),
+                                 torch.tensor([120, 300], dtype=torch.int32), 0.125, ks, vs)
+    assert torch.equal(both[7:], whole[250:])
+    if dtype == torch.float32:   # fp32 pages: a decode step attends exactly as the prefill row at that position
+        dec = ext.decode_attention(q[299:].contiguous(), k, v, bt[:1], cl[:1], 0.125)
+        assert torch.equal(dec[0], whole[299])
+
+
 def test_norms_and_silu_match_reference(ext):
     g = torch.Generator().manual_seed(5)
     for rows in (1, 8, 33):
