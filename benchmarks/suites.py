@@ -226,7 +226,8 @@ SUITES: list[Suite] = [
              _keys(("estimate / actual wait (median)", "estimate_over_actual.estimate_s.median"))),
         Part("fairness.cache_timing", "TTFT after another tenant sent the same prompt vs cold (a side channel?)",
              ["--samples", "4", "--prompt-len", "32"],
-             _keys(("other-tenant-primed / cold TTFT (median)", "primed_by_other_over_cold"),
+             _keys(("same prompt by another tenant / another prompt before, TTFT (median)",
+                    "primed_by_other_over_other_prompt_before"),
                    ("own-primed / cold TTFT (median)", "own_over_cold"))),
     ]),
     Suite("quality", "What do INT4 weights and FP8 KV cost in accuracy?", [

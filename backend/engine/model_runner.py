@@ -19,7 +19,7 @@ class ModelRunner:
         self.model = model
         self.cfg = cfg
         c = model.cfg
-        self.kv_format = KVFormat.resolve(cfg.kv_dtype, model.dtype, latent=c.mla is not None)
+        self.kv_format = KVFormat.resolve(cfg.kv_dtype, model.dtype, latent=c.mla is not None, head_dim=c.head_dim)
         self.bytes_per_token = self.kv_format.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim)
         self.page_bytes = self.bytes_per_token * cfg.page_size
         self.num_pages = cfg.num_pages or max(1, cfg.kv_cache_bytes // self.page_bytes)

@@ -31,6 +31,7 @@ from edgeinfer.backend.model.linear import (
 )
 from edgeinfer.backend.model.mla import MLAAttention, interleave_to_halves
 from edgeinfer.backend.model.moe import DenseExperts, Int4Experts, SparseMoE
+from edgeinfer.kernels.cpu.attn_reference import hadamard_heads_
 
 
 @dataclass
@@ -51,6 +52,7 @@ class LayerKV:
     v: torch.Tensor                        # MLA: None (its values are the latent's first kv_lora_rank columns)
     k_scale: torch.Tensor | None = None    # [num_pages, page_size, kv_heads] (fp8 only)
     v_scale: torch.Tensor | None = None
+    hadamard: bool = False                 # q and k heads rotated before k is stored (kv_pool.KVFormat.hadamard)
 
 
 class RMSNorm(nn.Module):
@@ -128,6 +130,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], rotary: Rotary, kv: LayerKV,
                 meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self._rotated_qkv(self.qkv_proj(x), cos_sin, rotary)
+        if kv.hadamard:
+            q = q.contiguous()
+            hadamard_heads_(q)
+            hadamard_heads_(k)
         kernels.kv_store(k, v, kv.k, kv.v, meta.slot_mapping, kv.k_scale, kv.v_scale)
         nd = meta.num_decode
         dec = None
@@ -149,10 +155,11 @@ class Attention(nn.Module):
             qn, kn = self.q_norm, self.k_norm
             ops.rope_norm_kv_store_(qkv, positions, rotary.cos, rotary.sin, kv.k, kv.v, meta.slot_mapping,
                                     c.num_heads, c.num_kv_heads, c.head_dim, None if qn is None else qn.weight,
-                                    None if kn is None else kn.weight, c.rms_norm_eps, kv.k_scale, kv.v_scale)
+                                    None if kn is None else kn.weight, c.rms_norm_eps, kv.k_scale, kv.v_scale,
+                                    kv.hadamard)
         else:
             ops.rope_kv_store_(qkv, positions, rotary.cos, rotary.sin, kv.k, kv.v, meta.slot_mapping,
-                               c.num_heads, c.num_kv_heads, kv.k_scale, kv.v_scale)
+                               c.num_heads, c.num_kv_heads, kv.k_scale, kv.v_scale, kv.hadamard)
         q = qkv[:, : c.q_size].view(t, c.num_heads, c.head_dim)
         nd = meta.num_decode
         dec = None
@@ -452,7 +459,7 @@ class DecodePlan:
             c = attn.cfg
             qkv = gemm(h, qkv_w, qkv_n)
             rope_kv_store_(qkv, positions, cos, sin, kv.k, kv.v, slots, c.num_heads, c.num_kv_heads, kv.k_scale,
-                           kv.v_scale)
+                           kv.v_scale, kv.hadamard)
             q = qkv[:, : c.q_size].view(t, c.num_heads, c.head_dim)
             out = decode_attention(q, kv.k, kv.v, tables, lens, attn.scale, kv.k_scale, kv.v_scale)
             a = gemm(out.reshape(t, c.q_size).contiguous(), o_w, o_n)

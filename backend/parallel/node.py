@@ -65,7 +65,7 @@ class TensorParallelModel:
         if self._pool == id(kv.k):
             return
         spec = [(tuple(t.shape), t.dtype) if t is not None else None for t in (kv.k, kv.v, kv.k_scale, kv.v_scale)]
-        self.comm.broadcast_object(("pool", len(kv_caches), spec))
+        self.comm.broadcast_object(("pool", len(kv_caches), spec, kv.hadamard))
         self._pool = id(kv.k)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV],
@@ -104,9 +104,9 @@ def worker_loop(shard: LlamaModel, comm: Comm) -> None:
             cmd = comm.broadcast_object()
             kind = cmd[0]
             if kind == "pool":
-                _, layers, spec = cmd
-                kv = [LayerKV(*(lazy_zeros(s[0], s[1], device) if s is not None else None  # type: ignore[arg-type]
-                                for s in spec)) for _ in range(layers)]
+                _, layers, spec, hadamard = cmd
+                kv = [LayerKV(*(lazy_zeros(s[0], s[1], device) if s is not None else None  # type: ignore[arg-type, misc]
+                                for s in spec), hadamard=hadamard) for _ in range(layers)]
             elif kind == "step":
                 _, ids, pos, meta = cmd
                 shard(ids, pos, kv, meta)

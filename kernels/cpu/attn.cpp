@@ -614,6 +614,19 @@ void store_row(void* cache, Kind kind, int64_t slot, const float* x, int64_t n) 
   }
 }
 
+// y <- y H / sqrt(n), H the n x n Sylvester-Hadamard matrix (n a power of two), in place: butterflies of spans
+// 1, 2, 4, ... then the scale, the same fp32 operations in the same order as attn_reference.hadamard_heads_
+void hadamard_(float* y, int64_t n, float scale) {
+  for (int64_t h = 1; h < n; h *= 2)
+    for (int64_t i = 0; i < n; i += 2 * h)
+      for (int64_t j = i; j < i + h; ++j) {
+        const float a = y[j], b = y[j + h];
+        y[j] = a + b;
+        y[j + h] = a - b;
+      }
+  for (int64_t i = 0; i < n; ++i) y[i] *= scale;
+}
+
 // one slot's row of kv_heads heads of d values -> e4m3 with a scale per head, as kernels.kv_store quantizes:
 // scale = max(amax(|x|), 1e-8) / 448 rounded to the scale's dtype, then x / scale clamped to +-448, rounded to
 // nearest even (the same bytes as torch's cast)
@@ -644,7 +657,8 @@ void rope_store(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& 
                 const std::optional<at::Tensor>& k_cache, const std::optional<at::Tensor>& v_cache,
                 const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                 const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double eps,
-                const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale, const char* op) {
+                const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale, bool hadamard,
+                const char* op) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.stride(1) == 1,
               "qkv must be fp32 [tokens, (heads + 2 kv_heads) * head_dim] contiguous along the row, got ",
               qkv.scalar_type(), " shape ", qkv.sizes(), " strides ", qkv.strides());
@@ -656,6 +670,8 @@ void rope_store(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& 
   TORCH_CHECK(qkv.size(1) == (nh + num_kv_heads) * Dh, "qkv row of ", qkv.size(1), " values != (heads ", num_heads,
               " + 2 * kv_heads ", num_kv_heads, ") * head_dim ", Dh);
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm come together");
+  TORCH_CHECK(!hadamard || (Dh >= 2 && (Dh & (Dh - 1)) == 0), op, ": hadamard needs a power-of-two head_dim, got ", Dh);
+  const float hscale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(Dh)));   // as Python's 1 / sqrt
   for (const auto* nw : {&q_norm, &k_norm})
     if (nw->has_value())
       TORCH_CHECK((*nw)->dim() == 1 && (*nw)->size(0) == Dh && (*nw)->scalar_type() == at::kFloat &&
@@ -725,6 +741,7 @@ void rope_store(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& 
         // two products and a sum, unfused (-ffp-contract=off): the same bits as torch's x * cos + roll(x) * sin
         for (int64_t i = 0; i < half; ++i) y[i] = x[i] * c[i] + x[i + half] * s[i];
         for (int64_t i = half; i < D; ++i) y[i] = x[i] * c[i] + x[i - half] * s[i];
+        if (hadamard) hadamard_(y, Dh, hscale);
       }
       if (kc && slot[t] >= 0 && kind == Kind::FP8) {
         store_fp8_row(kc, ksp, scale_bf16, slot[t], r + num_heads * Dh, num_kv_heads, Dh);
@@ -744,10 +761,10 @@ void rope_store(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& 
 void rope_kv_store_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
                     const std::optional<at::Tensor>& k_cache, const std::optional<at::Tensor>& v_cache,
                     const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads,
-                    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+                    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale, bool hadamard) {
   TORCH_CHECK(cos.dim() == 2, "cos/sin must be contiguous fp32 [max_positions, head_dim], got ", cos.sizes());
   rope_store(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, cos.size(1),
-             std::nullopt, std::nullopt, 0.0, k_scale, v_scale, "rope_kv_store_");
+             std::nullopt, std::nullopt, 0.0, k_scale, v_scale, hadamard, "rope_kv_store_");
 }
 
 // rope_kv_store_ for heads of head_dim values of which the first D = cos.size(1) rotate (partial rotary, GLM-4.5),
@@ -757,9 +774,10 @@ void rope_norm_kv_store_(at::Tensor& qkv, const at::Tensor& positions, const at:
                          const std::optional<at::Tensor>& k_cache, const std::optional<at::Tensor>& v_cache,
                          const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                          const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double eps,
-                         const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+                         const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                         bool hadamard) {
   rope_store(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, head_dim, q_norm,
-             k_norm, eps, k_scale, v_scale, "rope_norm_kv_store_");
+             k_norm, eps, k_scale, v_scale, hadamard, "rope_norm_kv_store_");
 }
 
 namespace {
@@ -844,10 +862,10 @@ TORCH_LIBRARY(edgeinfer_cpu_attn, m) {
         "float sm_scale, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor", &decode_attention);
   m.def("rope_kv_store_(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(b!)? k_cache, "
         "Tensor(c!)? v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads, Tensor(d!)? k_scale=None, "
-        "Tensor(e!)? v_scale=None) -> ()", &rope_kv_store_);
+        "Tensor(e!)? v_scale=None, bool hadamard=False) -> ()", &rope_kv_store_);
   m.def("rope_norm_kv_store_(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(b!)? k_cache, "
         "Tensor(c!)? v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads, int head_dim, Tensor? q_norm, "
-        "Tensor? k_norm, float eps, Tensor(d!)? k_scale=None, Tensor(e!)? v_scale=None) -> ()",
+        "Tensor? k_norm, float eps, Tensor(d!)? k_scale=None, Tensor(e!)? v_scale=None, bool hadamard=False) -> ()",
         &rope_norm_kv_store_);
   m.def("prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor cu_seqlens_q, "
         "Tensor context_lens, float sm_scale, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor",

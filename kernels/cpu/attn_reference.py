@@ -4,6 +4,8 @@ kernels.paged_decode_attention_reference, x * cos + rotate_half(x) * sin, kernel
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from edgeinfer.kernels.kv_store import kv_store_reference
@@ -22,15 +24,33 @@ def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_l
                                              k_scale, v_scale)
 
 
+def hadamard_heads_(x: torch.Tensor) -> None:
+    """x [..., n] <- x H / sqrt(n), H the Sylvester-Hadamard matrix (n a power of two), in place: butterflies of
+    spans 1, 2, 4, ... then the scale (attn.cpp's hadamard_: the same fp32 operations, the same bits). H / sqrt(n)
+    is orthonormal and symmetric, so (q H) . (k H) = q . k: rotating q and k alike leaves attention unchanged while
+    spreading k's outlier channels over the head before fp8 rounds it (docs/QUANTIZATION.md)."""
+    n = x.shape[-1]
+    if n < 2 or n & (n - 1):
+        raise ValueError(f"hadamard needs a power-of-two head_dim, got {n}")
+    h = 1
+    while h < n:
+        y = x.unflatten(-1, (n // (2 * h), 2, h))
+        a, b = y[..., 0, :].clone(), y[..., 1, :].clone()
+        y[..., 0, :] = a + b
+        y[..., 1, :] = a - b
+        h *= 2
+    x.mul_(1.0 / math.sqrt(n))
+
+
 def rope_kv_store_(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, k_scale=None,
-                   v_scale=None) -> None:
+                   v_scale=None, hadamard=False) -> None:
     # whole heads, no QK-norm: the plain case of rope_norm_kv_store_ (as in attn.cpp)
     rope_norm_kv_store_(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
-                        cos.shape[1], None, None, 0.0, k_scale, v_scale)
+                        cos.shape[1], None, None, 0.0, k_scale, v_scale, hadamard)
 
 
 def rope_norm_kv_store_(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, head_dim,
-                        q_norm, k_norm, eps, k_scale=None, v_scale=None) -> None:
+                        q_norm, k_norm, eps, k_scale=None, v_scale=None, hadamard=False) -> None:
     t, d = qkv.shape[0], cos.shape[1]
     nh = num_heads + num_kv_heads
     x = qkv[:, : nh * head_dim].view(t, nh, head_dim)
@@ -40,6 +60,8 @@ def rope_norm_kv_store_(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping
     rot = x[..., :d]
     c, s = cos.index_select(0, positions)[:, None, :], sin.index_select(0, positions)[:, None, :]
     rot.copy_(rot * c + rot.roll(d // 2, -1) * s)
+    if hadamard:
+        hadamard_heads_(x)
     if k_cache is not None:
         k = qkv[:, num_heads * head_dim: nh * head_dim].view(t, num_kv_heads, head_dim)
         v = qkv[:, nh * head_dim:].view(t, num_kv_heads, head_dim)

@@ -59,3 +59,14 @@ def test_the_pool_is_allocated_per_the_format(name):
     per_token = sum(t[0, 0].numel() * t.element_size() for kv in pool for t in (kv.k, kv.v, kv.k_scale, kv.v_scale)
                     if t is not None)
     assert per_token == fmt.bytes_per_token(3, 2, 8)
+
+
+def test_fp8_pages_of_a_power_of_two_head_dim_are_hadamard_rotated_and_named_so():
+    """The rotation changes what a page holds, so it is in the format's identity: page keys, headers and
+    BackendInfo.kv_format never let a rotated and an unrotated fp8 page stand in for each other."""
+    rotated = KVFormat.resolve("fp8_e4m3", torch.float32, head_dim=64)
+    assert rotated.hadamard and rotated.ident == "fp8_e4m3_hadamard" and rotated.dtype == torch.float8_e4m3fn
+    assert not KVFormat.resolve("fp8_e4m3", torch.float32, head_dim=96).hadamard       # not a power of two
+    assert not KVFormat.resolve("fp8_e4m3", torch.float32, latent=True, head_dim=64).hadamard   # MLA latent rows
+    assert not KVFormat.resolve("fp32", torch.float32, head_dim=64).hadamard
+    assert rotated.bytes_per_token(30, 3, 64) == KVFormat("fp8_e4m3").bytes_per_token(30, 3, 64)
