@@ -10,10 +10,12 @@ s prompts of c distinct random tokens are prefilled, then --decode greedy tokens
 s * (decode - 1) over the time after the last first token. The two KV dtypes alternate, --rounds times
 (medians). Also:
   max seqs     sequences of each context length whose pages fit the DEFAULT budget (--kv-cache-bytes 512 MiB)
-  ppl 4k       perplexity over one 4096-token window of CPython's idlelib/NEWS.txt, every position scored,
-               through the paged pool in that KV dtype
+  ppl 4k / 8k  perplexity over one 4096- / 8192-token window of CPython's idlelib/NEWS.txt, every position
+               scored, through the paged pool in that KV dtype (8k when a context of 8000 or more is run)
+  TTFT         seconds until every sequence of a case has its first token (median over rounds)
 llama.cpp (where llama-bench / llama-perplexity are in --llamacpp-build): llama-bench tg at depth c (batch 1,
--fa on) with -ctk/-ctv q8_0 and f16, and llama-perplexity -c 4096 with each.
+-fa on) with -ctk/-ctv q8_0 and f16, llama-bench pp at each context (batch-1 TTFT = tokens / pp rate), and
+llama-perplexity -c 4096 with each.
 Writes benchmarks/results/long_context.json.
 """
 
@@ -47,7 +49,8 @@ def engine(kv: str, budget: int):
     return build_state(parse_args(argv)).engine
 
 
-def decode_rate(eng, ctx: int, seqs: int, decode: int, seed: int) -> float:
+def decode_rate(eng, ctx: int, seqs: int, decode: int, seed: int) -> tuple[float, float]:
+    """(decode tok/s after the last first token, seconds until every sequence had its first token)."""
     import torch
 
     from benchmarks.engine.vs_transformers import run_engine
@@ -55,10 +58,10 @@ def decode_rate(eng, ctx: int, seqs: int, decode: int, seed: int) -> float:
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(100, 49000, (ctx,), generator=g).tolist() for _ in range(seqs)]
     first, total = run_engine(eng, prompts, decode, f"lc{ctx}x{seqs}s{seed}")
-    return seqs * (decode - 1) / (total - first)
+    return seqs * (decode - 1) / (total - first), first
 
 
-def ppl_4k(eng) -> float:
+def ppl_at(eng, n: int = 4096) -> float:
     import math
 
     import torch
@@ -66,7 +69,7 @@ def ppl_4k(eng) -> float:
     from edgeinfer.backend.quant.calib import eval_text, paged_prefill
 
     text, _ = eval_text()
-    ids = eng.tokenizer.encode(text)[:4096]
+    ids = eng.tokenizer.encode(text)[:n]
     with torch.inference_mode():
         logits = eng.model.compute_logits(paged_prefill(eng.model, [ids], eng.cfg.kv_dtype, 16)[:-1])
         nll = torch.nn.functional.cross_entropy(logits.float(), torch.tensor(ids[1:]), reduction="mean")
@@ -94,6 +97,13 @@ def llamacpp(build: Path, gguf: Path, contexts: list[int], threads: int) -> dict
             rows = json.loads(r.stdout[r.stdout.index("["):]) if "[" in r.stdout else []
             out[f"tg32_at_depth_{kv}"] = {str(x.get("n_depth")): x.get("avg_ts") for x in rows}
             out["bench_command"] = " ".join(cmd)
+        cmd = [str(bench), "-m", str(gguf), "-t", str(threads), "-p", ",".join(map(str, contexts)), "-n", "0",
+               "-r", "1", "-fa", "1", "-o", "json"]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+        rows = json.loads(r.stdout[r.stdout.index("["):]) if "[" in r.stdout else []
+        out["pp_tok_s"] = {str(x.get("n_prompt")): x.get("avg_ts") for x in rows}
+        out["ttft_s_batch1"] = {k: (int(k) / v if v else None) for k, v in out["pp_tok_s"].items()}
+        out["pp_command"] = " ".join(cmd)
     if ppl is not None:
         from edgeinfer.backend.quant.calib import eval_text
 
@@ -126,24 +136,40 @@ def main() -> int:
     biggest = max(c * s for c, s in cases) + 16 * max(seqs) * 4
     engines = {kv: engine(kv, biggest * 46080 + (64 << 20)) for kv in KV}
     rates: dict = {kv: {f"{c}x{s}": [] for c, s in cases} for kv in KV}
+    ttfts: dict = {kv: {f"{c}x{s}": [] for c, s in cases} for kv in KV}
     for r, kv in interleaved(list(KV), a.rounds):
         for c, s in cases:
-            rates[kv][f"{c}x{s}"].append(decode_rate(engines[kv], c, s, a.decode, seed=r))
-            print(f"round {r} {kv:>8} ctx {c:>5} x {s:>2}: {rates[kv][f'{c}x{s}'][-1]:.1f} tok/s", flush=True)
+            rate, first = decode_rate(engines[kv], c, s, a.decode, seed=r)
+            rates[kv][f"{c}x{s}"].append(rate)
+            ttfts[kv][f"{c}x{s}"].append(first)
+            print(f"round {r} {kv:>8} ctx {c:>5} x {s:>2}: {rate:.1f} tok/s, all first tokens in {first:.2f} s",
+                  flush=True)
     result: dict = {"cases": [f"{c}x{s}" for c, s in cases], "decode_tokens": a.decode, "rounds": a.rounds,
                     "threads": a.threads, "ours": {}}
+    ppl_lengths = [n for n in (4096, 8192) if n <= max(contexts) + 192]
     for kv in KV:
         result["ours"][kv] = {"decode_tok_s": {k: statistics.median(v) for k, v in rates[kv].items()},
-                              "runs": rates[kv], "ppl_4k": ppl_4k(engines[kv]),
+                              "ttft_s": {k: statistics.median(v) for k, v in ttfts[kv].items()},
+                              "runs": rates[kv], **{f"ppl_{n // 1024}k": ppl_at(engines[kv], n) for n in ppl_lengths},
                               "max_seqs_default_budget": max_seqs_default_budget(engines[kv]),
                               "kv_format": engines[kv].kv_format}
     f8, f32 = result["ours"]["fp8_e4m3"], result["ours"]["fp32"]
     result["fp8_over_fp32"] = {"decode": {k: f8["decode_tok_s"][k] / f32["decode_tok_s"][k] for k in result["cases"]},
-                               "ppl_4k": f8["ppl_4k"] / f32["ppl_4k"]}
+                               "ttft": {k: f8["ttft_s"][k] / f32["ttft_s"][k] for k in result["cases"]},
+                               **{f"ppl_{n // 1024}k": f8[f"ppl_{n // 1024}k"] / f32[f"ppl_{n // 1024}k"]
+                                  for n in ppl_lengths},
+                               "max_seqs_4k_default_budget": f8["max_seqs_default_budget"]["4096"]
+                               / f32["max_seqs_default_budget"]["4096"]}
     if a.llamacpp_build:
         from edgeinfer.backend.model.gguf_import import default_gguf_path
 
-        result["llamacpp"] = llamacpp(a.llamacpp_build, default_gguf_path(), contexts, a.threads)
+        lc = result["llamacpp"] = llamacpp(a.llamacpp_build, default_gguf_path(), contexts, a.threads)
+        f16 = lc.get("tg32_at_depth_f16", {})
+        result["fp8_over_llamacpp_f16"] = {
+            "decode_batch1": {str(c): f8["decode_tok_s"][f"{c}x1"] / f16[str(c)]
+                              for c in contexts if f"{c}x1" in f8["decode_tok_s"] and f16.get(str(c))},
+            "ttft_batch1": {str(c): f8["ttft_s"][f"{c}x1"] / lc["ttft_s_batch1"][str(c)]
+                            for c in contexts if f"{c}x1" in f8["ttft_s"] and lc.get("ttft_s_batch1", {}).get(str(c))}}
     result.update(run_stamp(t0, load0))
     write_result(result, a.out, echo=False)
     print(json.dumps({"fp8_over_fp32": result["fp8_over_fp32"], "llamacpp": result.get("llamacpp")}, indent=1))

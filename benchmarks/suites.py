@@ -162,8 +162,14 @@ def _batch_invariance(r: dict) -> list[tuple[str, object]]:
 
 
 def _long_context(r: dict) -> list[tuple[str, object]]:
-    out = [(f"fp8 / fp32 KV decode @{k}", _r(v)) for k, v in r.get("fp8_over_fp32_decode", {}).items()]
-    out.append(("ppl fp8 / fp32 KV at 4k", _r(r.get("ppl_4k_fp8_over_fp32"), 4)))
+    ratios = r.get("fp8_over_fp32", {})
+    out = [(f"fp8 / fp32 KV decode @{k}", _r(v)) for k, v in ratios.get("decode", {}).items()]
+    out += [(f"ppl fp8 / fp32 KV at {n}", _r(ratios.get(f"ppl_{n}"), 4)) for n in ("4k", "8k") if f"ppl_{n}" in ratios]
+    out.append(("fp8 / fp32 4k sequences in the default budget", _r(ratios.get("max_seqs_4k_default_budget"))))
+    for k, v in r.get("fp8_over_llamacpp_f16", {}).get("decode_batch1", {}).items():
+        out.append((f"fp8 decode / llama.cpp f16 KV @{k} x 1", _r(v)))
+    for k, v in r.get("fp8_over_llamacpp_f16", {}).get("ttft_batch1", {}).items():
+        out.append((f"fp8 TTFT / llama.cpp f16 KV @{k} x 1", _r(v)))
     return out
 
 

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -293,6 +294,19 @@ inline void pv_fp8(const float* w, int64_t n, const uint8_t* const* v, int64_t d
   }
 }
 
+// f(std::integral_constant<int, GN>, g) for the heads g .. g + GN of G taken four at a time (GN = 4, the rest last)
+template <class F>
+inline void by_fours(int64_t G, F&& f) {
+  for (int64_t g = 0; g < G; g += 4) {
+    switch (std::min<int64_t>(G - g, 4)) {
+      case 1: f(std::integral_constant<int, 1>{}, g); break;
+      case 2: f(std::integral_constant<int, 2>{}, g); break;
+      case 3: f(std::integral_constant<int, 3>{}, g); break;
+      default: f(std::integral_constant<int, 4>{}, g); break;
+    }
+  }
+}
+
 // scores s[0 : n] -> softmax probabilities, in place (max, exp, sum in 8 lanes then the tail, normalize)
 inline void softmax_(float* s, int64_t n) {
   float mx = -INFINITY;
@@ -318,15 +332,7 @@ inline void softmax_(float* s, int64_t n) {
 // prefill both compute it (the same operations in the same order, whatever else is in the batch)
 inline void attend_rows(const float* q, int64_t qsh, const float* const* krow, const float* const* vrow, int64_t n,
                         int64_t D, int64_t G, float scale, float* scores, float* o) {
-  for (int64_t g = 0; g < G; g += 4) {
-    float* st = scores + g * n;
-    switch (std::min<int64_t>(G - g, 4)) {
-      case 1: dots<1>(q + g * qsh, qsh, krow, n, D, scale, st); break;
-      case 2: dots<2>(q + g * qsh, qsh, krow, n, D, scale, st); break;
-      case 3: dots<3>(q + g * qsh, qsh, krow, n, D, scale, st); break;
-      default: dots<4>(q + g * qsh, qsh, krow, n, D, scale, st); break;
-    }
-  }
+  by_fours(G, [&](auto gn, int64_t g) { dots<gn.value>(q + g * qsh, qsh, krow, n, D, scale, scores + g * n); });
   for (int64_t g = 0; g < G; ++g) {
     float* s = scores + g * n;
     softmax_(s, n);
@@ -349,40 +355,36 @@ inline void attend_rows(const float* q, int64_t qsh, const float* const* krow, c
 inline void attend_fp8_rows(const float* q, int64_t qsh, const uint8_t* const* krow, const uint8_t* const* vrow,
                             const float* kf, const float* vf, int64_t n, int64_t D, int64_t G, float* scores,
                             float* o) {
-  for (int64_t g = 0; g < G; g += 4) {
-    float* st = scores + g * n;
-    switch (std::min<int64_t>(G - g, 4)) {
-      case 1: dots_fp8<1>(q + g * qsh, qsh, krow, kf, n, D, st); break;
-      case 2: dots_fp8<2>(q + g * qsh, qsh, krow, kf, n, D, st); break;
-      case 3: dots_fp8<3>(q + g * qsh, qsh, krow, kf, n, D, st); break;
-      default: dots_fp8<4>(q + g * qsh, qsh, krow, kf, n, D, st); break;
-    }
-  }
+  by_fours(G, [&](auto gn, int64_t g) { dots_fp8<gn.value>(q + g * qsh, qsh, krow, kf, n, D, scores + g * n); });
   for (int64_t g = 0; g < G; ++g) {
     float* s = scores + g * n;
     softmax_(s, n);
     for (int64_t t = 0; t < n; ++t) s[t] *= vf[t];
   }
-  for (int64_t g = 0; g < G; g += 4) {
-    for (int64_t d0 = 0; d0 < D; d0 += 16) {
-      switch (std::min<int64_t>(G - g, 4)) {
-        case 1: pv_fp8<1>(scores + g * n, n, vrow, d0, o + g * D, D); break;
-        case 2: pv_fp8<2>(scores + g * n, n, vrow, d0, o + g * D, D); break;
-        case 3: pv_fp8<3>(scores + g * n, n, vrow, d0, o + g * D, D); break;
-        default: pv_fp8<4>(scores + g * n, n, vrow, d0, o + g * D, D); break;
-      }
-    }
-  }
+  by_fours(G, [&](auto gn, int64_t g) {
+    for (int64_t d0 = 0; d0 < D; d0 += 16) pv_fp8<gn.value>(scores + g * n, n, vrow, d0, o + g * D, D);
+  });
 }
 
-}  // namespace
+// a K/V pool's pointers as the attention loops read them
+struct PoolView {
+  Kind kind;
+  const void *k, *v, *ks, *vs;
+  bool scale_bf16;
+  PoolView(const at::Tensor& k_cache, const at::Tensor& v_cache, const std::optional<at::Tensor>& k_scale,
+           const std::optional<at::Tensor>& v_scale)
+      : kind(kind_of(k_cache)), k(k_cache.data_ptr()), v(v_cache.data_ptr()),
+        ks(k_scale.has_value() ? k_scale->data_ptr() : nullptr), vs(v_scale.has_value() ? v_scale->data_ptr() : nullptr),
+        scale_bf16(k_scale.has_value() && k_scale->scalar_type() == at::kBFloat16) {}
+};
 
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& block_tables, const at::Tensor& context_lens, double sm_scale,
-                            const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1,
-              "q must be fp32 [batch, heads, head_dim] contiguous along head_dim, got ", q.scalar_type(), " shape ",
-              q.sizes(), " strides ", q.strides());
+// q [rows, heads, head_dim] fp32 against a K/V pool: the checks decode and prefill attention share
+void check_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                     const char* rows) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1, "q must be fp32 [", rows,
+              ", heads, head_dim] contiguous along head_dim, got ", q.scalar_type(), " shape ", q.sizes(),
+              " strides ", q.strides());
   check_cache(k_cache, "k_cache");
   check_cache(v_cache, "v_cache");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
@@ -390,11 +392,20 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
               k_cache.sizes());
   check_scale(k_scale, k_cache, "k_scale");
   check_scale(v_scale, k_cache, "v_scale");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t P = k_cache.size(0), S = k_cache.size(1), KVH = k_cache.size(2);
+  const int64_t H = q.size(1), D = q.size(2), KVH = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D, "q head_dim = ", D, " != k_cache head_dim = ", k_cache.size(3));
   TORCH_CHECK(D % 8 == 0, "head_dim = ", D, " must be a multiple of 8");
   TORCH_CHECK(KVH > 0 && H % KVH == 0, "q heads = ", H, " must be a multiple of kv_heads = ", KVH);
+}
+
+}  // namespace
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens, double sm_scale,
+                            const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+  check_attention(q, k_cache, v_cache, k_scale, v_scale, "batch");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t P = k_cache.size(0), S = k_cache.size(1), KVH = k_cache.size(2);
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1 &&
               block_tables.size(0) == B, "block_tables must be int32 [", B, ", max_pages] contiguous along pages, "
               "got ", block_tables.scalar_type(), " shape ", block_tables.sizes());
@@ -412,12 +423,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
     max_len = std::max<int64_t>(max_len, lens[b]);
   }
   auto out = at::empty({B, H, D}, q.options());
-  const Kind kind = kind_of(k_cache);
-  const void* kc = k_cache.data_ptr();
-  const void* vc = v_cache.data_ptr();
-  const bool scale_bf16 = k_scale.has_value() && k_scale->scalar_type() == at::kBFloat16;
-  const void* ks = k_scale.has_value() ? k_scale->data_ptr() : nullptr;
-  const void* vs = v_scale.has_value() ? v_scale->data_ptr() : nullptr;
+  const PoolView pool(k_cache, v_cache, k_scale, v_scale);
+  const Kind kind = pool.kind;
+  const void *kc = pool.k, *vc = pool.v, *ks = pool.ks, *vs = pool.vs;
+  const bool scale_bf16 = pool.scale_bf16;
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t qsb = q.stride(0), qsh = q.stride(1);
@@ -487,21 +496,9 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
                              const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
                              const at::Tensor& context_lens, double sm_scale, const std::optional<at::Tensor>& k_scale,
                              const std::optional<at::Tensor>& v_scale) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1,
-              "q must be fp32 [tokens, heads, head_dim] contiguous along head_dim, got ", q.scalar_type(), " shape ",
-              q.sizes(), " strides ", q.strides());
-  check_cache(k_cache, "k_cache");
-  check_cache(v_cache, "v_cache");
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "v_cache ", v_cache.scalar_type(), v_cache.sizes(), " != k_cache ", k_cache.scalar_type(),
-              k_cache.sizes());
-  check_scale(k_scale, k_cache, "k_scale");
-  check_scale(v_scale, k_cache, "v_scale");
+  check_attention(q, k_cache, v_cache, k_scale, v_scale, "tokens");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t P = k_cache.size(0), S = k_cache.size(1), KVH = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D, "q head_dim = ", D, " != k_cache head_dim = ", k_cache.size(3));
-  TORCH_CHECK(D % 8 == 0, "head_dim = ", D, " must be a multiple of 8");
-  TORCH_CHECK(KVH > 0 && H % KVH == 0, "q heads = ", H, " must be a multiple of kv_heads = ", KVH);
   const int64_t B = block_tables.size(0);
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1,
               "block_tables must be int32 [batch, max_pages] contiguous along pages, got ",
@@ -533,12 +530,10 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
   }
   auto out = at::empty({T, H, D}, q.options());
   if (T == 0) return out;
-  const Kind kind = kind_of(k_cache);
-  const void* kc = k_cache.data_ptr();
-  const void* vc = v_cache.data_ptr();
-  const bool scale_bf16 = k_scale.has_value() && k_scale->scalar_type() == at::kBFloat16;
-  const void* ks = k_scale.has_value() ? k_scale->data_ptr() : nullptr;
-  const void* vs = v_scale.has_value() ? v_scale->data_ptr() : nullptr;
+  const PoolView pool(k_cache, v_cache, k_scale, v_scale);
+  const Kind kind = pool.kind;
+  const void *kc = pool.k, *vc = pool.v, *ks = pool.ks, *vs = pool.vs;
+  const bool scale_bf16 = pool.scale_bf16;
   // key / value row pointers per (kv head, gathered row): into the pool (fp32) or into fp32 copies
   const int64_t rows = row0[B];
   std::vector<const float*> krow(KVH * rows), vrow(KVH * rows);
