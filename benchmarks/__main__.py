@@ -126,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
             out_dir = Path(rest[i + 1])
             rest = rest[:i] + rest[i + 2:]
         unknown = [a for a in rest if a != "--smoke"]
+        if len(BY_NAME[name].parts) == 1 and ("-h" in unknown or "--help" in unknown):
+            return run_part(BY_NAME[name].parts[0], unknown)     # its help only: no --out, no summary written
         if unknown and len(BY_NAME[name].parts) == 1:
             return run_suite(BY_NAME[name], smoke, out_dir, unknown)
         if unknown:

@@ -93,3 +93,13 @@ def test_a_one_part_suite_passes_its_parts_arguments_and_out_through(tmp_path):
     assert json.loads(out.read_text())["node"]["gpus"] == 4
     assert recorded.read_bytes() == before          # the recorded result is not overwritten
     assert (out.parent / "sizing.summary.md").read_text().startswith("# sizing: ")
+
+
+def test_a_one_part_suites_help_writes_nothing(tmp_path):
+    """`python -m benchmarks peers --help` prints the part's help and writes no summary or result (issue 41)."""
+    results = ROOT / "benchmarks" / "results"
+    before = {p: p.stat().st_mtime_ns for p in results.iterdir()}
+    r = _run(["peers", "--help"], 120, tmp_path)
+    assert r.returncode == 0 and "usage" in r.stdout.lower(), r.stderr[-500:]
+    after = {p: p.stat().st_mtime_ns for p in results.iterdir()}
+    assert after == before, sorted(set(after.items()) ^ set(before.items()))
