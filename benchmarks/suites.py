@@ -195,6 +195,13 @@ SUITES: list[Suite] = [
     Suite("kernels", "How fast are the kernels against their baselines?", [
         Part("kernels.cpu", "C++ int8-dot CPU kernels vs torch int4 GEMM vs fp32 dense, per SmolLM2 layer shape",
              ["--rows", "1", "--reps", "1"], _kernels_cpu),
+        Part("kernels.cpu_attention", "CPU decode and prefill attention on fp8 pages vs fp32 pages",
+             ["--contexts", "256", "--batches", "1", "--prefill", "128", "--rounds", "1"],
+             _keys(("fp8 / fp32 speed, decode 4k x 1", "fp8_speedup_over_fp32.decode 4096x1"),
+                   ("fp8 / fp32 speed, decode 4k x 8", "fp8_speedup_over_fp32.decode 4096x8"),
+                   ("fp8 / fp32 speed, decode 8k x 8", "fp8_speedup_over_fp32.decode 8192x8"),
+                   ("fp8 / fp32 speed, prefill 4k", "fp8_speedup_over_fp32.prefill 4096"),
+                   ("fp8 / fp32 speed (smoke)", "fp8_speedup_over_fp32.decode 256x1"))),
         Part("kernels.gpu", "GPU: W4A16 GEMM vs bf16 matmul, fp8 vs bf16 paged attention, page checksum (CUDA)",
              ["--cpu-dry-run", "--quick"], _kernels_gpu, smoke_env={"TRITON_INTERPRET": "1"}, smoke_timeout_s=300),
     ]),
