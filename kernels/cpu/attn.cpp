@@ -398,6 +398,49 @@ void check_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   TORCH_CHECK(KVH > 0 && H % KVH == 0, "q heads = ", H, " must be a multiple of kv_heads = ", KVH);
 }
 
+// prefill's QK^T tile: scores of MT query vectors (q[m] pointers, head_dim d) against 16 keys t0 .. t0 + 15 of
+// a transposed key block kt [d][npad]: each score is one fp32 FMA chain over d in order from zero, then * scale,
+// whatever tile or chunk it is computed in (so prefill rows do not depend on their neighbours)
+template <int MT>
+inline void qk_tile(const float* const* q, const float* kt, int64_t npad, int64_t t0, int64_t d, float scale,
+                    float* const* out) {
+  __m256 a[MT][2];
+  for (int m = 0; m < MT; ++m) a[m][0] = a[m][1] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; ++i) {
+    const __m256 k0 = _mm256_loadu_ps(kt + i * npad + t0), k1 = _mm256_loadu_ps(kt + i * npad + t0 + 8);
+    for (int m = 0; m < MT; ++m) {
+      const __m256 qb = _mm256_broadcast_ss(q[m] + i);
+      a[m][0] = _mm256_fmadd_ps(qb, k0, a[m][0]);
+      a[m][1] = _mm256_fmadd_ps(qb, k1, a[m][1]);
+    }
+  }
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (int m = 0; m < MT; ++m) {
+    _mm256_storeu_ps(out[m] + t0, _mm256_mul_ps(a[m][0], sc));
+    _mm256_storeu_ps(out[m] + t0 + 8, _mm256_mul_ps(a[m][1], sc));
+  }
+}
+
+// prefill's P @ V tile: out[m][d0 : d0 + 16] = sum_{t < n} p[m][t] * v[t][d0 : ..], t in order from zero (pv's
+// own chain per element; a row's probabilities past its own keys are zero, which adds exactly nothing)
+template <int MT>
+inline void pv_tile(const float* const* p, const float* const* v, int64_t n, int64_t d0, float* const* out) {
+  __m256 a[MT][2];
+  for (int m = 0; m < MT; ++m) a[m][0] = a[m][1] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < n; ++t) {
+    const __m256 v0 = _mm256_loadu_ps(v[t] + d0), v1 = _mm256_loadu_ps(v[t] + d0 + 8);
+    for (int m = 0; m < MT; ++m) {
+      const __m256 pb = _mm256_broadcast_ss(p[m] + t);
+      a[m][0] = _mm256_fmadd_ps(pb, v0, a[m][0]);
+      a[m][1] = _mm256_fmadd_ps(pb, v1, a[m][1]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    _mm256_storeu_ps(out[m] + d0, a[m][0]);
+    _mm256_storeu_ps(out[m] + d0 + 8, a[m][1]);
+  }
+}
+
 }  // namespace
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -530,50 +573,98 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
   }
   auto out = at::empty({T, H, D}, q.options());
   if (T == 0) return out;
+  TORCH_CHECK(D % 16 == 0, "prefill_attention: head_dim = ", D, " must be a multiple of 16");
   const PoolView pool(k_cache, v_cache, k_scale, v_scale);
   const Kind kind = pool.kind;
   const void *kc = pool.k, *vc = pool.v, *ks = pool.ks, *vs = pool.vs;
   const bool scale_bf16 = pool.scale_bf16;
-  // key / value row pointers per (kv head, gathered row): into the pool (fp32) or into fp32 copies
-  const int64_t rows = row0[B];
-  std::vector<const float*> krow(KVH * rows), vrow(KVH * rows);
-  std::vector<float> kbuf(kind == Kind::F32 ? 0 : KVH * rows * D), vbuf(kind == Kind::F32 ? 0 : KVH * rows * D);
+  // keys transposed per (kv head, sequence): kt [D][npad_b] (npad_b: the context rounded up to 16, zeros after),
+  // values as fp32 rows (pointers into an fp32 pool, else dequantized copies: fp8 value * scale, the reference's)
+  std::vector<int64_t> prow0(B + 1, 0);
+  for (int64_t b = 0; b < B; ++b) prow0[b + 1] = prow0[b] + (lens[b] + 15) / 16 * 16;
+  const int64_t rows = row0[B], prows = prow0[B];
+  std::vector<float> kt(KVH * prows * D, 0.0f);
+  std::vector<const float*> vrow(KVH * rows);
+  std::vector<float> vbuf(kind == Kind::F32 ? 0 : KVH * rows * D);
   at::parallel_for(0, KVH * B, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> kx(D);
     for (int64_t task = lo; task < hi; ++task) {
-      const int64_t kvh = task / B, b = task % B;
+      const int64_t kvh = task / B, b = task % B, npad = prow0[b + 1] - prow0[b];
+      float* kb = kt.data() + (kvh * prows + prow0[b]) * D;
       for (int64_t t = 0; t < lens[b]; ++t) {
         const int64_t r = (tables[b * tstride + t / S] * S + t % S) * KVH + kvh;
         const int64_t j = kvh * rows + row0[b] + t;
-        krow[j] = load_row(kc, kind, r, D, scale_at(ks, scale_bf16, r), kbuf.data() + j * D);
+        const float* x = load_row(kc, kind, r, D, scale_at(ks, scale_bf16, r), kx.data());
+        for (int64_t i = 0; i < D; ++i) kb[i * npad + t] = x[i];
         vrow[j] = load_row(vc, kind, r, D, scale_at(vs, scale_bf16, r), vbuf.data() + j * D);
       }
     }
   });
-  // tasks: (sequence, kv head, query row); rows of one (sequence, kv head) in zigzag order (first, last, second,
-  // ...), so the contiguous ranges parallel_for hands each thread hold similar causal work
+  // tasks: (sequence, kv head, block of up to 4 query rows), the blocks of one (sequence, kv head) in zigzag
+  // order (first, last, second, ...), so the contiguous ranges parallel_for hands each thread hold similar work
+  constexpr int64_t RB = 16;   // rows per task: each K tile (16 keys) stays in L1 for RB * G query vectors
   std::vector<int64_t> tasks;
-  tasks.reserve(T * KVH);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t kvh = 0; kvh < KVH; ++kvh) {
-      const int64_t ql = cu[b + 1] - cu[b];
-      for (int64_t k = 0; k < ql; ++k) {
-        const int64_t i = (k % 2 == 0) ? k / 2 : ql - 1 - k / 2;
-        tasks.push_back((((cu[b] + i) * KVH) + kvh) * B + b);
+      const int64_t nb = (cu[b + 1] - cu[b] + RB - 1) / RB;
+      for (int64_t k = 0; k < nb; ++k) {
+        const int64_t blk = (k % 2 == 0) ? k / 2 : nb - 1 - k / 2;
+        tasks.push_back(((blk * KVH) + kvh) * B + b);
       }
     }
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t qst = q.stride(0), qsh = q.stride(1);
   const float scale = static_cast<float>(sm_scale);
+  const int64_t cap = (max_len + 15) / 16 * 16;
   const int64_t grain = max_len * D * H * 4 * T < SMALL_WORK ? static_cast<int64_t>(tasks.size()) : 1;
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), grain, [&](int64_t lo, int64_t hi) {
-    std::vector<float> scores(G * std::max<int64_t>(max_len, 1));
+    const int64_t M = RB * G;   // query vectors of a task: (row, head) pairs
+    std::vector<float> scores(M * std::max<int64_t>(cap, 16));
+    std::vector<const float*> qv(M);
+    std::vector<float*> sv(M), ov(M);
+    std::vector<int64_t> nv(M);
     for (int64_t k = lo; k < hi; ++k) {
-      const int64_t code = tasks[k], b = code % B, kvh = (code / B) % KVH, row = code / B / KVH;
-      const int64_t n = lens[b] - (cu[b + 1] - cu[b]) + (row - cu[b]) + 1;   // keys this row sees
-      const int64_t j = kvh * rows + row0[b];
-      attend_rows(qp + row * qst + kvh * G * qsh, qsh, krow.data() + j, vrow.data() + j, n, D, G, scale,
-                  scores.data(), op + (row * H + kvh * G) * D);
+      const int64_t code = tasks[k], b = code % B, kvh = (code / B) % KVH, blk = code / B / KVH;
+      const int64_t ql = cu[b + 1] - cu[b], prefix = lens[b] - ql, npad = prow0[b + 1] - prow0[b];
+      const int64_t i0 = blk * RB, rn = std::min<int64_t>(RB, ql - i0), m_n = rn * G;
+      const float* kb = kt.data() + (kvh * prows + prow0[b]) * D;
+      const float* const* vr = vrow.data() + kvh * rows + row0[b];
+      for (int64_t r = 0; r < rn; ++r)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t m = r * G + g, row = cu[b] + i0 + r;
+          qv[m] = qp + row * qst + (kvh * G + g) * qsh;
+          sv[m] = scores.data() + m * cap;
+          ov[m] = op + (row * H + kvh * G + g) * D;
+          nv[m] = prefix + i0 + r + 1;                   // keys this row sees
+        }
+      const int64_t nmax = prefix + i0 + rn, tmax = (nmax + 15) / 16 * 16;
+      for (int64_t t0 = 0; t0 < tmax && t0 < npad; t0 += 16)
+        for (int64_t m0 = 0; m0 < m_n; m0 += 4) {
+          const int64_t mt = std::min<int64_t>(m_n - m0, 4);
+          if (nv[m0 + mt - 1] <= t0) continue;             // none of these rows sees this tile (causal)
+          switch (mt) {
+            case 1: qk_tile<1>(qv.data() + m0, kb, npad, t0, D, scale, sv.data() + m0); break;
+            case 2: qk_tile<2>(qv.data() + m0, kb, npad, t0, D, scale, sv.data() + m0); break;
+            case 3: qk_tile<3>(qv.data() + m0, kb, npad, t0, D, scale, sv.data() + m0); break;
+            default: qk_tile<4>(qv.data() + m0, kb, npad, t0, D, scale, sv.data() + m0); break;
+          }
+        }
+      for (int64_t m = 0; m < m_n; ++m) {
+        softmax_(sv[m], nv[m]);
+        std::fill(sv[m] + nv[m], sv[m] + nmax, 0.0f);
+      }
+      for (int64_t m0 = 0; m0 < m_n; m0 += 4) {
+        const int64_t mt = std::min<int64_t>(m_n - m0, 4), n = nv[m0 + mt - 1];
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {
+          switch (mt) {
+            case 1: pv_tile<1>(sv.data() + m0, vr, n, d0, ov.data() + m0); break;
+            case 2: pv_tile<2>(sv.data() + m0, vr, n, d0, ov.data() + m0); break;
+            case 3: pv_tile<3>(sv.data() + m0, vr, n, d0, ov.data() + m0); break;
+            default: pv_tile<4>(sv.data() + m0, vr, n, d0, ov.data() + m0); break;
+          }
+        }
+      }
     }
   });
   return out;
