@@ -423,22 +423,21 @@ inline void qk_tile(const float* const* q, const float* kt, int64_t npad, int64_
 
 // prefill's P @ V tile: out[m][d0 : d0 + 16] = sum_{t < n} p[m][t] * v[t][d0 : ..], t in order from zero (pv's
 // own chain per element; a row's probabilities past its own keys are zero, which adds exactly nothing)
-template <int MT>
+template <int MT, int NV>   // NV: 8-column registers per vector (2, or 1 for a head_dim's last 8 columns)
 inline void pv_tile(const float* const* p, const float* const* v, int64_t n, int64_t d0, float* const* out) {
-  __m256 a[MT][2];
-  for (int m = 0; m < MT; ++m) a[m][0] = a[m][1] = _mm256_setzero_ps();
+  __m256 a[MT][NV];
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NV; ++j) a[m][j] = _mm256_setzero_ps();
   for (int64_t t = 0; t < n; ++t) {
-    const __m256 v0 = _mm256_loadu_ps(v[t] + d0), v1 = _mm256_loadu_ps(v[t] + d0 + 8);
+    __m256 x[NV];
+    for (int j = 0; j < NV; ++j) x[j] = _mm256_loadu_ps(v[t] + d0 + 8 * j);
     for (int m = 0; m < MT; ++m) {
       const __m256 pb = _mm256_broadcast_ss(p[m] + t);
-      a[m][0] = _mm256_fmadd_ps(pb, v0, a[m][0]);
-      a[m][1] = _mm256_fmadd_ps(pb, v1, a[m][1]);
+      for (int j = 0; j < NV; ++j) a[m][j] = _mm256_fmadd_ps(pb, x[j], a[m][j]);
     }
   }
-  for (int m = 0; m < MT; ++m) {
-    _mm256_storeu_ps(out[m] + d0, a[m][0]);
-    _mm256_storeu_ps(out[m] + d0 + 8, a[m][1]);
-  }
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NV; ++j) _mm256_storeu_ps(out[m] + d0 + 8 * j, a[m][j]);
 }
 
 }  // namespace
@@ -573,7 +572,6 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
   }
   auto out = at::empty({T, H, D}, q.options());
   if (T == 0) return out;
-  TORCH_CHECK(D % 16 == 0, "prefill_attention: head_dim = ", D, " must be a multiple of 16");
   const PoolView pool(k_cache, v_cache, k_scale, v_scale);
   const Kind kind = pool.kind;
   const void *kc = pool.k, *vc = pool.v, *ks = pool.ks, *vs = pool.vs;
@@ -643,12 +641,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
         for (int64_t m0 = 0; m0 < m_n; m0 += 4) {
           const int64_t mt = std::min<int64_t>(m_n - m0, 4);
           if (nv[m0 + mt - 1] <= t0) continue;             // none of these rows sees this tile (causal)
-          switch (mt) {
-            case 1: qk_tile<1>(qv.data() + m0, kb, npad, t0, D, scale, sv.data() + m0); break;
-            case 2: qk_tile<2>(qv.data() + m0, kb, npad, t0, D, scale, sv.data() + m0); break;
-            case 3: qk_tile<3>(qv.data() + m0, kb, npad, t0, D, scale, sv.data() + m0); break;
-            default: qk_tile<4>(qv.data() + m0, kb, npad, t0, D, scale, sv.data() + m0); break;
-          }
+          by_fours(mt, [&](auto mn, int64_t) { qk_tile<mn.value>(qv.data() + m0, kb, npad, t0, D, scale, sv.data() + m0); });
         }
       for (int64_t m = 0; m < m_n; ++m) {
         softmax_(sv[m], nv[m]);
@@ -656,14 +649,13 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
       }
       for (int64_t m0 = 0; m0 < m_n; m0 += 4) {
         const int64_t mt = std::min<int64_t>(m_n - m0, 4), n = nv[m0 + mt - 1];
-        for (int64_t d0 = 0; d0 < D; d0 += 16) {
-          switch (mt) {
-            case 1: pv_tile<1>(sv.data() + m0, vr, n, d0, ov.data() + m0); break;
-            case 2: pv_tile<2>(sv.data() + m0, vr, n, d0, ov.data() + m0); break;
-            case 3: pv_tile<3>(sv.data() + m0, vr, n, d0, ov.data() + m0); break;
-            default: pv_tile<4>(sv.data() + m0, vr, n, d0, ov.data() + m0); break;
-          }
-        }
+        const float* const* pm = sv.data() + m0;
+        float* const* om = ov.data() + m0;
+        by_fours(mt, [&](auto mn, int64_t) {
+          int64_t d0 = 0;
+          for (; d0 + 16 <= D; d0 += 16) pv_tile<mn.value, 2>(pm, vr, n, d0, om);
+          if (d0 < D) pv_tile<mn.value, 1>(pm, vr, n, d0, om);    // head_dim % 16 == 8
+        });
       }
     }
   });

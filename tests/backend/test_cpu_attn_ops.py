@@ -259,6 +259,17 @@ def test_prefill_attention_matches_reference_on_every_kv_dtype(ext, dtype, heads
         assert rel_err(bad, want) > 50 * ATTN_TOL, name
 
 
+@pytest.mark.parametrize("d", [8, 40])
+def test_prefill_attention_takes_a_head_dim_that_is_8_mod_16(ext, d):
+    """The P @ V tiles are 16 columns wide; a head_dim of 8 mod 16 ends with an 8-column tile."""
+    k, v, ks, vs = pool(12, 2, d, FP8)
+    bt, cl = tables([100, 37], 12, 7)
+    cu = _packed([37, 5])
+    q = torch.randn(42, 8, d, generator=torch.Generator().manual_seed(13))
+    got = ext.prefill_attention(q, k, v, bt, cu, cl, 0.3, ks, vs)
+    assert rel_err(got, ref.prefill_attention(q, k, v, bt, cu, cl, 0.3, ks, vs)) < ATTN_TOL
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, FP8])
 def test_prefill_rows_do_not_depend_on_their_chunk_or_batch(ext, dtype):
     """A row's result is the same bits whether its prompt is prefilled whole, as a suffix after a cached prefix,

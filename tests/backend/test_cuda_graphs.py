@@ -142,5 +142,6 @@ def test_prefill_kernel_gets_its_grid_size_from_the_host(tiny_model, monkeypatch
         return real(*args, **kw)
 
     monkeypatch.setattr(kernels, "paged_prefill_attention", spy)
+    monkeypatch.setattr(tiny_model, "step_ops", None)   # the module path, as on CUDA (the CPU ops prefill in C++)
     _generate(_engine(tiny_model, False), [11, 30], [1, 1])
     assert seen and all(m == 30 for m in seen)   # one step: both prompts, chunks of 11 and 30

@@ -51,7 +51,7 @@ def test_fp8_kv_pages_stay_near_fp32(glm):
     ps = prompts(3)
     ref = generate_together(load_engine(path, EngineConfig()), ps, "t", [16, 16, 16])
     eng = load_engine(path, EngineConfig(kv_dtype="fp8_e4m3"))
-    assert eng.kv_format == "fp8_e4m3" and eng.runner.kv_format.dtype == torch.float8_e4m3fn
+    assert eng.kv_format == "fp8_e4m3_hadamard" and eng.runner.kv_format.dtype == torch.float8_e4m3fn
     fp8 = generate_together(eng, ps, "t", [16, 16, 16])
     agree = sum(a == b for (x, _, _), (y, _, _) in zip(ref, fp8) for a, b in zip(x, y)) / 48
     lp_diff = max(abs(a - b) for (_, x, _), (_, y, _) in zip(ref, fp8) for a, b in zip(x[:4], y[:4]))
