@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <type_traits>
@@ -307,6 +308,81 @@ inline void by_fours(int64_t G, F&& f) {
   }
 }
 
+// ---- fp8 decode with AVX-512 (16 lanes: half the widening instructions per value), where the CPU has it
+#define EI_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+
+EI_AVX512 inline void fp8x32_scaled_down(const uint8_t* p, __m512& lo, __m512& hi) {
+  const __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i h = _mm512_and_si512(_mm512_slli_epi16(b, 7), _mm512_set1_epi16(static_cast<short>(0xBF80)));
+  lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+  hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+}
+
+template <int GN>
+EI_AVX512 inline void dots_fp8_512(const float* q, int64_t qsh, const uint8_t* const* k, const float* f, int64_t n,
+                                   int64_t d, float* out) {
+  int64_t t = 0;
+  for (; t + 2 <= n; t += 2) {
+    __m512 a[GN], c[GN];
+    for (int g = 0; g < GN; ++g) a[g] = c[g] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; i += 32) {
+      __m512 x0, x1, y0, y1;
+      fp8x32_scaled_down(k[t] + i, x0, x1);
+      fp8x32_scaled_down(k[t + 1] + i, y0, y1);
+      for (int g = 0; g < GN; ++g) {
+        const __m512 q0 = _mm512_loadu_ps(q + g * qsh + i), q1 = _mm512_loadu_ps(q + g * qsh + i + 16);
+        a[g] = _mm512_fmadd_ps(q1, x1, _mm512_fmadd_ps(q0, x0, a[g]));
+        c[g] = _mm512_fmadd_ps(q1, y1, _mm512_fmadd_ps(q0, y0, c[g]));
+      }
+    }
+    for (int g = 0; g < GN; ++g) {
+      out[g * n + t] = _mm512_reduce_add_ps(a[g]) * f[t];
+      out[g * n + t + 1] = _mm512_reduce_add_ps(c[g]) * f[t + 1];
+    }
+  }
+  if (t < n) {
+    __m512 a[GN];
+    for (int g = 0; g < GN; ++g) a[g] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; i += 32) {
+      __m512 x0, x1;
+      fp8x32_scaled_down(k[t] + i, x0, x1);
+      for (int g = 0; g < GN; ++g) {
+        const __m512 q0 = _mm512_loadu_ps(q + g * qsh + i), q1 = _mm512_loadu_ps(q + g * qsh + i + 16);
+        a[g] = _mm512_fmadd_ps(q1, x1, _mm512_fmadd_ps(q0, x0, a[g]));
+      }
+    }
+    for (int g = 0; g < GN; ++g) out[g * n + t] = _mm512_reduce_add_ps(a[g]) * f[t];
+  }
+}
+
+template <int GN>
+EI_AVX512 inline void pv_fp8_512(const float* w, int64_t n, const uint8_t* const* v, int64_t d0, float* out,
+                                 int64_t osh) {
+  __m512 a[GN][2];
+  for (int g = 0; g < GN; ++g) a[g][0] = a[g][1] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 x0, x1;
+    fp8x32_scaled_down(v[t] + d0, x0, x1);
+    for (int g = 0; g < GN; ++g) {
+      const __m512 wb = _mm512_set1_ps(w[g * n + t]);
+      a[g][0] = _mm512_fmadd_ps(wb, x0, a[g][0]);
+      a[g][1] = _mm512_fmadd_ps(wb, x1, a[g][1]);
+    }
+  }
+  for (int g = 0; g < GN; ++g) {
+    _mm512_storeu_ps(out + g * osh + d0, a[g][0]);
+    _mm512_storeu_ps(out + g * osh + d0 + 16, a[g][1]);
+  }
+}
+
+// AVX-512 (F, BW, VL) on this CPU, unless EDGEINFER_CPU_AVX512=0 (tests run both paths)
+bool use_avx512() {
+  static const bool cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl");
+  const char* env = std::getenv("EDGEINFER_CPU_AVX512");
+  return cpu && !(env && env[0] == '0');
+}
+
 // scores s[0 : n] -> softmax probabilities, in place (max, exp, sum in 8 lanes then the tail, normalize)
 inline void softmax_(float* s, int64_t n) {
   float mx = -INFINITY;
@@ -351,10 +427,29 @@ inline void attend_rows(const float* q, int64_t qsh, const float* const* krow, c
   }
 }
 
+// attend_fp8_rows with 16-lane AVX-512 (head_dim % 32 == 0)
+EI_AVX512 inline void attend_fp8_rows_512(const float* q, int64_t qsh, const uint8_t* const* krow,
+                                          const uint8_t* const* vrow, const float* kf, const float* vf, int64_t n,
+                                          int64_t D, int64_t G, float* scores, float* o) {
+  by_fours(G, [&](auto gn, int64_t g) { dots_fp8_512<gn.value>(q + g * qsh, qsh, krow, kf, n, D, scores + g * n); });
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = scores + g * n;
+    softmax_(s, n);
+    for (int64_t t = 0; t < n; ++t) s[t] *= vf[t];
+  }
+  by_fours(G, [&](auto gn, int64_t g) {
+    for (int64_t d0 = 0; d0 < D; d0 += 32) pv_fp8_512<gn.value>(scores + g * n, n, vrow, d0, o + g * D, D);
+  });
+}
+
 // attend_rows on fp8 pages read in place: kf / vf the rows' scales * 2^8 (kf also * sm_scale)
 inline void attend_fp8_rows(const float* q, int64_t qsh, const uint8_t* const* krow, const uint8_t* const* vrow,
                             const float* kf, const float* vf, int64_t n, int64_t D, int64_t G, float* scores,
-                            float* o) {
+                            float* o, bool avx512) {
+  if (avx512) {
+    attend_fp8_rows_512(q, qsh, krow, vrow, kf, vf, n, D, G, scores, o);
+    return;
+  }
   by_fours(G, [&](auto gn, int64_t g) { dots_fp8<gn.value>(q + g * qsh, qsh, krow, kf, n, D, scores + g * n); });
   for (int64_t g = 0; g < G; ++g) {
     float* s = scores + g * n;
@@ -477,6 +572,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   const int64_t grain = work * B < SMALL_WORK ? B * KVH : 1;
 
   const bool fused_fp8 = kind == Kind::FP8 && D % 16 == 0;   // fp8 pages read in place, no fp32 copy
+  const bool avx512 = fused_fp8 && D % 32 == 0 && use_avx512();
   at::parallel_for(0, B * KVH, grain, [&](int64_t lo, int64_t hi) {
     const int64_t cap = std::max<int64_t>(max_len, 1);
     std::vector<float> scores(G * cap);
@@ -517,7 +613,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
         }
       }
       if (fused_fp8) {
-        attend_fp8_rows(qg, qsh, kb.data(), vb.data(), kf.data(), vf.data(), n, D, G, scores.data(), o);
+        attend_fp8_rows(qg, qsh, kb.data(), vb.data(), kf.data(), vf.data(), n, D, G, scores.data(), o, avx512);
       } else {
         attend_rows(qg, qsh, krow.data(), vrow.data(), n, D, G, scale, scores.data(), o);
       }

@@ -51,9 +51,12 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 ATTN_TOL = 2e-5   # fp32 summation order and exp's last bits; every bug below is >= 1e-3
 
 
+@pytest.mark.parametrize("avx512", ["1", "0"], ids=["avx512-if-present", "avx2"])
 @pytest.mark.parametrize("dtype", KV_DTYPES)
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
-def test_decode_attention_matches_reference_on_every_kv_dtype(ext, dtype, heads, kv_heads):
+def test_decode_attention_matches_reference_on_every_kv_dtype(ext, dtype, heads, kv_heads, avx512, monkeypatch):
+    """fp8 pages take the 16-lane AVX-512 path where the CPU has it (EDGEINFER_CPU_AVX512=0: the AVX2 one)."""
+    monkeypatch.setenv("EDGEINFER_CPU_AVX512", avx512)
     d, num_pages = 64, 40
     k, v, ks, vs = pool(num_pages, kv_heads, d, dtype)
     lens = [1, 17, 160, 0, 300]                               # one token, a partial page, many pages, empty
