@@ -66,8 +66,8 @@ def _moe(r: dict) -> list[tuple[str, object]]:
     return out
 
 
-def _keys(*pairs: tuple[str, str]) -> Headline:
-    """Headline from dotted paths into the result: (label, "a.b.c")."""
+def _keys(*pairs: tuple[str, str], digits: int = 2) -> Headline:
+    """Headline from dotted paths into the result: (label, "a.b.c"), rounded to `digits`."""
     def get(r: dict) -> list[tuple[str, object]]:
         out = []
         for label, path in pairs:
@@ -75,7 +75,7 @@ def _keys(*pairs: tuple[str, str]) -> Headline:
             for k in path.split("."):
                 x = x.get(k) if isinstance(x, dict) else (x[int(k)] if isinstance(x, list) and k.isdigit()
                                                           and int(k) < len(x) else None)
-            out.append((label, _r(x)))
+            out.append((label, _r(x, digits)))
         return out
     return get
 
@@ -251,7 +251,7 @@ SUITES: list[Suite] = [
         Part("quality.fp8_kv", "fp8 vs fp32 KV perplexity at 4k and 8k; scale layouts tried (--ablations)",
              ["--lengths", "256"],
              _keys(("fp8 / fp32 ppl at 4k", "fp8_over_fp32.4096"), ("fp8 / fp32 ppl at 8k", "fp8_over_fp32.8192"),
-                   ("fp8 / fp32 ppl (smoke)", "fp8_over_fp32.256"))),
+                   ("fp8 / fp32 ppl (smoke)", "fp8_over_fp32.256"), digits=4)),
         Part("quality.batch_invariance", "greedy decoding alone vs batched/chunked/after a partial hit, fp32 vs fp8 KV",
              ["--prompts", "2", "--tokens", "4", "--conditions", "batch2", "--kv", "fp32"], _batch_invariance),
     ]),
