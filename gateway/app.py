@@ -119,6 +119,9 @@ async def edge_middleware(request: web.Request, handler) -> web.StreamResponse:
         if _client_gone(request):
             log.info("client closed the connection (request %s, %s %s)", rid, request.method, request.path)
         raise
+    except RecursionError:     # a client's input nested past what a parser or template follows: its fault
+        status, error = 400, "nesting_too_deep"
+        return _error_response(APIError(400, "the request nests too deeply to be processed", code=error), rid)
     except Exception as e:
         log.exception("unhandled error in %s %s (request %s)", request.method, request.path, rid)
         status, error = 500, "internal_error"
