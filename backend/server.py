@@ -286,7 +286,7 @@ def parse_args(argv: list[str] | None) -> BackendConfig:
     p.add_argument("--page-size", type=int, default=PAGE_SIZE)
     p.add_argument("--kv-dtype", default="fp8_e4m3", choices=["auto", "fp32", "bf16", "fp16", "fp8_e4m3"],
                    help="KV pages' dtype (default fp8_e4m3: a scale per token-head, q and k Hadamard-rotated; 3.9x "
-                        "the tokens of fp32 in the same bytes, 4k perplexity 1.0002x fp32's on the default model; "
+                        "the tokens of fp32 in the same bytes, 4k perplexity 1.0009x fp32's on the default model; "
                         "auto: the model's dtype)")
     p.add_argument("--kv-cache-bytes", type=int, default=512 << 20,
                    help="KV pool budget (default 512 MiB: 45k tokens of fp8 KV for the default model, 11.6k of fp32); "

@@ -46,7 +46,7 @@ from edgeinfer.protocol.wire import Constraint, SamplingParams, StreamChunk
 
 _SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache", "x-accel-buffering": "no"}
 _DONE = b"data: [DONE]\n\n"
-SHUTDOWN_MESSAGE = "the gateway is shutting down: this stream was cut at the end of its shutdown grace"
+SHUTDOWN_MESSAGE = "the gateway is shutting down: this request was cut at the end of its shutdown grace"
 
 
 async def read_body(request: web.Request, st: GatewayState) -> bytes:
@@ -106,8 +106,7 @@ def check_nesting(limits: SchemaLimits, **fields) -> None:
     """400 naming the field when a free-form field (decoded as Any) nests deeper than limits.max_depth:
     what reads it later (templates, json.dumps, pickling to a worker) recurses once per level."""
     for name, value in fields.items():
-        if isinstance(value, (dict, list)):
-            check_depth(value, name, limits)
+        check_depth(value, name, limits)
 
 
 def served_model(st: GatewayState, tenant: TenantConfig, name: str) -> ServedModel:

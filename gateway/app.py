@@ -82,10 +82,9 @@ async def edge_middleware(request: web.Request, handler) -> web.StreamResponse:
     t0 = request["t0"] = time.perf_counter()
     rid = request["request_id"] = api.new_request_id(request.headers.get("x-request-id"))
     status, error = 500, None
-    st.inflight += 1
     task = asyncio.current_task()
-    if task is not None:
-        st.handlers.add(task)
+    assert task is not None, "aiohttp runs each request's handler in its own task"
+    st.handlers.add(task)
     try:
         if st.draining and request.path.startswith("/v1/"):
             raise APIError(503, "the gateway is shutting down", code="shutting_down", headers={"retry-after": "1"})
@@ -110,9 +109,7 @@ async def edge_middleware(request: web.Request, handler) -> web.StreamResponse:
         return web.Response(status=499)        # never sent: aiohttp sees the closed transport and drops it
     except asyncio.CancelledError:
         if st.cut and not _client_gone(request):    # the shutdown grace is over (_on_shutdown): end it now
-            task = asyncio.current_task()
-            if task is not None:
-                task.uncancel()
+            task.uncancel()
             status, error = 503, "shutting_down"
             return await _cut_response(request, rid)
         status, error = 499, "client_closed"
@@ -128,8 +125,7 @@ async def edge_middleware(request: web.Request, handler) -> web.StreamResponse:
         return _error_response(APIError(500, f"internal error ({type(e).__name__}); request id {rid}",
                                         code="internal_error"), rid)
     finally:
-        st.inflight -= 1
-        st.handlers.discard(task)   # type: ignore[arg-type]
+        st.handlers.discard(task)
         endpoint = _ENDPOINTS.get(request.path)
         tenant = request.get("tenant", "")
         model = request.get("model", "")
@@ -152,16 +148,13 @@ async def edge_middleware(request: web.Request, handler) -> web.StreamResponse:
                                                     None, None))  # type: ignore[arg-type]
 
 
-SHUTDOWN_MESSAGE = "the gateway is shutting down: this request was cut at the end of its shutdown grace"
-
-
 async def _cut_response(request: web.Request, rid: str) -> web.StreamResponse:
     """A request cut by shutdown: a 503 if nothing was sent yet, else its stream's error event written
     (`request["cut_event"]()`, set by the streaming handlers once their headers are out) and the stream ended."""
     resp = request.get("stream")
     if resp is None or not resp.prepared:
-        return _error_response(APIError(503, SHUTDOWN_MESSAGE, code="shutting_down", headers={"retry-after": "1"}),
-                               rid)
+        return _error_response(APIError(503, api.SHUTDOWN_MESSAGE, code="shutting_down",
+                                        headers={"retry-after": "1"}), rid)
     try:
         await resp.write(request["cut_event"]())
         await resp.write_eof()

@@ -24,11 +24,10 @@ from concurrent.futures.process import BrokenProcessPool
 import msgspec
 
 from edgeinfer.gateway.errors import APIError
-from edgeinfer.gateway.structured import Pending, raise_problem, schema_problem
+from edgeinfer.gateway.structured import Pending, Problem, raise_problem, schema_problem
 
 log = logging.getLogger("edgeinfer.gateway")
 _NICE = 5
-Problem = tuple[str, str] | None
 
 
 def _init() -> None:

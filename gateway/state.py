@@ -46,6 +46,12 @@ def _authorization(request: web.Request) -> str | None:
     return value
 
 
+def _bearer_sha256(request: web.Request) -> str:
+    """sha256 (hex) of the key in `Authorization: Bearer <key>` (of "" without one), as keys are configured."""
+    _, _, key = (_authorization(request) or "").partition(" ")
+    return hashlib.sha256(key.strip().encode()).hexdigest()
+
+
 @dataclass(eq=False)
 class GatewayState:
     cfg: GatewayConfig
@@ -62,12 +68,15 @@ class GatewayState:
     schema_limits: SchemaLimits
     redis: Redis | None = None
     session: aiohttp.ClientSession | None = None
-    inflight: int = 0
     handlers: set[asyncio.Task] = field(default_factory=set)    # the requests being served, to cut at shutdown
     draining: bool = False
     cut: bool = False               # the shutdown grace is over: handlers cancelled now end with an error
     started: int = field(default_factory=lambda: int(time.time()))
     tasks: set[asyncio.Task] = field(default_factory=set)
+
+    @property
+    def inflight(self) -> int:
+        return len(self.handlers)
 
     def authenticate(self, request: web.Request) -> TenantConfig:
         tenant = self.tenants.authenticate(_authorization(request))
@@ -78,18 +87,15 @@ class GatewayState:
         want = self.cfg.server.admin_key_sha256
         if not want:
             raise APIError(404, "admin endpoints are disabled (set server.admin_key_sha256)", code="not_found")
-        _, _, key = (_authorization(request) or "").partition(" ")
-        if not hmac.compare_digest(hashlib.sha256(key.strip().encode()).hexdigest(), want.lower()):
+        if not hmac.compare_digest(_bearer_sha256(request), want.lower()):
             raise APIError(401, "invalid admin key", code="invalid_api_key")
 
     def metrics_trusted(self, request: web.Request) -> bool:
         """Whether the caller may see per-tenant metrics: Bearer <metrics key or admin key>. No credential:
         False (the open series only); a credential that matches neither: 401."""
-        header = _authorization(request)
-        if header is None:
+        if _authorization(request) is None:
             return False
-        _, _, key = header.partition(" ")
-        digest = hashlib.sha256(key.strip().encode()).hexdigest()
+        digest = _bearer_sha256(request)
         wanted = [w.lower() for w in (self.cfg.server.metrics_key_sha256, self.cfg.server.admin_key_sha256) if w]
         if any(hmac.compare_digest(digest, w) for w in wanted):
             return True

@@ -52,54 +52,47 @@ def _too_big(param: str, what: str, limit: int, setting: str) -> APIError:
                     code="schema_too_large")
 
 
-def check_depth(value: Any, param: str, limits: SchemaLimits = DEFAULT_LIMITS) -> None:
-    """400 naming `param` when value (decoded JSON) nests deeper than limits.max_depth; bounded work."""
+def _containers(value: Any, param: str, limits: SchemaLimits):
+    """Every dict and list in value (decoded JSON), depth-first, without recursion; a 400 naming `param` at the
+    first one deeper than limits.max_depth (so the walk never goes past that depth)."""
     stack = [(value, 1)]
-    seen = 0
     while stack:
         node, depth = stack.pop()
         if depth > limits.max_depth:
             raise _too_big(param, f"nests more than {limits.max_depth} levels deep", limits.max_depth,
                            "max_schema_depth")
-        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
-        for child in children:
-            if isinstance(child, (dict, list)):
-                seen += 1
-                stack.append((child, depth + 1))
-        if seen > 1_000_000:          # max_body_bytes bounds this long before; a backstop, not a limit
-            break
+        yield node
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+
+
+def check_depth(value: Any, param: str, limits: SchemaLimits = DEFAULT_LIMITS) -> None:
+    """400 naming `param` when value (decoded JSON) nests deeper than limits.max_depth."""
+    if isinstance(value, (dict, list)):
+        for _ in _containers(value, param, limits):
+            pass
 
 
 def measure(schema: Any, param: str, limits: SchemaLimits = DEFAULT_LIMITS) -> None:
     """400 naming the limit when the schema passes one of `limits`; stops at the first (bounded work)."""
     properties = alternatives = 0
-    stack = [(schema, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > limits.max_depth:
-            raise _too_big(param, f"nests more than {limits.max_depth} levels deep", limits.max_depth,
-                           "max_schema_depth")
-        if isinstance(node, dict):
-            props = node.get("properties")
-            if isinstance(props, dict):
-                properties += len(props)
-                if properties > limits.max_properties:
-                    raise _too_big(param, f"has more than {limits.max_properties} properties",
-                                   limits.max_properties, "max_schema_properties")
-            for key in _ALTERNATIVES:
-                alts = node.get(key)
-                if isinstance(alts, list):
-                    alternatives += len(alts)
-                    if alternatives > limits.max_alternatives:
-                        raise _too_big(param, f"has more than {limits.max_alternatives} alternatives "
-                                              "(anyOf / oneOf / allOf branches and enum values)",
-                                       limits.max_alternatives, "max_schema_alternatives")
-            children: Any = node.values()
-        elif isinstance(node, list):
-            children = node
-        else:
+    for node in _containers(schema, param, limits):
+        if not isinstance(node, dict):
             continue
-        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+        props = node.get("properties")
+        if isinstance(props, dict):
+            properties += len(props)
+            if properties > limits.max_properties:
+                raise _too_big(param, f"has more than {limits.max_properties} properties", limits.max_properties,
+                               "max_schema_properties")
+        for key in _ALTERNATIVES:
+            alts = node.get(key)
+            if isinstance(alts, list):
+                alternatives += len(alts)
+                if alternatives > limits.max_alternatives:
+                    raise _too_big(param, f"has more than {limits.max_alternatives} alternatives "
+                                          "(anyOf / oneOf / allOf branches and enum values)",
+                                   limits.max_alternatives, "max_schema_alternatives")
     size = len(json.dumps(schema, separators=(",", ":")))   # bounded by the caps above and max_body_bytes
     if size > limits.max_bytes:
         raise _too_big(param, f"is {size} bytes as compact JSON", limits.max_bytes, "max_schema_bytes")
@@ -112,7 +105,10 @@ def _bad(message: str, param: str = _PARAM) -> APIError:
     return APIError(400, message, param=param, code="invalid_response_format")
 
 
-def schema_problem(schema: Any, param: str) -> tuple[str, str] | None:
+Problem = tuple[str, str] | None     # (param of the bad part, message), or None: the schema is valid
+
+
+def schema_problem(schema: Any, param: str) -> Problem:
     """(param of the bad part, message) when schema is not valid JSON Schema, else None. Pure Python and
     picklable both ways: what gateway/schema_guard.py runs in its worker processes."""
     from jsonschema import Draft202012Validator
@@ -130,7 +126,7 @@ def schema_problem(schema: Any, param: str) -> tuple[str, str] | None:
     return None
 
 
-def raise_problem(problem: tuple[str, str] | None) -> None:
+def raise_problem(problem: Problem) -> None:
     if problem is not None:
         raise _bad(problem[1], problem[0])
 

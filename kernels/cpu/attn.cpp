@@ -623,11 +623,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 }
 
 // Causal attention of the prefill rows of q against their sequences' pages (the new rows' K/V already stored):
-// every query row computed alone, with decode_attention's own operations (dots, softmax, p @ V in the same
-// order), so its result does not depend on the chunk or batch it came in, nor on the other rows: a prompt
-// prefilled cold and the same prompt's suffix after a prefix-cache hit give the same bits. fp32 pages are read
-// in place; other dtypes are dequantized once per (sequence, kv head) into fp32 rows (fp8: value * scale, the
-// reference's bits).
+// register tiles (qk_tile, pv_tile) in which every score and output element is one FMA chain of its own, so a
+// row's result does not depend on the chunk or batch it came in, nor on the other rows: a prompt prefilled cold
+// and the same prompt's suffix after a prefix-cache hit give the same bits. Keys are copied transposed once per
+// (sequence, kv head); values are read in place from an fp32 pool, else dequantized once into fp32 rows (fp8:
+// value * scale, the reference's bits).
 //   q [T, H, D] fp32 packed by cu_seqlens_q [B + 1] int32; row i of sequence b sits at context_lens[b] -
 //   q_len_b + i and sees the keys up to it.
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,

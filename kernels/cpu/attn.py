@@ -6,7 +6,7 @@ INT4 kernels in kernels.cpu: auto | ext | torch).
                    context_lens [B] int32, sm_scale, k_scale=None, v_scale=None) -> [B, H, D]
   prefill_attention(q [T, H, D] fp32, k_cache, v_cache, block_tables [B, W] int32, cu_seqlens_q [B + 1] int32,
                     context_lens [B] int32, sm_scale, k_scale=None, v_scale=None) -> [T, H, D]
-                 (causal, each query row computed alone with decode_attention's own operations: row-invariant)
+                 (causal; each score and output element one FMA chain of its own: row-invariant)
   rope_kv_store_(qkv [T, (H + 2 KVH) D] fp32, positions [T] int64, cos, sin [max_pos, D], k_cache, v_cache (or
                  None: rope only), slot_mapping [T] int64, num_heads, num_kv_heads, k_scale=None, v_scale=None)
                  -> None   (in place; fp8 caches quantized with a scale per (token, kv head), as kernels.kv_store)
