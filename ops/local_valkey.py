@@ -68,7 +68,7 @@ def ping(port: int, password: str, timeout_s: float = 1.0) -> bool:
 class LocalValkey:
     data_dir: Path
     password: str
-    maxmemory_bytes: int = 1 << 30
+    maxmemory_bytes: int = 256 << 20
     port: int = 0
 
     @property

@@ -146,6 +146,7 @@ class W4A16Linear(nn.Module):
         self._op_group = group_size                                    # group the CPU int4 GEMM runs with
         self.q4_1x8: torch.Tensor | None = None                      # CPU: [ceil(out/8), in//32 * 160] for kernels.cpu
         self.residual_activations = False   # q4_1x8: activations in two int8 passes (kernels.cpu.activations())
+        self.second_pass_tau = 0.0          # ... the second on the blocks of scale >= this x the row's largest
         self._kernel_form: tuple[torch.Tensor, torch.Tensor] | None = None   # CUDA, with mins: (scales, zeros)
 
     @property
@@ -176,6 +177,7 @@ class W4A16Linear(nn.Module):
             self.q4_1x8 = cpu_kernels.pack_q4_1x8(
                 cpu_kernels.pack_q4_1(self.qweight, self.scales, self.mins, self.group_size))
             self.residual_activations = cpu_kernels.activations() == "int8x2"
+            self.second_pass_tau = cpu_kernels.second_pass_tau()
             self.qweight = self.scales = self.mins = None  # type: ignore[assignment]
             return True
         group = int4_cpu_group(self.group_size)
@@ -218,8 +220,10 @@ class W4A16Linear(nn.Module):
             flat = x.dim() == 2 and dtype == torch.float32 and x.is_contiguous()   # the CPU step's rows: as they are
             x2 = x if flat else x.reshape(-1, k).to(torch.float32).contiguous()  # [rows, in] -> [rows, out]
             if x2.shape[0] < DENSE_MIN_ROWS:
-                gemm = cpu_kernels.q4_1x8_gemm_residual if self.residual_activations else cpu_kernels.q4_1x8_gemm
-                y = gemm(x2, self.q4_1x8, n)
+                if self.residual_activations:
+                    y = cpu_kernels.q4_1x8_gemm_residual(x2, self.q4_1x8, n, self.second_pass_tau)
+                else:
+                    y = cpu_kernels.q4_1x8_gemm(x2, self.q4_1x8, n)
             else:
                 y = x2 @ cpu_kernels.q4_1x8_dequant(self.q4_1x8, n, cpu_kernels.scratch(n, k)).t()
             if flat and self.bias is None:

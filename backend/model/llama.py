@@ -9,6 +9,7 @@ tokens: the decode tokens of B_d sequences first, then the prefill chunks.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -413,17 +414,18 @@ class DecodePlan:
     default) and the rows are under linear.DENSE_MIN_ROWS (any KV dtype: the rope op quantizes fp8 pages as it
     stores them); otherwise the model runs _forward_cpu (docs/KERNELS.md)."""
 
-    def __init__(self, model: LlamaModel, first: RMSNorm, layers: list[tuple], residual: bool) -> None:
+    def __init__(self, model: LlamaModel, first: RMSNorm, layers: list[tuple], residual: bool, tau: float) -> None:
         self.model, self.layers = model, layers
         self.first_norm = (first.weight, first.eps)
         self.residual = residual   # the linears' activations in two int8 passes (W4A16Linear.residual_activations)
+        self.tau = tau             # ... and which blocks get the second (W4A16Linear.second_pass_tau)
 
     @classmethod
     def build(cls, model: LlamaModel) -> DecodePlan | None:
         layers: list[DecoderLayer] = list(model.layers)   # type: ignore[arg-type]
         norms = [layer.input_layernorm for layer in layers[1:]] + [model.norm]
         rows: list[tuple] = []
-        residual: set[bool] = set()
+        residual: set[tuple[bool, float]] = set()
         for layer, nxt in zip(layers, norms):
             attn, mlp = layer.self_attn, layer.mlp
             if not isinstance(mlp, MLP) or not isinstance(attn, Attention) or attn.norms_or_partial_rope:
@@ -432,13 +434,13 @@ class DecodePlan:
                        if isinstance(m, W4A16Linear) and m.q4_1x8 is not None and m.bias is None]
             if len(linears) != 4:
                 return None
-            residual.update(m.residual_activations for m in linears)
+            residual.update((m.residual_activations, m.second_pass_tau) for m in linears)
             post = layer.post_attention_layernorm
             rows.append((attn, *(w for m in linears for w in (m.q4_1x8, m._shape[0])),
                          post.weight, post.eps, nxt.weight, nxt.eps))
         if not rows or len(residual) != 1:
             return None
-        return cls(model, layers[0].input_layernorm, rows, residual.pop())
+        return cls(model, layers[0].input_layernorm, rows, *residual.pop())
 
     def applies(self, x: torch.Tensor, kv_caches: list[LayerKV]) -> bool:
         return x.shape[0] < linear_mod.DENSE_MIN_ROWS and x.dtype == torch.float32
@@ -446,7 +448,8 @@ class DecodePlan:
     def run(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV], meta: AttentionMetadata,
             ops) -> torch.Tensor:
         # looked up per step: tests swap in the reference
-        gemm = cpu_kernels.q4_1x8_gemm_residual if self.residual else cpu_kernels.q4_1x8_gemm
+        gemm = (functools.partial(cpu_kernels.q4_1x8_gemm_residual, tau=self.tau) if self.residual
+                else cpu_kernels.q4_1x8_gemm)
         rotary = self.model.rotary
         rope_kv_store_, decode_attention = ops.rope_kv_store_, ops.decode_attention
         add_rms_norm_, silu_mul = ops.add_rms_norm_, ops.silu_mul
@@ -495,7 +498,10 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
         try:
             with safe_open(str(f), framework="pt") as fh:
                 for name in fh.keys():
-                    tensors[name] = fh.get_tensor(name)
+                    # a copy: get_tensor's tensors view the file's mapping, which then stays mapped (and its
+                    # pages in this process's RSS: the whole 92 MB of the default model) for as long as any
+                    # of them lives, though prepack replaces most of them
+                    tensors[name] = fh.get_tensor(name).clone()
         except Exception as e:
             raise CheckpointError(f"{f}: cannot read safetensors ({type(e).__name__}: {e})") from e
     return tensors

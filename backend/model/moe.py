@@ -155,6 +155,7 @@ class Int4Experts(nn.Module):
         self.register_buffer("gu_x8", None)   # CPU prepack: [E, ceil(2I/8), H/32 * 160]
         self.register_buffer("dn_x8", None)   # [E, ceil(H/8), I/32 * 160]
         self.residual_activations = False
+        self.second_pass_tau = 0.0   # as W4A16Linear's
         self._kernel_args: tuple | None = None   # kernel_form() for forward, computed once (as W4A16Linear's)
 
     @classmethod
@@ -196,6 +197,7 @@ class Int4Experts(nn.Module):
                                 for e in range(self.num_experts)]).contiguous()
         self.gu_x8, self.dn_x8 = pack(self.gu_q, self.gu_s, gu_m), pack(self.dn_q, self.dn_s, dn_m)
         self.residual_activations = cpu_kernels.activations() == "int8x2"
+        self.second_pass_tau = cpu_kernels.second_pass_tau()
         for name in self._NAMES:
             setattr(self, name, None)
         return True
@@ -236,7 +238,8 @@ class Int4Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.gu_x8 is not None and self.dn_x8 is not None:
             y = cpu_kernels.q4_1x8_moe(x.float().contiguous(), ids, weights.float().contiguous(), self.gu_x8,
-                                       self.dn_x8, self.intermediate, self.residual_activations)
+                                       self.dn_x8, self.intermediate, self.residual_activations,
+                                       self.second_pass_tau)
             return y.to(x.dtype)
         if self._kernel_args is None:   # with mins, fp32 zero points of every expert: not once per step
             self._kernel_args = self.kernel_form()

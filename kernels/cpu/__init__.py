@@ -9,10 +9,11 @@ Ops (every one has a pure-torch reference with the same signature in kernels.cpu
   q4_1_dequant(blocks, out [N, K] fp32) -> out                                         (then a dense GEMM)
   q8_0_dequant(qweight, scales, out [N, K] fp32) -> out
   q4_1x8_gemm(x, packed [ceil(N/8), K/32*160] uint8, n) -> [M, n] fp32               (8 weight rows interleaved)
-  q4_1x8_gemm_residual(x, packed, n) -> [M, n] fp32
+  q4_1x8_gemm_residual(x, packed, n, tau=0.0) -> [M, n] fp32
       (x in two int8 passes: q(x), then q(x - deq(q(x))) with its own per-32 scale, each a GEMM row, summed:
-       ~15-bit activations at about the work of 2M rows; what the served model runs by default, see
-       activations())
+       ~15-bit activations; tau > 0: the second pass only on the blocks whose first-pass scale is at least tau
+       times the row's largest (the rest stay at one pass, and the tiles skip their zero blocks); what the
+       served model runs by default, see activations() and second_pass_tau())
   q8_0x8_gemm(x, qs [ceil(N/8), K/32*256] int8, d [ceil(N/8), K/32*8] fp16, n) -> [M, n] fp32
   q8_0x8_gemm_exact(x, qs, d, n, idx [C] int64, wo [ceil(N/8), C, 8] fp32) -> [M, n] fp32
       (the channels idx zeroed before the int8 quantization and added back in fp32 against the exact weight
@@ -52,6 +53,8 @@ MODE_ENV = "EDGEINFER_CPU_KERNELS"
 MODES = ("auto", "ext", "torch")
 ACTIVATIONS_ENV = "EDGEINFER_CPU_ACTIVATIONS"
 ACTIVATIONS = ("int8x2", "int8")   # the Q4 linears' activations: two int8 passes (default) or one (llama.cpp's)
+SECOND_PASS_ENV = "EDGEINFER_CPU_SECOND_PASS"
+SECOND_PASS_DEFAULT = 0.0   # int8x2's second pass: the blocks whose scale is >= this x the row's largest
 SOURCE = Path(__file__).with_name("q4.cpp")
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-g0"]
 LDFLAGS = ["-fopenmp"]   # at::parallel_for is inline OpenMP: without it the kernels run on one thread; the
@@ -300,23 +303,24 @@ def q4_1x8_gemm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     return _ops().q4_1x8_gemm(x, packed, n)
 
 
-def q4_1x8_gemm_residual(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-    return _ops().q4_1x8_gemm_residual(x, packed, n)
+def q4_1x8_gemm_residual(x: torch.Tensor, packed: torch.Tensor, n: int, tau: float = 0.0) -> torch.Tensor:
+    return _ops().q4_1x8_gemm_residual(x, packed, n, tau)
 
 
 def q4_1x8_moe_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, offsets: torch.Tensor,
-                    residual: bool) -> torch.Tensor:
+                    residual: bool, tau: float = 0.0) -> torch.Tensor:
     """Rows of x sorted by expert (expert e: rows offsets[e] .. offsets[e+1]) against packed [E, ceil(n/8), K/32 *
-    160] (pack_q4_1x8 per expert), all experts in one call -> [M, n]; residual: two int8 activation passes."""
-    return _ops().q4_1x8_moe_gemm(x, packed, n, offsets, residual)
+    160] (pack_q4_1x8 per expert), all experts in one call -> [M, n]; residual: two int8 activation passes (tau:
+    as q4_1x8_gemm_residual's)."""
+    return _ops().q4_1x8_moe_gemm(x, packed, n, offsets, residual, tau)
 
 
 def q4_1x8_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gu: torch.Tensor, w_dn: torch.Tensor,
-               inter: int, residual: bool) -> torch.Tensor:
+               inter: int, residual: bool, tau: float = 0.0) -> torch.Tensor:
     """A layer's routed experts in one call: x [T, H] fp32, ids / weights [T, k] (int64 / fp32), w_gu [E, ceil(2I/8),
     H/32 * 160] (gate rows, then up), w_dn [E, ceil(H/8), I/32 * 160] -> sum_j weights[t, j] *
     down(silu(gate(x[t])) * up(x[t])) [T, H] (kernels/cpu/reference.py: q4_1x8_moe)."""
-    return _ops().q4_1x8_moe(x, ids, weights, w_gu, w_dn, inter, residual)
+    return _ops().q4_1x8_moe(x, ids, weights, w_gu, w_dn, inter, residual, tau)
 
 
 def activations() -> str:
@@ -328,6 +332,22 @@ def activations() -> str:
     value = os.environ.get(ACTIVATIONS_ENV, "int8x2")
     if value not in ACTIVATIONS:
         raise ValueError(f"{ACTIVATIONS_ENV}={value!r}; expected one of {', '.join(ACTIVATIONS)}")
+    return value
+
+
+def second_pass_tau() -> float:
+    """Which blocks of a row get the second int8 pass ($EDGEINFER_CPU_SECOND_PASS, read at each model prepack):
+    those whose first-pass scale is at least this fraction of the row's largest; 0 gives every block two passes,
+    1 only the blocks at the row's largest scale. A block's rounding error is up to d / 2 per value, so the
+    blocks with the largest scale d carry most of the error (docs/QUANTIZATION.md has what each value costs
+    and keeps)."""
+    raw = os.environ.get(SECOND_PASS_ENV, str(SECOND_PASS_DEFAULT))
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{SECOND_PASS_ENV}={raw!r}; expected a number in [0, 1] (0: every block two passes)")
     return value
 
 

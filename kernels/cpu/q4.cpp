@@ -93,16 +93,32 @@ Q8Rows quantize_rows(const float* x, int64_t M, int64_t K) {
 
 // The activations in two int8 passes, rows interleaved: row 2m is q(x[m]) (as quantize_rows), row 2m + 1 is
 // q(x[m] - d * q(x[m])), what the first pass rounded away, quantized again with its own per-32 scale: together
-// about 15 bits per value instead of 8, which a GEMM then sums as two rows (q4_1x8_gemm_residual)
-Q8Rows quantize_rows_residual(const float* x, int64_t M, int64_t K) {
+// about 15 bits per value instead of 8, which a GEMM then sums as two rows (q4_1x8_gemm_residual).
+// tau > 0: the second pass only for the blocks whose first-pass scale d >= tau * the row's largest d (the blocks
+// whose rounding error is largest in absolute terms: a block's error is up to d / 2 per value); the others'
+// second-pass block stays zero (d = s = 0, q = 0), which every tile skips. Each row's choice depends on that row
+// alone, so a row's result does not depend on the other rows in the call (batch invariance holds).
+Q8Rows quantize_rows_residual(const float* x, int64_t M, int64_t K, float tau) {
   const int64_t nb = K / QK;
   Q8Rows r{std::vector<int8_t>(2 * M * K), std::vector<float>(2 * M * nb), std::vector<float>(2 * M * nb)};
+  at::parallel_for(0, M * nb, 256, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t m = b / nb, j = b % nb, hi = 2 * m * nb + j;
+      quantize_block(x + b * QK, r.q.data() + hi * QK, &r.d[hi], &r.s[hi]);
+    }
+  });
+  std::vector<float> floor(M, 0.f);   // per row: the smallest first-pass d that gets a second pass
+  if (tau > 0.f)
+    for (int64_t m = 0; m < M; ++m) {
+      const float* d = r.d.data() + 2 * m * nb;
+      floor[m] = tau * *std::max_element(d, d + nb);
+    }
   at::parallel_for(0, M * nb, 256, [&](int64_t b0, int64_t b1) {
     alignas(32) float rest[QK];
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t m = b / nb, j = b % nb, hi = 2 * m * nb + j, lo = hi + nb;
+      if (r.d[hi] == 0.f || r.d[hi] < floor[m]) continue;   // an all-zero block, or one left at one pass
       const float* xb = x + b * QK;
-      quantize_block(xb, r.q.data() + hi * QK, &r.d[hi], &r.s[hi]);
       const int8_t* q = r.q.data() + hi * QK;
       for (int i = 0; i < QK; ++i) rest[i] = xb[i] - r.d[hi] * static_cast<float>(q[i]);
       quantize_block(rest, r.q.data() + lo * QK, &r.d[lo], &r.s[lo]);
@@ -353,6 +369,7 @@ inline void q4_1x8_tile(const uint8_t* wg, int64_t nb, const Q8Rows& y, int64_t 
     }
     for (int t = 0; t < T; ++t) {
       const int64_t r = (m0 + t) * nb + b;
+      if (y.d[r] == 0.f) continue;   // an all-zero block (a second pass left out): adds exactly 0
       const int8_t* qy = y.q.data() + r * QK;
       __m256i s16 = _mm256_maddubs_epi16(q[0], bcast4(qy));   // <= 16 products of 15 * 127 per lane: no overflow
       for (int j = 1; j < 4; ++j) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(q[j], bcast4(qy + 4 * j)));
@@ -441,6 +458,7 @@ void add_exact_cols(float* out, int64_t M, int64_t N, const ExactCols& ex) {
       }                                                                                                         \
       for (int t = 0; t < T; ++t) {                                                                             \
         const int64_t r = (m0 + t) * nb + b;                                                                    \
+        if (y.d[r] == 0.f) continue;                                                                            \
         const int8_t* qy = y.q.data() + r * QK;                                                                 \
         __m256i s0 = DPBUSD(_mm256_setzero_si256(), q[0], bcast4(qy));                                          \
         __m256i s1 = DPBUSD(_mm256_setzero_si256(), q[4], bcast4(qy + 16));                                     \
@@ -535,6 +553,7 @@ __attribute__((target(EDGEINFER_Z))) inline void q4_1x8_pair_z(const uint8_t* wg
     }
     for (int t = 0; t < T; ++t) {
       const int64_t r = (m0 + t) * nb + b;
+      if (y.d[r] == 0.f) continue;
       const int8_t* qy = y.q.data() + r * QK;
       __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[0], bcast4z(qy));
       __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[4], bcast4z(qy + 16));
@@ -643,15 +662,16 @@ at::Tensor q4_1x8_gemm(const at::Tensor& x, const at::Tensor& w, int64_t n) {
 // q4_1x8_gemm on activations quantized in two int8 passes (quantize_rows_residual): the two rows of each
 // activation row are GEMM rows of their own, then summed (hi + lo, in that order), so every ISA level still
 // gives the same bits; about the work of 2M rows for the accuracy of ~15-bit activations
-at::Tensor q4_1x8_gemm_residual(const at::Tensor& x, const at::Tensor& w, int64_t n) {
+at::Tensor q4_1x8_gemm_residual(const at::Tensor& x, const at::Tensor& w, int64_t n, double tau) {
   check_x8(w, n, Q4X8_BYTES, at::kByte, "q4_1x8_gemm_residual", "weight");
   const int64_t nb = w.size(1) / Q4X8_BYTES, K = nb * QK;
   check_x(x, K, "q4_1x8_gemm_residual");
+  TORCH_CHECK(tau >= 0.0 && tau <= 1.0, "q4_1x8_gemm_residual: tau must be in [0, 1], got ", tau);
   const int64_t M = x.size(0);
   at::Tensor out = at::empty({M, n}, x.options());
   if (M == 0 || n == 0) return out;
   std::vector<float> both(2 * M * n);
-  q4_1x8_run(quantize_rows_residual(x.data_ptr<float>(), M, K), 2 * M, w, n, both.data());
+  q4_1x8_run(quantize_rows_residual(x.data_ptr<float>(), M, K, static_cast<float>(tau)), 2 * M, w, n, both.data());
   float* op = out.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m)
     for (int64_t j = 0; j < n; ++j) op[m * n + j] = both[2 * m * n + j] + both[(2 * m + 1) * n + j];
@@ -739,7 +759,8 @@ void check_experts(const at::Tensor& w, int64_t n, const char* op, const char* w
 // parallel loop, so a step's experts are not E calls from Python. Same tiles as q4_1x8_gemm (256-bit at every
 // level from 2 up: they give the same bits as level 3's pairs), with the residual two-pass activations if asked.
 at::Tensor q4_1x8_moe_gemm(const at::Tensor& x, const at::Tensor& w, int64_t n, const at::Tensor& offsets,
-                           bool residual) {
+                           bool residual, double tau) {
+  TORCH_CHECK(tau >= 0.0 && tau <= 1.0, "q4_1x8_moe_gemm: tau must be in [0, 1], got ", tau);
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 3 && w.is_contiguous() &&
                   w.size(1) == groups_of(n) && w.size(2) % Q4X8_BYTES == 0,
               "q4_1x8_moe_gemm: weight must be contiguous uint8 [E, ceil(", n, " / 8) = ", groups_of(n),
@@ -759,7 +780,8 @@ at::Tensor q4_1x8_moe_gemm(const at::Tensor& x, const at::Tensor& w, int64_t n, 
   at::Tensor out = at::empty({M, n}, x.options());
   if (M == 0 || n == 0) return out;
   const int64_t R = residual ? 2 : 1;   // quantized rows per activation row
-  const Q8Rows y = residual ? quantize_rows_residual(x.data_ptr<float>(), M, K) : quantize_rows(x.data_ptr<float>(), M, K);
+  const Q8Rows y = residual ? quantize_rows_residual(x.data_ptr<float>(), M, K, static_cast<float>(tau))
+                            : quantize_rows(x.data_ptr<float>(), M, K);
   std::vector<float> both(residual ? 2 * M * n : 0);
   float* op = residual ? both.data() : out.data_ptr<float>();
   moe_tiles(y, R, off, E, w, n, op);
@@ -778,8 +800,9 @@ at::Tensor q4_1x8_moe_gemm(const at::Tensor& x, const at::Tensor& w, int64_t n, 
 // the down GEMM the same way; each token then sums its k rows in slot order times their weights. Nothing is
 // handed back to Python between the steps (the grouped GEMM alone left ~25 small torch ops per layer around it).
 at::Tensor q4_1x8_moe(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& w_gu,
-                      const at::Tensor& w_dn, int64_t inter, bool residual) {
+                      const at::Tensor& w_dn, int64_t inter, bool residual, double tau) {
   const char* op = "q4_1x8_moe";
+  TORCH_CHECK(tau >= 0.0 && tau <= 1.0, op, ": tau must be in [0, 1], got ", tau);
   TORCH_CHECK(inter > 0 && inter % QK == 0, op, ": intermediate size ", inter, " must be a positive multiple of ", QK);
   check_experts(w_gu, 2 * inter, op, "w_gu");
   const int64_t E = w_gu.size(0), H = (w_gu.size(2) / Q4X8_BYTES) * QK;
@@ -817,7 +840,8 @@ at::Tensor q4_1x8_moe(const at::Tensor& x, const at::Tensor& ids, const at::Tens
   }
   const int64_t S = off[E];   // the pairs this call computes
   // the tokens' quantized rows (R per token), gathered into expert order (R per pair)
-  const Q8Rows qx = residual ? quantize_rows_residual(x.data_ptr<float>(), T, H) : quantize_rows(x.data_ptr<float>(), T, H);
+  const Q8Rows qx = residual ? quantize_rows_residual(x.data_ptr<float>(), T, H, static_cast<float>(tau))
+                             : quantize_rows(x.data_ptr<float>(), T, H);
   Q8Rows ys{std::vector<int8_t>(R * S * H), std::vector<float>(R * S * nbh), std::vector<float>(R * S * nbh)};
   for (int64_t i = 0; i < S; ++i)
     for (int64_t r = 0; r < R; ++r) {
@@ -840,7 +864,8 @@ at::Tensor q4_1x8_moe(const at::Tensor& x, const at::Tensor& ids, const at::Tens
       }
     }
   });
-  const Q8Rows ya = residual ? quantize_rows_residual(act.data(), S, inter) : quantize_rows(act.data(), S, inter);
+  const Q8Rows ya = residual ? quantize_rows_residual(act.data(), S, inter, static_cast<float>(tau))
+                             : quantize_rows(act.data(), S, inter);
   std::vector<float> rows(R * S * H);
   moe_tiles(ya, R, off.data(), E, w_dn, H, rows.data());
   const float* wt = weights.data_ptr<float>();

@@ -64,36 +64,42 @@ def q4_1x8_gemm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     return q4_1_gemm(x, unpack_q4_1x8(packed, n))
 
 
-def q4_1x8_gemm_residual(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-    """x in two int8 passes: q8_quantize(x), then q8_quantize of what it rounded away; the two GEMMs summed."""
+def q4_1x8_gemm_residual(x: torch.Tensor, packed: torch.Tensor, n: int, tau: float = 0.0) -> torch.Tensor:
+    """x in two int8 passes: q8_quantize(x), then q8_quantize of what it rounded away; the two GEMMs summed. tau:
+    the second pass only on the blocks whose d >= tau * the row's largest d (fp32 product), the rest of it 0."""
+    if not 0.0 <= tau <= 1.0:
+        raise ValueError(f"q4_1x8_gemm_residual: tau must be in [0, 1], got {tau}")
     m, k = x.shape
     q, d, _ = q8_quantize(x)
     rest = x.float() - (q.float().reshape(m, -1, BLOCK) * d[..., None]).reshape(m, k)
+    if tau > 0 and m:
+        floor = torch.tensor(tau, dtype=torch.float32) * d.amax(-1, keepdim=True)
+        rest = (rest.reshape(m, -1, BLOCK) * (d >= floor)[..., None]).reshape(m, k)
     return q4_1x8_gemm(x, packed, n) + q4_1x8_gemm(rest, packed, n)
 
 
 def q4_1x8_moe_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, offsets: torch.Tensor,
-                    residual: bool) -> torch.Tensor:
+                    residual: bool, tau: float = 0.0) -> torch.Tensor:
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
-    gemm = q4_1x8_gemm_residual if residual else q4_1x8_gemm
     for e in range(packed.shape[0]):
         r0, r1 = int(offsets[e]), int(offsets[e + 1])
         if r1 > r0:
-            out[r0:r1] = gemm(x[r0:r1], packed[e], n)
+            out[r0:r1] = (q4_1x8_gemm_residual(x[r0:r1], packed[e], n, tau) if residual
+                          else q4_1x8_gemm(x[r0:r1], packed[e], n))
     return out
 
 
 def q4_1x8_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gu: torch.Tensor, w_dn: torch.Tensor,
-               inter: int, residual: bool) -> torch.Tensor:
+               inter: int, residual: bool, tau: float = 0.0) -> torch.Tensor:
     t, k = ids.shape
     flat = ids.reshape(-1)
     valid = flat >= 0                               # -1: the expert is on another rank (expert parallelism)
     order = torch.argsort(torch.where(valid, flat, w_gu.shape[0]), stable=True)[: int(valid.sum())]
     offsets = torch.zeros(w_gu.shape[0] + 1, dtype=torch.int64)
     offsets[1:] = torch.bincount(flat[valid], minlength=w_gu.shape[0]).cumsum(0)
-    h = q4_1x8_moe_gemm(x[order // k].contiguous(), w_gu, 2 * inter, offsets, residual)
+    h = q4_1x8_moe_gemm(x[order // k].contiguous(), w_gu, 2 * inter, offsets, residual, tau)
     act = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]).contiguous()
-    rows = q4_1x8_moe_gemm(act, w_dn, x.shape[1], offsets, residual)
+    rows = q4_1x8_moe_gemm(act, w_dn, x.shape[1], offsets, residual, tau)
     by_pair = torch.zeros(t * k, x.shape[1])
     by_pair[order] = rows
     return (by_pair.view(t, k, -1) * torch.where(valid.view(t, k), weights, 0.0)[:, :, None]).sum(1)

@@ -176,6 +176,51 @@ def test_q4_1x8_gemm_residual_matches_its_reference_and_is_closer_to_exact(m, n,
         kc.x8_isa(best)
 
 
+@pytest.mark.parametrize("m", [1, 4, 9])
+@pytest.mark.parametrize("tau", [0.3, 0.5, 1.0])
+def test_q4_1x8_gemm_residual_second_pass_on_the_largest_blocks_only(m, tau):
+    """tau > 0: the second pass only on the blocks whose scale is >= tau x the row's largest. The reference's
+    numbers, the same bits on every ISA level, between one pass and two in accuracy; a row's result does not
+    depend on the other rows (batch invariance); out-of-range tau is refused by both."""
+    n, k = 67, 576
+    qweight, scales, mins = q4_weight(n, k, seed=7)
+    packed = kc.pack_q4_1x8(kc.pack_q4_1(qweight, scales, mins, 32))
+    x = activations(m, k)
+    x[:, 37] *= 40.0   # an outlier channel: its block's scale dwarfs the others'
+    got = kc.q4_1x8_gemm_residual(x, packed, n, tau)
+    assert close(got, ref.q4_1x8_gemm_residual(x, packed, n, tau))
+    exact = x @ kc.q4_1x8_dequant(packed, n, torch.empty(n, k)).t()
+    def err(y):
+        return float((y - exact).norm() / exact.norm())
+    full, one = err(kc.q4_1x8_gemm_residual(x, packed, n)), err(kc.q4_1x8_gemm(x, packed, n))
+    assert full <= err(got) < one, (full, err(got), one)
+    for i in range(m):   # each row alone gives the same bits as in the batch
+        assert torch.equal(kc.q4_1x8_gemm_residual(x[i:i + 1].contiguous(), packed, n, tau), got[i:i + 1])
+    best = kc.x8_isa()
+    try:
+        for level in sorted({kc.x8_isa(lv) for lv in range(best + 1)}):
+            kc.x8_isa(level)
+            assert torch.equal(kc.q4_1x8_gemm_residual(x, packed, n, tau), got), kc.ISA_NAMES[level]
+    finally:
+        kc.x8_isa(best)
+    for bad in (-0.1, 1.5):
+        with pytest.raises(RuntimeError, match="tau must be in"):
+            kc.q4_1x8_gemm_residual(x, packed, n, bad)
+        with pytest.raises(ValueError, match="tau must be in"):
+            ref.q4_1x8_gemm_residual(x, packed, n, bad)
+
+
+def test_second_pass_setting_is_validated(monkeypatch):
+    monkeypatch.setenv(kc.SECOND_PASS_ENV, "0.25")
+    assert kc.second_pass_tau() == 0.25
+    for bad in ("1.5", "-1", "half", "nan"):
+        monkeypatch.setenv(kc.SECOND_PASS_ENV, bad)
+        with pytest.raises(ValueError, match=kc.SECOND_PASS_ENV):
+            kc.second_pass_tau()
+    monkeypatch.delenv(kc.SECOND_PASS_ENV)
+    assert kc.second_pass_tau() == kc.SECOND_PASS_DEFAULT
+
+
 def test_activations_mode_is_validated(monkeypatch):
     monkeypatch.setenv(kc.ACTIVATIONS_ENV, "int4")
     with pytest.raises(ValueError, match="EDGEINFER_CPU_ACTIVATIONS='int4'; expected one of int8x2, int8"):

@@ -295,6 +295,10 @@ def test_fused_cpu_moe_equals_its_reference_and_the_dequantized_experts(residual
     want = ref.q4_1x8_moe(x, ids, weights, w_gu, w_dn, inter, residual)
     scale = float(want.abs().max())
     assert float((got - want).abs().max()) <= 1e-4 * scale
+    if residual:   # the second pass on the largest blocks only: the reference's numbers too
+        part = kc.q4_1x8_moe(x, ids, weights, w_gu, w_dn, inter, residual, 0.5)
+        assert float((part - ref.q4_1x8_moe(x, ids, weights, w_gu, w_dn, inter, residual, 0.5)).abs().max()) <= \
+            1e-4 * scale
     exact = torch.zeros(tokens, h)
     for t in range(tokens):
         for j in range(k):
