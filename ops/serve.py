@@ -186,7 +186,10 @@ def _start(args: argparse.Namespace, cfg, children: Children) -> int:
         env[REDIS_URL_ENV] = redis_url
     else:
         env.pop(REDIS_URL_ENV, None)
-    store_args = [] if redis_url else ["--store-tier", "none"]
+    # with a page store, no host tier in the backend: on one machine it would hold a third copy of the pages the
+    # backend's own KV pool and valkey (over loopback) already hold (measured: +290 MB of the backend's peak
+    # under bench_peers' load); an operator's --backend-arg=--host-store-bytes=N comes later and wins
+    store_args = ["--host-store-bytes", "0"] if redis_url else ["--store-tier", "none"]
     cmd = [sys.executable, "-m", "edgeinfer.backend.server", "--model", str(model_dir), "--host", "127.0.0.1",
            "--port", str(bport), "--node-id", "local-0", *store_args, *args.backend_arg]
     say(f"starting the backend: {' '.join(cmd)}")

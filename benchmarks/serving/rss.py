@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--clients", type=int, default=8, help="concurrent requests per wave")
+    p.add_argument("--levels", default="", help="bench_peers' whole load instead: a decode wave and a prefill wave "
+                                                "at each of these concurrencies (e.g. 1,8,32), in order")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--prefill-len", type=int, default=512)
     p.add_argument("--serve-arg", action="append", default=[], help="extra argument for `edgeinfer serve`")
@@ -114,8 +116,9 @@ def main(argv: list[str] | None = None) -> int:
 
         t0 = time.monotonic()
         shots = wave(prompts.take(16, 32), 4)                        # bench_peers' warm-up wave
-        shots += wave(prompts.take(32, a.clients), a.max_tokens)
-        shots += wave(prompts.take(a.prefill_len, a.clients), 1)
+        for c in [int(x) for x in a.levels.split(",") if x] or [a.clients]:
+            shots += wave(prompts.take(32, c), a.max_tokens)
+            shots += wave(prompts.take(a.prefill_len, c), 1)
         took = time.monotonic() - t0
         watch.sample()
         rollups = {pid: smaps_rollup(pid) for pid in tree_pids(srv.proc.pid)}
@@ -128,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                           "vmhwm_mib": mib(watch.hwm_kib[pid]),
                           "after_load_kib": rollups.get(pid, {})})
     result = {"label": a.label, "command": " ".join(spec.cmd), "env": a.env, "clients": a.clients,
+              "levels": a.levels or None,
               "max_tokens": a.max_tokens, "prefill_len": a.prefill_len, "load_s": round(took, 1),
               "requests": len(shots), "errors": errors[:5], "error_count": len(errors),
               "peak_tree_rss_mib": mib(watch.peak_sum_kib),
