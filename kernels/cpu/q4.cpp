@@ -80,6 +80,11 @@ inline void quantize_block(const float* x, int8_t* q, float* d, float* s) {
 struct Q8Rows {   // quantized activations: q [M, K], d and s [M, K/32]
   std::vector<int8_t> q;
   std::vector<float> d, s;
+  // with a second pass (quantize_rows_x2), else empty: q2 [M, K] what the first pass rounded away in steps of
+  // d1 / 256 (d1 the first pass's scale), two [M, K/32] = 1 where a block has it; such a block's integer dot is
+  // 256 * dot(q) + dot(q2), exact in int32, and its d is d1 / 256 (s then covers both passes)
+  std::vector<int8_t> q2;
+  std::vector<uint8_t> two;
 };
 
 Q8Rows quantize_rows(const float* x, int64_t M, int64_t K) {
@@ -91,37 +96,44 @@ Q8Rows quantize_rows(const float* x, int64_t M, int64_t K) {
   return r;
 }
 
-// The activations in two int8 passes, rows interleaved: row 2m is q(x[m]) (as quantize_rows), row 2m + 1 is
-// q(x[m] - d * q(x[m])), what the first pass rounded away, quantized again with its own per-32 scale: together
-// about 15 bits per value instead of 8, which a GEMM then sums as two rows (q4_1x8_gemm_residual).
-// tau > 0: the second pass only for the blocks whose first-pass scale d >= tau * the row's largest d (the blocks
-// whose rounding error is largest in absolute terms: a block's error is up to d / 2 per value); the others'
-// second-pass block stays zero (d = s = 0, q = 0), which every tile skips. Each row's choice depends on that row
+// The activations in two int8 passes: q = q(x) as quantize_rows (scale d1), then q2 = what it rounded away,
+// x - d1 * q (at most d1 / 2 per value), in steps of d1 / 256 (|q2| <= 128, clamped to 127): about 15 bits per
+// value instead of 8. Both int8, so the GEMM tiles run two integer dot products per block and combine them in
+// int32 (256 * hi + lo) before the one fp32 epilogue they already had.
+// tau > 0: the second pass only for the blocks whose d1 >= tau * the row's largest d1 (the blocks whose rounding
+// error is largest in absolute terms); the others keep one pass (two = 0). Each row's choice depends on that row
 // alone, so a row's result does not depend on the other rows in the call (batch invariance holds).
-Q8Rows quantize_rows_residual(const float* x, int64_t M, int64_t K, float tau) {
+Q8Rows quantize_rows_x2(const float* x, int64_t M, int64_t K, float tau) {
   const int64_t nb = K / QK;
-  Q8Rows r{std::vector<int8_t>(2 * M * K), std::vector<float>(2 * M * nb), std::vector<float>(2 * M * nb)};
-  at::parallel_for(0, M * nb, 256, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t m = b / nb, j = b % nb, hi = 2 * m * nb + j;
-      quantize_block(x + b * QK, r.q.data() + hi * QK, &r.d[hi], &r.s[hi]);
-    }
-  });
+  Q8Rows r = quantize_rows(x, M, K);
+  r.q2.assign(M * K, 0);
+  r.two.assign(M * nb, 0);
   std::vector<float> floor(M, 0.f);   // per row: the smallest first-pass d that gets a second pass
   if (tau > 0.f)
     for (int64_t m = 0; m < M; ++m) {
-      const float* d = r.d.data() + 2 * m * nb;
+      const float* d = r.d.data() + m * nb;
       floor[m] = tau * *std::max_element(d, d + nb);
     }
   at::parallel_for(0, M * nb, 256, [&](int64_t b0, int64_t b1) {
-    alignas(32) float rest[QK];
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t m = b / nb, j = b % nb, hi = 2 * m * nb + j, lo = hi + nb;
-      if (r.d[hi] == 0.f || r.d[hi] < floor[m]) continue;   // an all-zero block, or one left at one pass
+      const float d1 = r.d[b];
+      if (d1 == 0.f || d1 < floor[b / nb]) continue;   // an all-zero block, or one left at one pass
+      const float step = d1 / 256.f, inv = 1.f / step;
       const float* xb = x + b * QK;
-      const int8_t* q = r.q.data() + hi * QK;
-      for (int i = 0; i < QK; ++i) rest[i] = xb[i] - r.d[hi] * static_cast<float>(q[i]);
-      quantize_block(rest, r.q.data() + lo * QK, &r.d[lo], &r.s[lo]);
+      const int8_t* q = r.q.data() + b * QK;
+      int8_t* q2 = r.q2.data() + b * QK;
+      int32_t sum1 = 0, sum2 = 0;
+      for (int i = 0; i < QK; ++i) {
+        const float rest = xb[i] - d1 * static_cast<float>(q[i]);
+        const float v = std::nearbyint(rest * inv);
+        const int32_t k = static_cast<int32_t>(std::min(127.f, std::max(-127.f, v)));
+        q2[i] = static_cast<int8_t>(k);
+        sum1 += q[i];
+        sum2 += k;
+      }
+      r.d[b] = step;
+      r.s[b] = step * static_cast<float>(256 * sum1 + sum2);
+      r.two[b] = 1;
     }
   });
   return r;
@@ -355,6 +367,7 @@ template <int T>
 inline void q4_1x8_tile(const uint8_t* wg, int64_t nb, const Q8Rows& y, int64_t m0, float* out, int64_t N,
                         int64_t n0) {
   const __m256i lo = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const bool x2 = !y.two.empty();
   __m256 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -369,13 +382,22 @@ inline void q4_1x8_tile(const uint8_t* wg, int64_t nb, const Q8Rows& y, int64_t 
     }
     for (int t = 0; t < T; ++t) {
       const int64_t r = (m0 + t) * nb + b;
-      if (y.d[r] == 0.f) continue;   // an all-zero block (a second pass left out): adds exactly 0
+      if (y.d[r] == 0.f) continue;   // an all-zero block: adds exactly 0
       const int8_t* qy = y.q.data() + r * QK;
       __m256i s16 = _mm256_maddubs_epi16(q[0], bcast4(qy));   // <= 16 products of 15 * 127 per lane: no overflow
       for (int j = 1; j < 4; ++j) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(q[j], bcast4(qy + 4 * j)));
       for (int j = 0; j < 4; ++j)
         s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(q[j + 4], bcast4(qy + 16 + 4 * j)));
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+      __m256i s32 = _mm256_madd_epi16(s16, ones);
+      if (x2 && y.two[r]) {   // the second pass: 256 * hi + lo, exact
+        const int8_t* qz = y.q2.data() + r * QK;
+        __m256i z16 = _mm256_maddubs_epi16(q[0], bcast4(qz));
+        for (int j = 1; j < 4; ++j) z16 = _mm256_add_epi16(z16, _mm256_maddubs_epi16(q[j], bcast4(qz + 4 * j)));
+        for (int j = 0; j < 4; ++j)
+          z16 = _mm256_add_epi16(z16, _mm256_maddubs_epi16(q[j + 4], bcast4(qz + 16 + 4 * j)));
+        s32 = _mm256_add_epi32(_mm256_slli_epi32(s32, 8), _mm256_madd_epi16(z16, ones));
+      }
+      const __m256 dot = _mm256_cvtepi32_ps(s32);
       acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(y.d[r])), dot, acc[t]);
       acc[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(y.s[r]), acc[t]);
     }
@@ -444,6 +466,7 @@ void add_exact_cols(float* out, int64_t M, int64_t N, const ExactCols& ex) {
   __attribute__((target(TARGET))) inline void q4_1x8_tile_##NAME(const uint8_t* wg, int64_t nb, const Q8Rows& y, \
                                                                  int64_t m0, float* out, int64_t N, int64_t n0) { \
     const __m256i lo = _mm256_set1_epi8(0x0F);                                                                  \
+    const bool x2 = !y.two.empty();                                                                             \
     __m256 acc[T];                                                                                              \
     for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();                                                   \
     for (int64_t b = 0; b < nb; ++b) {                                                                          \
@@ -466,7 +489,18 @@ void add_exact_cols(float* out, int64_t M, int64_t N, const ExactCols& ex) {
           s0 = DPBUSD(s0, q[j], bcast4(qy + 4 * j));                                                            \
           s1 = DPBUSD(s1, q[j + 4], bcast4(qy + 16 + 4 * j));                                                   \
         }                                                                                                       \
-        const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));                                        \
+        __m256i s32 = _mm256_add_epi32(s0, s1);                                                                 \
+        if (x2 && y.two[r]) {                                                                                   \
+          const int8_t* qz = y.q2.data() + r * QK;                                                              \
+          __m256i z0 = DPBUSD(_mm256_setzero_si256(), q[0], bcast4(qz));                                        \
+          __m256i z1 = DPBUSD(_mm256_setzero_si256(), q[4], bcast4(qz + 16));                                   \
+          for (int j = 1; j < 4; ++j) {                                                                         \
+            z0 = DPBUSD(z0, q[j], bcast4(qz + 4 * j));                                                          \
+            z1 = DPBUSD(z1, q[j + 4], bcast4(qz + 16 + 4 * j));                                                 \
+          }                                                                                                     \
+          s32 = _mm256_add_epi32(_mm256_slli_epi32(s32, 8), _mm256_add_epi32(z0, z1));                          \
+        }                                                                                                       \
+        const __m256 dot = _mm256_cvtepi32_ps(s32);                                                             \
         acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(y.d[r])), dot, acc[t]);                      \
         acc[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(y.s[r]), acc[t]);                                           \
       }                                                                                                         \
@@ -539,6 +573,7 @@ __attribute__((target(EDGEINFER_Z))) inline void q4_1x8_pair_z(const uint8_t* wg
                                                                const Q8Rows& y, int64_t m0, float* out, int64_t N,
                                                                int64_t n0) {
   const __m512i lo = _mm512_set1_epi8(0x0F);
+  const bool x2 = !y.two.empty();
   __m512 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -561,7 +596,18 @@ __attribute__((target(EDGEINFER_Z))) inline void q4_1x8_pair_z(const uint8_t* wg
         s0 = _mm512_dpbusd_epi32(s0, q[j], bcast4z(qy + 4 * j));
         s1 = _mm512_dpbusd_epi32(s1, q[j + 4], bcast4z(qy + 16 + 4 * j));
       }
-      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+      __m512i s32 = _mm512_add_epi32(s0, s1);
+      if (x2 && y.two[r]) {
+        const int8_t* qz = y.q2.data() + r * QK;
+        __m512i z0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[0], bcast4z(qz));
+        __m512i z1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[4], bcast4z(qz + 16));
+        for (int j = 1; j < 4; ++j) {
+          z0 = _mm512_dpbusd_epi32(z0, q[j], bcast4z(qz + 4 * j));
+          z1 = _mm512_dpbusd_epi32(z1, q[j + 4], bcast4z(qz + 16 + 4 * j));
+        }
+        s32 = _mm512_add_epi32(_mm512_slli_epi32(s32, 8), _mm512_add_epi32(z0, z1));
+      }
+      const __m512 dot = _mm512_cvtepi32_ps(s32);
       acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(y.d[r])), dot, acc[t]);
       acc[t] = _mm512_fmadd_ps(mw, _mm512_set1_ps(y.s[r]), acc[t]);
     }
@@ -659,9 +705,9 @@ at::Tensor q4_1x8_gemm(const at::Tensor& x, const at::Tensor& w, int64_t n) {
   return out;
 }
 
-// q4_1x8_gemm on activations quantized in two int8 passes (quantize_rows_residual): the two rows of each
-// activation row are GEMM rows of their own, then summed (hi + lo, in that order), so every ISA level still
-// gives the same bits; about the work of 2M rows for the accuracy of ~15-bit activations
+// q4_1x8_gemm on activations quantized in two int8 passes (quantize_rows_x2): each block's two integer dots
+// combined exactly in int32 (256 * hi + lo) before the fp32 epilogue, so every ISA level still gives the same
+// bits; ~15-bit activations for the integer work of about 2M rows but the epilogue and stores of M
 at::Tensor q4_1x8_gemm_residual(const at::Tensor& x, const at::Tensor& w, int64_t n, double tau) {
   check_x8(w, n, Q4X8_BYTES, at::kByte, "q4_1x8_gemm_residual", "weight");
   const int64_t nb = w.size(1) / Q4X8_BYTES, K = nb * QK;
@@ -670,11 +716,7 @@ at::Tensor q4_1x8_gemm_residual(const at::Tensor& x, const at::Tensor& w, int64_
   const int64_t M = x.size(0);
   at::Tensor out = at::empty({M, n}, x.options());
   if (M == 0 || n == 0) return out;
-  std::vector<float> both(2 * M * n);
-  q4_1x8_run(quantize_rows_residual(x.data_ptr<float>(), M, K, static_cast<float>(tau)), 2 * M, w, n, both.data());
-  float* op = out.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t j = 0; j < n; ++j) op[m * n + j] = both[2 * m * n + j] + both[(2 * m + 1) * n + j];
+  q4_1x8_run(quantize_rows_x2(x.data_ptr<float>(), M, K, static_cast<float>(tau)), M, w, n, out.data_ptr<float>());
   return out;
 }
 
@@ -710,11 +752,11 @@ void q4_1x8_run(const Q8Rows& y, int64_t M, const at::Tensor& w, int64_t n, floa
   });
 }
 
-// Every expert e over its quantized rows R * off[e] .. R * off[e + 1] of y, against its slab w[e], into op rows of
+// Every expert e over its quantized rows off[e] .. off[e + 1] of y, against its slab w[e], into op rows of
 // n: the work items of the experts that have rows share one parallel loop. An item is (expert, group of 8 weight
 // rows), or at ISA level 3 (expert, pair of groups): 512-bit tiles for an expert with at least g_z_min_rows rows,
 // the 256-bit ones below that (both give the same bits, as in q4_1x8_run)
-void moe_tiles(const Q8Rows& y, int64_t R, const int64_t* off, int64_t E, const at::Tensor& w, int64_t n, float* op) {
+void moe_tiles(const Q8Rows& y, const int64_t* off, int64_t E, const at::Tensor& w, int64_t n, float* op) {
   const int64_t G = w.size(1), nb = w.size(2) / Q4X8_BYTES;
   const int isa = g_isa;
   const int64_t per = isa == 3 ? 2 : 1, units = (G + per - 1) / per;   // groups per item, items per expert
@@ -726,8 +768,8 @@ void moe_tiles(const Q8Rows& y, int64_t R, const int64_t* off, int64_t E, const 
   const int64_t I = static_cast<int64_t>(items.size());
   at::parallel_for(0, I, std::max<int64_t>(1, I / (4 * at::get_num_threads())), [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t e = items[i] / units, g = (items[i] % units) * per, r0 = R * off[e];
-      const int64_t rows = R * (off[e + 1] - off[e]);
+      const int64_t e = items[i] / units, g = (items[i] % units) * per, r0 = off[e];
+      const int64_t rows = off[e + 1] - off[e];
       const uint8_t* wg = wp + (e * G + g) * nb * Q4X8_BYTES;
       over_tiles(rows, [&](auto t, int64_t m0) {
         constexpr int T = decltype(t)::value;
@@ -779,17 +821,9 @@ at::Tensor q4_1x8_moe_gemm(const at::Tensor& x, const at::Tensor& w, int64_t n, 
     TORCH_CHECK(off[e] <= off[e + 1], "q4_1x8_moe_gemm: offsets must not decrease (expert ", e, ")");
   at::Tensor out = at::empty({M, n}, x.options());
   if (M == 0 || n == 0) return out;
-  const int64_t R = residual ? 2 : 1;   // quantized rows per activation row
-  const Q8Rows y = residual ? quantize_rows_residual(x.data_ptr<float>(), M, K, static_cast<float>(tau))
+  const Q8Rows y = residual ? quantize_rows_x2(x.data_ptr<float>(), M, K, static_cast<float>(tau))
                             : quantize_rows(x.data_ptr<float>(), M, K);
-  std::vector<float> both(residual ? 2 * M * n : 0);
-  float* op = residual ? both.data() : out.data_ptr<float>();
-  moe_tiles(y, R, off, E, w, n, op);
-  if (residual) {
-    float* o = out.data_ptr<float>();
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t j = 0; j < n; ++j) o[m * n + j] = both[2 * m * n + j] + both[(2 * m + 1) * n + j];
-  }
+  moe_tiles(y, off, E, w, n, out.data_ptr<float>());
   return out;
 }
 
@@ -817,7 +851,7 @@ at::Tensor q4_1x8_moe(const at::Tensor& x, const at::Tensor& ids, const at::Tens
   TORCH_CHECK(weights.device().is_cpu() && weights.scalar_type() == at::kFloat && weights.is_contiguous() &&
                   weights.sizes() == ids.sizes(), op, ": weights must be contiguous float32 ", ids.sizes(), ", got ",
               weights.scalar_type(), " ", weights.sizes());
-  const int64_t k = ids.size(1), P = T * k, R = residual ? 2 : 1, nbh = H / QK;
+  const int64_t k = ids.size(1), P = T * k, nbh = H / QK;
   at::Tensor out = at::zeros({T, H}, x.options());
   if (P == 0) return out;
   const int64_t* id = ids.data_ptr<int64_t>();
@@ -839,35 +873,38 @@ at::Tensor q4_1x8_moe(const at::Tensor& x, const at::Tensor& ids, const at::Tens
       }
   }
   const int64_t S = off[E];   // the pairs this call computes
-  // the tokens' quantized rows (R per token), gathered into expert order (R per pair)
-  const Q8Rows qx = residual ? quantize_rows_residual(x.data_ptr<float>(), T, H, static_cast<float>(tau))
+  // the tokens' quantized rows, gathered into expert order (one per pair)
+  const Q8Rows qx = residual ? quantize_rows_x2(x.data_ptr<float>(), T, H, static_cast<float>(tau))
                              : quantize_rows(x.data_ptr<float>(), T, H);
-  Q8Rows ys{std::vector<int8_t>(R * S * H), std::vector<float>(R * S * nbh), std::vector<float>(R * S * nbh)};
-  for (int64_t i = 0; i < S; ++i)
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t src = R * (order[i] / k) + r, dst = R * i + r;
-      std::memcpy(ys.q.data() + dst * H, qx.q.data() + src * H, H);
-      std::memcpy(ys.d.data() + dst * nbh, qx.d.data() + src * nbh, nbh * sizeof(float));
-      std::memcpy(ys.s.data() + dst * nbh, qx.s.data() + src * nbh, nbh * sizeof(float));
+  Q8Rows ys{std::vector<int8_t>(S * H), std::vector<float>(S * nbh), std::vector<float>(S * nbh)};
+  if (residual) ys.q2.resize(S * H), ys.two.resize(S * nbh);
+  for (int64_t i = 0; i < S; ++i) {
+    const int64_t src = order[i] / k;
+    std::memcpy(ys.q.data() + i * H, qx.q.data() + src * H, H);
+    std::memcpy(ys.d.data() + i * nbh, qx.d.data() + src * nbh, nbh * sizeof(float));
+    std::memcpy(ys.s.data() + i * nbh, qx.s.data() + src * nbh, nbh * sizeof(float));
+    if (residual) {
+      std::memcpy(ys.q2.data() + i * H, qx.q2.data() + src * H, H);
+      std::memcpy(ys.two.data() + i * nbh, qx.two.data() + src * nbh, nbh);
     }
+  }
   const int64_t n1 = 2 * inter;
-  std::vector<float> h(R * S * n1);
-  moe_tiles(ys, R, off.data(), E, w_gu, n1, h.data());
+  std::vector<float> h(S * n1);
+  moe_tiles(ys, off.data(), E, w_gu, n1, h.data());
   std::vector<float> act(S * inter);   // silu(gate) * up, expert order
   at::parallel_for(0, S, 16, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const float* hi = h.data() + R * i * n1;
+      const float* hi = h.data() + i * n1;
       for (int64_t j = 0; j < inter; ++j) {
-        float g = hi[j], u = hi[inter + j];
-        if (residual) g += hi[n1 + j], u += hi[n1 + inter + j];
+        const float g = hi[j], u = hi[inter + j];
         act[i * inter + j] = g / (1.0f + std::exp(-g)) * u;
       }
     }
   });
-  const Q8Rows ya = residual ? quantize_rows_residual(act.data(), S, inter, static_cast<float>(tau))
+  const Q8Rows ya = residual ? quantize_rows_x2(act.data(), S, inter, static_cast<float>(tau))
                              : quantize_rows(act.data(), S, inter);
-  std::vector<float> rows(R * S * H);
-  moe_tiles(ya, R, off.data(), E, w_dn, H, rows.data());
+  std::vector<float> rows(S * H);
+  moe_tiles(ya, off.data(), E, w_dn, H, rows.data());
   const float* wt = weights.data_ptr<float>();
   float* o = out.data_ptr<float>();
   at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
@@ -876,12 +913,9 @@ at::Tensor q4_1x8_moe(const at::Tensor& x, const at::Tensor& ids, const at::Tens
         const int64_t p = t * k + j;
         if (where[p] < 0) continue;
         const float w = wt[p];
-        const float* a = rows.data() + R * where[p] * H;
+        const float* a = rows.data() + where[p] * H;
         float* y = o + t * H;
-        if (residual)
-          for (int64_t c = 0; c < H; ++c) y[c] += w * (a[c] + a[H + c]);
-        else
-          for (int64_t c = 0; c < H; ++c) y[c] += w * a[c];
+        for (int64_t c = 0; c < H; ++c) y[c] += w * a[c];
       }
   });
   return out;

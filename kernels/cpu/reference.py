@@ -32,9 +32,13 @@ def unpack_q4_1(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
 
 
 def q4_1_gemm(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    return _q4_1_gemm_quantized(blocks, *q8_quantize(x))
+
+
+def _q4_1_gemm_quantized(blocks: torch.Tensor, qy: torch.Tensor, dy: torch.Tensor, sy: torch.Tensor) -> torch.Tensor:
+    """The GEMM on activations already quantized: qy [M, K] integer values (int8, or int32 for two passes)."""
     q, d, mn = unpack_q4_1(blocks)
-    qy, dy, sy = q8_quantize(x)
-    mrows = x.shape[0]
+    mrows = qy.shape[0]
     dots = torch.einsum("mbk,nbk->mnb", qy.reshape(mrows, -1, BLOCK).double(), q.double())   # exact integers
     scale = (dy[:, None, :] * d[None]).double()               # fp32 product, as the kernel takes it
     return ((dots * scale).sum(-1) + (mn[None] * sy[:, None, :]).double().sum(-1)).float()
@@ -64,18 +68,33 @@ def q4_1x8_gemm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     return q4_1_gemm(x, unpack_q4_1x8(packed, n))
 
 
-def q4_1x8_gemm_residual(x: torch.Tensor, packed: torch.Tensor, n: int, tau: float = 0.0) -> torch.Tensor:
-    """x in two int8 passes: q8_quantize(x), then q8_quantize of what it rounded away; the two GEMMs summed. tau:
-    the second pass only on the blocks whose d >= tau * the row's largest d (fp32 product), the rest of it 0."""
+def q8_quantize_x2(x: torch.Tensor, tau: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The two-pass activations as kernels/cpu/q4.cpp's quantize_rows_x2 makes them, as one integer per value:
+    q8_quantize(x) = (q, d1, s), then q2 = round((x - d1 * q) / (d1 / 256)) clamped to +-127 on the blocks whose
+    d1 >= tau * the row's largest (all non-zero blocks for tau 0); such a block is 256 * q + q2 at scale d1 / 256
+    with s = (d1 / 256) * sum(256 * q + q2). Returns (values int32 [M, K], d [M, K/32], s [M, K/32])."""
     if not 0.0 <= tau <= 1.0:
         raise ValueError(f"q4_1x8_gemm_residual: tau must be in [0, 1], got {tau}")
     m, k = x.shape
-    q, d, _ = q8_quantize(x)
-    rest = x.float() - (q.float().reshape(m, -1, BLOCK) * d[..., None]).reshape(m, k)
+    q, d, s = q8_quantize(x)
+    xb, qb = x.float().reshape(m, -1, BLOCK), q.reshape(m, -1, BLOCK)
+    sel = d != 0
     if tau > 0 and m:
-        floor = torch.tensor(tau, dtype=torch.float32) * d.amax(-1, keepdim=True)
-        rest = (rest.reshape(m, -1, BLOCK) * (d >= floor)[..., None]).reshape(m, k)
-    return q4_1x8_gemm(x, packed, n) + q4_1x8_gemm(rest, packed, n)
+        sel &= d >= torch.tensor(tau, dtype=torch.float32) * d.amax(-1, keepdim=True)
+    step = d / 256.0
+    inv = torch.where(sel, 1.0 / torch.where(sel, step, torch.ones_like(step)), torch.zeros_like(step))
+    rest = xb - qb.float() * d[..., None]
+    q2 = torch.round(rest * inv[..., None]).clamp(-127, 127).to(torch.int32)
+    both = qb.to(torch.int32) * 256 + q2
+    vals = torch.where(sel[..., None], both, qb.to(torch.int32))
+    d2 = torch.where(sel, step, d)
+    s2 = torch.where(sel, step * both.sum(-1).float(), s)
+    return vals.reshape(m, k), d2, s2
+
+
+def q4_1x8_gemm_residual(x: torch.Tensor, packed: torch.Tensor, n: int, tau: float = 0.0) -> torch.Tensor:
+    """x in two int8 passes (q8_quantize_x2), each block's two integer dots combined exactly (256 * hi + lo)."""
+    return _q4_1_gemm_quantized(unpack_q4_1x8(packed, n), *q8_quantize_x2(x, tau))
 
 
 def q4_1x8_moe_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, offsets: torch.Tensor,
