@@ -41,6 +41,7 @@ class BackendConfig:
     contended_step_ratio: float  # 0: the fixed token cap only
     contended_window_s: float
     no_cuda_graphs: bool
+    fixed_threads: bool
     redis_url: str | None
     redis_cluster: bool
     store_tier: str   # redis | host | none
@@ -77,4 +78,5 @@ class BackendConfig:
                             prefill_isolation=not self.no_prefill_isolation,
                             contended_step_tokens=self.contended_step_tokens,
                             contended_step_ratio=self.contended_step_ratio,
-                            contended_window_s=self.contended_window_s, cuda_graphs=not self.no_cuda_graphs)
+                            contended_window_s=self.contended_window_s, cuda_graphs=not self.no_cuda_graphs,
+                            adaptive_threads=not self.fixed_threads)

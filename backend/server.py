@@ -327,6 +327,10 @@ def parse_args(argv: list[str] | None) -> BackendConfig:
                    help="fair scheduler: a tenant counts as active for the step cap this long after its last "
                         "request left (a closed-loop client between two requests)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
+    p.add_argument("--fixed-threads", action="store_true",
+                   help="CPU: keep every step on torch's thread count; by default the engine uses the cores other "
+                        "processes leave free (a busy neighbour on one of two cores otherwise stalls every op's "
+                        "barrier: batch-1 decode fell from ~155 to 2-68 tok/s, docs/KERNELS.md)")
     p.add_argument("--redis-url", default=os.environ.get("EDGEINFER_REDIS_URL"))
     p.add_argument("--redis-cluster", action="store_true")
     p.add_argument("--store-tier", default="redis", choices=["redis", "host", "none"])

@@ -221,6 +221,12 @@ SUITES: list[Suite] = [
              _keys(("failed requests", "failed"), ("pages leaked", "pages_leaked"), ("tokens/s", "tokens_per_s"))),
         Part("serving.rss", "peak RSS of `edgeinfer serve` per process under a bounded load",
              ["--clients", "2", "--max-tokens", "4", "--prefill-len", "32"], _rss),
+        Part("serving.contention", "decode beside a CPU hog holding one core, edgeinfer and llama.cpp",
+             ["--peers", "", "--levels", "1", "--rounds", "1", "--max-tokens", "8"],
+             _keys(("edgeinfer batch-1 decode beside the hog / alone", "systems.edgeinfer.levels.1.hogged_over_alone"),
+                   ("llama.cpp batch-1 decode beside the hog / alone", "systems.llamacpp.levels.1.hogged_over_alone"),
+                   ("edgeinfer / llama.cpp beside the hog, batch 1", "edgeinfer_over_llamacpp_hogged.1"),
+                   ("edgeinfer / llama.cpp beside the hog, 8 sequences", "edgeinfer_over_llamacpp_hogged.8"))),
     ]),
     Suite("cache", "What does the shared prefix cache cost and save?", [
         Part("cache", "page MAC tag+verify vs memcpy, index lookups over valkey, TTFT cold vs a cross-node hit",

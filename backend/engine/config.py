@@ -34,6 +34,7 @@ class EngineConfig:
     contended_window_s: float = 1.0         # fair: a tenant is active this long after its last request left
     cache_eviction: str = "fair"            # fair: evict cached pages of the tenant most over its share first | lru
     cuda_graphs: bool = True                # decode steps replay CUDA graphs (CUDA + Triton only; cuda_graphs.py)
+    adaptive_threads: bool = True           # CPU: step threads = the cores other processes leave free (threads.py)
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):

@@ -31,6 +31,7 @@ from edgeinfer.backend.engine.scheduler import Scheduler
 from edgeinfer.backend.engine.sequence import SeqStatus, Sequence
 from edgeinfer.backend.engine.step_cost import StepCost
 from edgeinfer.backend.engine.stop import StopChecker
+from edgeinfer.backend.engine.threads import ThreadGovernor
 from edgeinfer.backend.model.llama import LlamaModel
 from edgeinfer.protocol.page_id import PageKeyContext
 from edgeinfer.protocol.tokenizer import Tokenizer
@@ -95,6 +96,7 @@ class LLMEngine:
         self._stopping = False
         self.steps = 0
         self.backlog = Backlog(self.cfg.max_num_batched_tokens, step_cost=self.step_cost)
+        self.threads: ThreadGovernor | None = None   # set on the engine thread (torch's thread count is per thread)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -303,6 +305,8 @@ class LLMEngine:
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
+        if self.cfg.adaptive_threads and self.model.device.type == "cpu" and self.threads is None:
+            self.threads = ThreadGovernor()
         while not self._stopping:
             try:
                 block = not self.scheduler.has_work
@@ -314,6 +318,8 @@ class LLMEngine:
                     self._handle(cmd, seq)
                     block = False
                 if self.scheduler.has_work:
+                    if self.threads is not None:
+                        self.threads.maybe_adjust()
                     self.step()
                 elif self.backlog.queued_tokens:
                     self.backlog.observe(self.scheduler)      # everything ended or was aborted: nothing queued
