@@ -52,6 +52,7 @@ import asyncio
 import json
 import os
 import platform
+import random
 import re
 import signal
 import statistics
@@ -125,8 +126,12 @@ def run_levels(srv: Running, a, prompts: Prompts, tok) -> list[dict]:
     go(prompts.take(16, max(a.levels)), 4)                   # warm-up at the largest batch, not recorded
     rows = []
     for c in a.levels:
-        dec = go(prompts.take(a.decode_prompt_len, c), a.max_tokens)
-        pre = go(prompts.take(a.prefill_len, c), 1)
+        if a.mixed_range:   # lengths from the level alone: every system and round gets the same ones
+            lens = [random.Random(c * 7919 + i).randint(*a.mixed_range) for i in range(c)]
+            dec, pre = go([prompts.take(n, 1)[0] for n in lens], a.max_tokens), []
+        else:
+            dec = go(prompts.take(a.decode_prompt_len, c), a.max_tokens)
+            pre = go(prompts.take(a.prefill_len, c), 1)
         problems = load.check(dec, a.max_tokens) + load.check(pre, 1)
         row = {"concurrency": c, "decode_tok_s": load.decode_tok_s(dec), "output_tok_s": load.output_tok_s(dec),
                "ttft_p50_ms": load.ttft_p50_ms(dec), "prefill_tok_s": load.prefill_tok_s(pre, a.prefill_len),
@@ -157,7 +162,8 @@ def edgeinfer_weights(log: str) -> dict:
 
 def specs(a, model_dir: Path, gguf: Path) -> dict[str, ServerSpec]:
     slots = max(a.levels)
-    ctx = max(a.prefill_len + 8, a.decode_prompt_len + a.max_tokens + 8, 16 + 8)
+    ctx = max(a.prefill_len + 8, a.decode_prompt_len + a.max_tokens + 8, 16 + 8,
+              a.mixed_range[1] + a.max_tokens + 8 if a.mixed_range else 0)
     out = {"edgeinfer": edgeinfer_spec(a.threads)}
     if "llamacpp" in a.peers:
         out["llamacpp"] = llamacpp_spec(a.threads, gguf, a.llamacpp_build, a.llamacpp_venv, slots, ctx)
@@ -301,7 +307,7 @@ def ratios(summary: dict, levels: list[int]) -> dict:
     return out
 
 
-def goals(rat: dict, raw: dict, levels: list[int]) -> list[dict]:
+def goals(rat: dict, raw: dict, levels: list[int], mixed: bool = False) -> list[dict]:
     def g(goal: str, value: float | None, target: str, ok) -> dict:
         return {"goal": goal, "value": None if value is None else round(value, 3), "target": target,
                 "met": None if value is None else bool(ok(value))}
@@ -311,6 +317,10 @@ def goals(rat: dict, raw: dict, levels: list[int]) -> list[dict]:
 
     def dec(r: dict | None, c: int) -> float | None:
         return r["levels"][str(c)]["decode_tok_s"] if r and str(c) in r["levels"] else None
+
+    if mixed:   # issue 41's held-out-style load
+        return [g(f"mixed-length decode at {c} sequences vs llama.cpp (HTTP)", dec(lc, c), ">= 1.5x",
+                  lambda v: v >= 1.5) for c in levels if c >= 8]
 
     # issue 41's targets for the default (`edgeinfer serve`, no switches)
     out.append(g("batch-1 decode vs llama.cpp (HTTP, same GGUF)", dec(lc, 1), ">= 1.3x", lambda v: v >= 1.3))
@@ -405,7 +415,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--max-seconds", type=float, default=1800.0, help="hard bound on the whole run")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "peers.json")
+    p.add_argument("--mixed", default=None, metavar="MIN,MAX",
+                   help="the held-out-style load instead: at each level one wave of prompts of MIN..MAX tokens "
+                        "(uniform, the same lengths for every system), no shared prefixes; no prefill wave; "
+                        "written to results/peers.mixed.json unless --out (e.g. --mixed 50,1500)")
+    p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
     a.peers = [x for x in a.peers.split(",") if x]
     if bad := [x for x in a.peers if x not in ("llamacpp", "vllm")]:
@@ -417,6 +431,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.max_tokens = a.max_tokens or (16 if a.quick else 128)
     a.raw_pp, a.raw_tg, a.raw_npp, a.raw_ntg, a.raw_reps = (128, 16, 32, 8, 1) if a.quick else (512, 128, 128, 64, 3)
     a.ppl_chunks = 1 if a.quick else 4
+    a.mixed_range = None
+    if a.mixed:
+        try:
+            lo, hi = (int(v) for v in a.mixed.split(","))
+        except ValueError:
+            p.error(f"--mixed {a.mixed!r}: expected MIN,MAX token counts, e.g. 50,1500")
+        if not 1 <= lo <= hi:
+            p.error(f"--mixed {a.mixed!r}: expected 1 <= MIN <= MAX")
+        a.mixed_range = (lo, hi)
+    a.out = a.out or ROOT / "benchmarks" / "results" / ("peers.mixed.json" if a.mixed_range else "peers.json")
     return a
 
 
@@ -480,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(runs, a.levels)
     rat = ratios(summary, a.levels)
     raw_rat = raw_ratios(raw)
-    gl = goals(rat, raw, a.levels)
+    gl = goals(rat, raw, a.levels, bool(a.mixed_range))
     print_report(summary, rat, raw_rat, gl, a.levels)
     result = {
         "bench": "bench_peers", "quick": a.quick, "host": platform.node(), "cpus": os.cpu_count(),

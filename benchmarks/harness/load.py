@@ -117,7 +117,7 @@ def output_tok_s(shots: list[Shot]) -> float | None:
 def prefill_tok_s(shots: list[Shot], prompt_len: int) -> float | None:
     """Prompt tokens over the time until every sequence of the wave has its first token."""
     firsts = [s.t_first for s in shots if s.t_first is not None]
-    if len(firsts) != len(shots):
+    if not shots or len(firsts) != len(shots):
         return None
     n = sum(s.prompt_tokens or prompt_len for s in shots)
     return n / (max(firsts) - min(s.t_send for s in shots))
