@@ -34,6 +34,8 @@ from edgeinfer.backend.model.mla import MLAAttention, interleave_to_halves
 from edgeinfer.backend.model.moe import DenseExperts, Int4Experts, SparseMoE
 from edgeinfer.kernels.cpu.attn_reference import hadamard_heads_
 
+_NATIVE = (cpu_kernels.q4_1x8_gemm, cpu_kernels.q4_1x8_gemm_residual)   # the GEMMs decode_layers calls
+
 
 @dataclass
 class AttentionMetadata:
@@ -419,6 +421,12 @@ class DecodePlan:
         self.first_norm = (first.weight, first.eps)
         self.residual = residual   # the linears' activations in two int8 passes (W4A16Linear.residual_activations)
         self.tau = tau             # ... and which blocks get the second (W4A16Linear.second_pass_tau)
+        # the flat per-layer lists of the C++ loop (kernels/cpu/attn.cpp decode_layers); kv: per kv_caches list
+        self.weights = [w for r in layers for w in (r[1], r[3], r[5], r[7], r[9], r[11])]
+        self.ints = [v for r in layers for v in (r[2], r[4], r[6], r[8], r[0].cfg.num_heads, r[0].cfg.num_kv_heads,
+                                                 r[0].cfg.head_dim, 0)]
+        self.floats = [float(v) for r in layers for v in (r[10], r[12], r[0].scale)]
+        self._kv: tuple[int, list[torch.Tensor], list[torch.Tensor | None], list[int]] | None = None
 
     @classmethod
     def build(cls, model: LlamaModel) -> DecodePlan | None:
@@ -445,8 +453,30 @@ class DecodePlan:
     def applies(self, x: torch.Tensor, kv_caches: list[LayerKV]) -> bool:
         return x.shape[0] < linear_mod.DENSE_MIN_ROWS and x.dtype == torch.float32
 
+    def _kv_lists(self, kv_caches: list[LayerKV]) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[int]]:
+        if self._kv is None or self._kv[0] != id(kv_caches[0].k):   # the pool's tensors live as long as the model
+            kv = [t for c in kv_caches for t in (c.k, c.v)]
+            scales = [t for c in kv_caches for t in (c.k_scale, c.v_scale)]
+            ints = list(self.ints)
+            for i, c in enumerate(kv_caches):
+                ints[8 * i + 7] = int(c.hadamard)
+            self._kv = (id(kv_caches[0].k), kv, scales, ints)
+        return self._kv[1], self._kv[2], self._kv[3]
+
     def run(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV], meta: AttentionMetadata,
             ops) -> torch.Tensor:
+        if hasattr(ops, "decode_layers") and (cpu_kernels.q4_1x8_gemm, cpu_kernels.q4_1x8_gemm_residual) == _NATIVE:
+            kv, scales, ints = self._kv_lists(kv_caches)
+            rotary = self.model.rotary
+            return ops.decode_layers(x, ops.rms_norm(x, *self.first_norm), positions, rotary.cos, rotary.sin,
+                                     meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
+                                     self.weights, kv, scales, ints, self.floats, self.residual, self.tau)
+        return self.run_python(x, positions, kv_caches, meta, ops)
+
+    def run_python(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV],
+                   meta: AttentionMetadata, ops) -> torch.Tensor:
+        """The loop decode_layers runs in C++: where the ops are the pure-torch references, or a test swapped a
+        GEMM for its reference."""
         # looked up per step: tests swap in the reference
         gemm = (functools.partial(cpu_kernels.q4_1x8_gemm_residual, tau=self.tau) if self.residual
                 else cpu_kernels.q4_1x8_gemm)

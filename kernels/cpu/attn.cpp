@@ -1031,6 +1031,54 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return y;
 }
 
+// The CPU decode plan's layer loop (backend/model/llama.py DecodePlan.run) in one call, so a batch-1 step is not
+// ~270 op calls from Python (measured: ~0.3 ms of Python and ~0.4 ms of dispatch per token of the default model,
+// of a ~4.1 ms forward). The same ops in the same order on the same tensors as that loop, so the same bits. Per
+// layer l: weights[6l .. 6l+5] = qkv, o, gate_up, down (the Q4_1 x8 blocks) and the post-attention and next norms'
+// weights; kv[2l], kv[2l+1] the K/V pages; scales[2l], scales[2l+1] their fp8 scales (None for other dtypes);
+// ints[8l ..] = qkv_n, o_n, gate_up_n, down_n, num_heads, num_kv_heads, head_dim, hadamard; floats[3l ..] =
+// post_eps, next_eps, sm_scale. x is the residual stream (updated in place), h the first layer's normed input;
+// the GEMM is edgeinfer_cpu's q4_1x8_gemm_residual (tau) when residual, else q4_1x8_gemm, through the dispatcher
+// (kernels/cpu/q4.cpp is its own extension, loaded before any model that uses this runs).
+at::Tensor decode_layers(at::Tensor& x, const at::Tensor& h0, const at::Tensor& positions, const at::Tensor& cos,
+                         const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& tables,
+                         const at::Tensor& lens, at::TensorList weights, at::TensorList kv,
+                         const c10::List<std::optional<at::Tensor>>& scales, at::IntArrayRef ints,
+                         at::ArrayRef<double> floats, bool residual, double tau) {
+  const int64_t L = static_cast<int64_t>(kv.size()) / 2;
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 6 * L && static_cast<int64_t>(scales.size()) == 2 * L &&
+                  static_cast<int64_t>(ints.size()) == 8 * L && static_cast<int64_t>(floats.size()) == 3 * L,
+              "decode_layers: per layer 6 weights, 2 kv, 2 scales, 8 ints and 3 floats; got ", weights.size(), ", ",
+              kv.size(), ", ", scales.size(), ", ", ints.size(), ", ", floats.size(), " for ", L, " layers");
+  static const auto gemm2 = c10::Dispatcher::singleton()
+                                .findSchemaOrThrow("edgeinfer_cpu::q4_1x8_gemm_residual", "")
+                                .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, double)>();
+  static const auto gemm1 = c10::Dispatcher::singleton()
+                                .findSchemaOrThrow("edgeinfer_cpu::q4_1x8_gemm", "")
+                                .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>();
+  auto gemm = [&](const at::Tensor& a, const at::Tensor& w, int64_t n) {
+    return residual ? gemm2.call(a, w, n, tau) : gemm1.call(a, w, n);
+  };
+  const int64_t t = x.size(0);
+  at::Tensor h = h0;
+  for (int64_t l = 0; l < L; ++l) {
+    const int64_t* in = ints.data() + 8 * l;
+    const double* fl = floats.data() + 3 * l;
+    const at::Tensor* w = weights.data() + 6 * l;
+    const int64_t nh = in[4], nkv = in[5], hd = in[6], q_size = nh * hd;
+    const std::optional<at::Tensor> ks = scales.get(2 * l), vs = scales.get(2 * l + 1);
+    at::Tensor qkv = gemm(h, w[0], in[0]);
+    rope_kv_store_(qkv, positions, cos, sin, kv[2 * l], kv[2 * l + 1], slots, nh, nkv, ks, vs, in[7] != 0);
+    const at::Tensor q = qkv.slice(1, 0, q_size).view({t, nh, hd});
+    const at::Tensor out = decode_attention(q, kv[2 * l], kv[2 * l + 1], tables, lens, fl[2], ks, vs);
+    at::Tensor a = gemm(out.reshape({t, q_size}).contiguous(), w[1], in[1]);
+    add_rms_norm_(a, x, w[4], fl[0]);
+    h = gemm(silu_mul(gemm(a, w[2], in[2])), w[3], in[3]);
+    add_rms_norm_(h, x, w[5], fl[1]);
+  }
+  return h;
+}
+
 TORCH_LIBRARY(edgeinfer_cpu_attn, m) {
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
         "float sm_scale, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor", &decode_attention);
@@ -1047,4 +1095,7 @@ TORCH_LIBRARY(edgeinfer_cpu_attn, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()", &add_rms_norm_);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
+  m.def("decode_layers(Tensor(a!) x, Tensor h, Tensor positions, Tensor cos, Tensor sin, Tensor slots, "
+        "Tensor tables, Tensor lens, Tensor[] weights, Tensor(b!)[] kv, Tensor?[] scales, int[] ints, "
+        "float[] floats, bool residual, float tau) -> Tensor", &decode_layers);
 }

@@ -80,3 +80,27 @@ def add_rms_norm_(x, residual, weight, eps) -> None:
 def silu_mul(gate_up):
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def decode_layers(x, h, positions, cos, sin, slots, tables, lens, weights, kv, scales, ints, floats, residual, tau):
+    """The decode plan's layer loop (kernels/cpu/attn.cpp decode_layers' layout), on these references and
+    kernels.cpu.reference's GEMMs."""
+    from edgeinfer.kernels.cpu import reference as gemms
+
+    t = x.shape[0]
+    for layer in range(len(kv) // 2):
+        qkv_w, o_w, gu_w, down_w, post_w, nxt_w = weights[6 * layer: 6 * layer + 6]
+        qkv_n, o_n, gu_n, down_n, nh, nkv, hd, hadamard = ints[8 * layer: 8 * layer + 8]
+        post_eps, nxt_eps, scale = floats[3 * layer: 3 * layer + 3]
+        k, v, ks, vs = kv[2 * layer], kv[2 * layer + 1], scales[2 * layer], scales[2 * layer + 1]
+
+        def gemm(a, w, n):
+            return gemms.q4_1x8_gemm_residual(a, w, n, tau) if residual else gemms.q4_1x8_gemm(a, w, n)
+        qkv = gemm(h, qkv_w, qkv_n)
+        rope_kv_store_(qkv, positions, cos, sin, k, v, slots, nh, nkv, ks, vs, bool(hadamard))
+        out = decode_attention(qkv[:, : nh * hd].view(t, nh, hd), k, v, tables, lens, scale, ks, vs)
+        a = gemm(out.reshape(t, nh * hd).contiguous(), o_w, o_n)
+        add_rms_norm_(a, x, post_w, post_eps)
+        h = gemm(silu_mul(gemm(a, gu_w, gu_n)), down_w, down_n)
+        add_rms_norm_(h, x, nxt_w, nxt_eps)
+    return h

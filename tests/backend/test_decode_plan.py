@@ -78,3 +78,61 @@ def test_mixed_steps_take_the_module_path(native_model, plan_runs):
 
 def test_no_plan_for_a_model_without_x8_linears(smol_model):
     assert DecodePlan.build(smol_model) is None
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+def test_the_cpp_layer_loop_is_the_python_loop_bit_for_bit_and_its_reference(native_model, monkeypatch, kv):
+    """kernels/cpu/attn.cpp decode_layers runs DecodePlan's loop in one call: the same bits as the loop in Python
+    (run_python), close to its pure-torch reference (attn_reference.decode_layers), and a GEMM swapped for its
+    reference (as tests do) sends the plan back to the Python loop."""
+    from edgeinfer.backend.model import llama
+    from edgeinfer.kernels.cpu import attn_reference
+    from edgeinfer.kernels.cpu import reference as gemm_ref
+
+    torch.set_grad_enabled(False)
+    seen = []
+    run = DecodePlan.run
+
+    def spy(self, x, positions, kv_caches, meta, ops):
+        if not seen:
+            seen.append((self, x.clone(), positions, kv_caches, meta, ops,
+                         [(c.k.clone(), c.v.clone(), c.k_scale, c.v_scale) for c in kv_caches]))
+        return run(self, x, positions, kv_caches, meta, ops)
+    monkeypatch.setattr(DecodePlan, "run", spy)
+    _generate(native_model, True, kv, [prompt(21, 30), prompt(22, 45)], 3)
+    plan, x, positions, kv_caches, meta, ops, snap = seen[0]
+    scales0 = [(None if c.k_scale is None else c.k_scale.clone(), None if c.v_scale is None else c.v_scale.clone())
+               for c in kv_caches]
+
+    def restore():
+        for c, (k, v, _, _), (ks, vs) in zip(kv_caches, snap, scales0):
+            c.k.copy_(k)
+            c.v.copy_(v)
+            if ks is not None:
+                c.k_scale.copy_(ks)
+                c.v_scale.copy_(vs)
+
+    outs = []
+    for fn in (run, DecodePlan.run_python):
+        restore()
+        xs = x.clone()
+        outs.append((fn(plan, xs, positions, kv_caches, meta, ops), xs, kv_caches[-1].k.clone()))
+    (h1, x1, k1), (h2, x2, k2) = outs
+    assert torch.equal(h1, h2) and torch.equal(x1, x2) and torch.equal(k1, k2)
+
+    restore()
+    xr = x.clone()
+    kvl, scales, ints = plan._kv_lists(kv_caches)
+    hr = attn_reference.decode_layers(xr, attn_reference.rms_norm(xr, *plan.first_norm), positions,
+                                      plan.model.rotary.cos, plan.model.rotary.sin, meta.slot_mapping,
+                                      meta.decode_block_tables, meta.decode_context_lens, plan.weights, kvl, scales,
+                                      ints, plan.floats, plan.residual, plan.tau)
+    assert float((hr - h1).abs().max()) <= 2e-3 * float(h1.abs().max()), float((hr - h1).abs().max())
+
+    python_loop = []
+    run_python = DecodePlan.run_python
+    monkeypatch.setattr(DecodePlan, "run_python", lambda self, *a: python_loop.append(1) or run_python(self, *a))
+    monkeypatch.setattr(llama.cpu_kernels, "q4_1x8_gemm_residual", gemm_ref.q4_1x8_gemm_residual)
+    restore()
+    run(plan, x.clone(), positions, kv_caches, meta, ops)
+    assert python_loop == [1]
