@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from edgeinfer.backend.model.moe import DenseExperts, Int4Experts, SparseMoE
 from edgeinfer.kernels.cpu.attn_reference import hadamard_heads_
 
 _NATIVE = (cpu_kernels.q4_1x8_gemm, cpu_kernels.q4_1x8_gemm_residual)   # the GEMMs decode_layers calls
+_CPP_LOOP = os.environ.get("EDGEINFER_CPU_DECODE_LOOP", "cpp") != "python"   # A/B switch (docs/KERNELS.md)
 
 
 @dataclass
@@ -465,7 +467,8 @@ class DecodePlan:
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV], meta: AttentionMetadata,
             ops) -> torch.Tensor:
-        if hasattr(ops, "decode_layers") and (cpu_kernels.q4_1x8_gemm, cpu_kernels.q4_1x8_gemm_residual) == _NATIVE:
+        if (hasattr(ops, "decode_layers") and _CPP_LOOP
+                and (cpu_kernels.q4_1x8_gemm, cpu_kernels.q4_1x8_gemm_residual) == _NATIVE):
             kv, scales, ints = self._kv_lists(kv_caches)
             rotary = self.model.rotary
             return ops.decode_layers(x, ops.rms_norm(x, *self.first_norm), positions, rotary.cos, rotary.sin,
