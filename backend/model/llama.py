@@ -467,7 +467,7 @@ class DecodePlan:
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV], meta: AttentionMetadata,
             ops) -> torch.Tensor:
-        if (hasattr(ops, "decode_layers") and _CPP_LOOP
+        if (_CPP_LOOP and ops is not cpu_step_ops.reference_ops() and hasattr(ops, "decode_layers")
                 and (cpu_kernels.q4_1x8_gemm, cpu_kernels.q4_1x8_gemm_residual) == _NATIVE):
             kv, scales, ints = self._kv_lists(kv_caches)
             rotary = self.model.rotary
@@ -478,8 +478,8 @@ class DecodePlan:
 
     def run_python(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV],
                    meta: AttentionMetadata, ops) -> torch.Tensor:
-        """The loop decode_layers runs in C++: where the ops are the pure-torch references, or a test swapped a
-        GEMM for its reference."""
+        """The loop decode_layers runs in C++: where the step ops are the pure-torch references (with the native
+        GEMMs), or a test swapped a GEMM for its reference."""
         # looked up per step: tests swap in the reference
         gemm = (functools.partial(cpu_kernels.q4_1x8_gemm_residual, tau=self.tau) if self.residual
                 else cpu_kernels.q4_1x8_gemm)
