@@ -139,6 +139,10 @@ Q8Rows quantize_rows_x2(const float* x, int64_t M, int64_t K, float tau) {
   return r;
 }
 
+void check_tau(double tau, const char* op) {
+  TORCH_CHECK(tau >= 0.0 && tau <= 1.0, op, ": tau must be in [0, 1], got ", tau);
+}
+
 void check_x(const at::Tensor& x, int64_t K, const char* op) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), op,
               ": x must be a contiguous CPU float32 [M, K] tensor, got ", x.scalar_type(), " ", x.sizes());
@@ -363,10 +367,18 @@ inline void store8(float* o, __m256 v, int64_t valid) {   // 8 output columns, f
   }
 }
 
+// One block's integer dot of an activation row's 32 int8 qy against the 8 unpacked weight rows q (AVX2).
+inline __m256i q4_block_dot(const __m256i* q, const int8_t* qy) {
+  __m256i s16 = _mm256_maddubs_epi16(q[0], bcast4(qy));   // <= 16 products of 15 * 127 per lane: no overflow
+  for (int j = 1; j < 4; ++j) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(q[j], bcast4(qy + 4 * j)));
+  for (int j = 0; j < 4; ++j) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(q[j + 4], bcast4(qy + 16 + 4 * j)));
+  return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+}
+
 template <int T>
 inline void q4_1x8_tile(const uint8_t* wg, int64_t nb, const Q8Rows& y, int64_t m0, float* out, int64_t N,
                         int64_t n0) {
-  const __m256i lo = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i lo = _mm256_set1_epi8(0x0F);
   const bool x2 = !y.two.empty();
   __m256 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
@@ -383,20 +395,9 @@ inline void q4_1x8_tile(const uint8_t* wg, int64_t nb, const Q8Rows& y, int64_t 
     for (int t = 0; t < T; ++t) {
       const int64_t r = (m0 + t) * nb + b;
       if (y.d[r] == 0.f) continue;   // an all-zero block: adds exactly 0
-      const int8_t* qy = y.q.data() + r * QK;
-      __m256i s16 = _mm256_maddubs_epi16(q[0], bcast4(qy));   // <= 16 products of 15 * 127 per lane: no overflow
-      for (int j = 1; j < 4; ++j) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(q[j], bcast4(qy + 4 * j)));
-      for (int j = 0; j < 4; ++j)
-        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(q[j + 4], bcast4(qy + 16 + 4 * j)));
-      __m256i s32 = _mm256_madd_epi16(s16, ones);
-      if (x2 && y.two[r]) {   // the second pass: 256 * hi + lo, exact
-        const int8_t* qz = y.q2.data() + r * QK;
-        __m256i z16 = _mm256_maddubs_epi16(q[0], bcast4(qz));
-        for (int j = 1; j < 4; ++j) z16 = _mm256_add_epi16(z16, _mm256_maddubs_epi16(q[j], bcast4(qz + 4 * j)));
-        for (int j = 0; j < 4; ++j)
-          z16 = _mm256_add_epi16(z16, _mm256_maddubs_epi16(q[j + 4], bcast4(qz + 16 + 4 * j)));
-        s32 = _mm256_add_epi32(_mm256_slli_epi32(s32, 8), _mm256_madd_epi16(z16, ones));
-      }
+      __m256i s32 = q4_block_dot(q, y.q.data() + r * QK);
+      if (x2 && y.two[r])   // the second pass: 256 * hi + lo, exact
+        s32 = _mm256_add_epi32(_mm256_slli_epi32(s32, 8), q4_block_dot(q, y.q2.data() + r * QK));
       const __m256 dot = _mm256_cvtepi32_ps(s32);
       acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(y.d[r])), dot, acc[t]);
       acc[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(y.s[r]), acc[t]);
@@ -462,6 +463,15 @@ void add_exact_cols(float* out, int64_t M, int64_t N, const ExactCols& ex) {
 // the outputs are bit for bit the AVX2 kernels'. Built twice: VEX AVX-VNNI (Alder Lake+, Zen 5) and EVEX
 // AVX512-VNNI/VL (Ice Lake+, Zen 4+; 32 vector registers); picked at run time (isa()).
 #define EDGEINFER_VNNI_TILES(NAME, TARGET, DPBUSD)                                                              \
+  __attribute__((target(TARGET))) inline __m256i q4_block_dot_##NAME(const __m256i* q, const int8_t* qy) {      \
+    __m256i s0 = DPBUSD(_mm256_setzero_si256(), q[0], bcast4(qy));                                              \
+    __m256i s1 = DPBUSD(_mm256_setzero_si256(), q[4], bcast4(qy + 16));                                         \
+    for (int j = 1; j < 4; ++j) {                                                                               \
+      s0 = DPBUSD(s0, q[j], bcast4(qy + 4 * j));                                                                \
+      s1 = DPBUSD(s1, q[j + 4], bcast4(qy + 16 + 4 * j));                                                       \
+    }                                                                                                           \
+    return _mm256_add_epi32(s0, s1);                                                                            \
+  }                                                                                                             \
   template <int T>                                                                                              \
   __attribute__((target(TARGET))) inline void q4_1x8_tile_##NAME(const uint8_t* wg, int64_t nb, const Q8Rows& y, \
                                                                  int64_t m0, float* out, int64_t N, int64_t n0) { \
@@ -482,24 +492,9 @@ void add_exact_cols(float* out, int64_t M, int64_t N, const ExactCols& ex) {
       for (int t = 0; t < T; ++t) {                                                                             \
         const int64_t r = (m0 + t) * nb + b;                                                                    \
         if (y.d[r] == 0.f) continue;                                                                            \
-        const int8_t* qy = y.q.data() + r * QK;                                                                 \
-        __m256i s0 = DPBUSD(_mm256_setzero_si256(), q[0], bcast4(qy));                                          \
-        __m256i s1 = DPBUSD(_mm256_setzero_si256(), q[4], bcast4(qy + 16));                                     \
-        for (int j = 1; j < 4; ++j) {                                                                           \
-          s0 = DPBUSD(s0, q[j], bcast4(qy + 4 * j));                                                            \
-          s1 = DPBUSD(s1, q[j + 4], bcast4(qy + 16 + 4 * j));                                                   \
-        }                                                                                                       \
-        __m256i s32 = _mm256_add_epi32(s0, s1);                                                                 \
-        if (x2 && y.two[r]) {                                                                                   \
-          const int8_t* qz = y.q2.data() + r * QK;                                                              \
-          __m256i z0 = DPBUSD(_mm256_setzero_si256(), q[0], bcast4(qz));                                        \
-          __m256i z1 = DPBUSD(_mm256_setzero_si256(), q[4], bcast4(qz + 16));                                   \
-          for (int j = 1; j < 4; ++j) {                                                                         \
-            z0 = DPBUSD(z0, q[j], bcast4(qz + 4 * j));                                                          \
-            z1 = DPBUSD(z1, q[j + 4], bcast4(qz + 16 + 4 * j));                                                 \
-          }                                                                                                     \
-          s32 = _mm256_add_epi32(_mm256_slli_epi32(s32, 8), _mm256_add_epi32(z0, z1));                          \
-        }                                                                                                       \
+        __m256i s32 = q4_block_dot_##NAME(q, y.q.data() + r * QK);                                              \
+        if (x2 && y.two[r])                                                                                     \
+          s32 = _mm256_add_epi32(_mm256_slli_epi32(s32, 8), q4_block_dot_##NAME(q, y.q2.data() + r * QK));      \
         const __m256 dot = _mm256_cvtepi32_ps(s32);                                                             \
         acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(y.d[r])), dot, acc[t]);                      \
         acc[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(y.s[r]), acc[t]);                                           \
@@ -568,6 +563,17 @@ __attribute__((target(EDGEINFER_Z))) inline void store16(float* o, __m512 v, int
   else _mm512_mask_storeu_ps(o, static_cast<__mmask16>((1u << valid) - 1), v);
 }
 
+// One block's integer dot for two x8 groups (16 weight rows) at once (512-bit VNNI).
+__attribute__((target(EDGEINFER_Z))) inline __m512i q4_block_dot_z(const __m512i* q, const int8_t* qy) {
+  __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[0], bcast4z(qy));
+  __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[4], bcast4z(qy + 16));
+  for (int j = 1; j < 4; ++j) {
+    s0 = _mm512_dpbusd_epi32(s0, q[j], bcast4z(qy + 4 * j));
+    s1 = _mm512_dpbusd_epi32(s1, q[j + 4], bcast4z(qy + 16 + 4 * j));
+  }
+  return _mm512_add_epi32(s0, s1);
+}
+
 template <int T>
 __attribute__((target(EDGEINFER_Z))) inline void q4_1x8_pair_z(const uint8_t* wg0, const uint8_t* wg1, int64_t nb,
                                                                const Q8Rows& y, int64_t m0, float* out, int64_t N,
@@ -589,24 +595,8 @@ __attribute__((target(EDGEINFER_Z))) inline void q4_1x8_pair_z(const uint8_t* wg
     for (int t = 0; t < T; ++t) {
       const int64_t r = (m0 + t) * nb + b;
       if (y.d[r] == 0.f) continue;
-      const int8_t* qy = y.q.data() + r * QK;
-      __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[0], bcast4z(qy));
-      __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[4], bcast4z(qy + 16));
-      for (int j = 1; j < 4; ++j) {
-        s0 = _mm512_dpbusd_epi32(s0, q[j], bcast4z(qy + 4 * j));
-        s1 = _mm512_dpbusd_epi32(s1, q[j + 4], bcast4z(qy + 16 + 4 * j));
-      }
-      __m512i s32 = _mm512_add_epi32(s0, s1);
-      if (x2 && y.two[r]) {
-        const int8_t* qz = y.q2.data() + r * QK;
-        __m512i z0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[0], bcast4z(qz));
-        __m512i z1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[4], bcast4z(qz + 16));
-        for (int j = 1; j < 4; ++j) {
-          z0 = _mm512_dpbusd_epi32(z0, q[j], bcast4z(qz + 4 * j));
-          z1 = _mm512_dpbusd_epi32(z1, q[j + 4], bcast4z(qz + 16 + 4 * j));
-        }
-        s32 = _mm512_add_epi32(_mm512_slli_epi32(s32, 8), _mm512_add_epi32(z0, z1));
-      }
+      __m512i s32 = q4_block_dot_z(q, y.q.data() + r * QK);
+      if (x2 && y.two[r]) s32 = _mm512_add_epi32(_mm512_slli_epi32(s32, 8), q4_block_dot_z(q, y.q2.data() + r * QK));
       const __m512 dot = _mm512_cvtepi32_ps(s32);
       acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(y.d[r])), dot, acc[t]);
       acc[t] = _mm512_fmadd_ps(mw, _mm512_set1_ps(y.s[r]), acc[t]);
@@ -712,7 +702,7 @@ at::Tensor q4_1x8_gemm_residual(const at::Tensor& x, const at::Tensor& w, int64_
   check_x8(w, n, Q4X8_BYTES, at::kByte, "q4_1x8_gemm_residual", "weight");
   const int64_t nb = w.size(1) / Q4X8_BYTES, K = nb * QK;
   check_x(x, K, "q4_1x8_gemm_residual");
-  TORCH_CHECK(tau >= 0.0 && tau <= 1.0, "q4_1x8_gemm_residual: tau must be in [0, 1], got ", tau);
+  check_tau(tau, "q4_1x8_gemm_residual");
   const int64_t M = x.size(0);
   at::Tensor out = at::empty({M, n}, x.options());
   if (M == 0 || n == 0) return out;
@@ -802,7 +792,7 @@ void check_experts(const at::Tensor& w, int64_t n, const char* op, const char* w
 // level from 2 up: they give the same bits as level 3's pairs), with the residual two-pass activations if asked.
 at::Tensor q4_1x8_moe_gemm(const at::Tensor& x, const at::Tensor& w, int64_t n, const at::Tensor& offsets,
                            bool residual, double tau) {
-  TORCH_CHECK(tau >= 0.0 && tau <= 1.0, "q4_1x8_moe_gemm: tau must be in [0, 1], got ", tau);
+  check_tau(tau, "q4_1x8_moe_gemm");
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 3 && w.is_contiguous() &&
                   w.size(1) == groups_of(n) && w.size(2) % Q4X8_BYTES == 0,
               "q4_1x8_moe_gemm: weight must be contiguous uint8 [E, ceil(", n, " / 8) = ", groups_of(n),
@@ -836,7 +826,7 @@ at::Tensor q4_1x8_moe_gemm(const at::Tensor& x, const at::Tensor& w, int64_t n, 
 at::Tensor q4_1x8_moe(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& w_gu,
                       const at::Tensor& w_dn, int64_t inter, bool residual, double tau) {
   const char* op = "q4_1x8_moe";
-  TORCH_CHECK(tau >= 0.0 && tau <= 1.0, op, ": tau must be in [0, 1], got ", tau);
+  check_tau(tau, op);
   TORCH_CHECK(inter > 0 && inter % QK == 0, op, ": intermediate size ", inter, " must be a positive multiple of ", QK);
   check_experts(w_gu, 2 * inter, op, "w_gu");
   const int64_t E = w_gu.size(0), H = (w_gu.size(2) / Q4X8_BYTES) * QK;
