@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         return llamacpp_spec(a.threads, gguf_path, a.llamacpp_build, PEERS_HOME / "llamacpp", slots, ctx)
 
     la = SimpleNamespace(levels=a.levels, decode_prompt_len=a.decode_prompt_len, prefill_len=a.prefill_len,
-                         max_tokens=a.max_tokens, request_timeout=a.request_timeout)
+                         max_tokens=a.max_tokens, request_timeout=a.request_timeout, mixed_range=None)
     runs: list[dict] = []
     systems = ["edgeinfer", *(f"edgeinfer-{m}" for m in a.also_activations), *(["llamacpp"] if a.llamacpp else [])]
     for rnd, name in interleaved(systems, a.rounds):

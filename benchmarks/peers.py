@@ -126,7 +126,7 @@ def run_levels(srv: Running, a, prompts: Prompts, tok) -> list[dict]:
     go(prompts.take(16, max(a.levels)), 4)                   # warm-up at the largest batch, not recorded
     rows = []
     for c in a.levels:
-        if getattr(a, "mixed_range", None):   # lengths from the level alone: every system and round gets the same ones
+        if a.mixed_range:   # lengths from the level alone: every system and round gets the same ones
             lens = [random.Random(c * 7919 + i).randint(*a.mixed_range) for i in range(c)]
             dec, pre = go([prompts.take(n, 1)[0] for n in lens], a.max_tokens), []
         else:
@@ -163,7 +163,7 @@ def edgeinfer_weights(log: str) -> dict:
 def specs(a, model_dir: Path, gguf: Path) -> dict[str, ServerSpec]:
     slots = max(a.levels)
     ctx = max(a.prefill_len + 8, a.decode_prompt_len + a.max_tokens + 8, 16 + 8,
-              a.mixed_range[1] + a.max_tokens + 8 if getattr(a, "mixed_range", None) else 0)
+              a.mixed_range[1] + a.max_tokens + 8 if a.mixed_range else 0)
     out = {"edgeinfer": edgeinfer_spec(a.threads)}
     if "llamacpp" in a.peers:
         out["llamacpp"] = llamacpp_spec(a.threads, gguf, a.llamacpp_build, a.llamacpp_venv, slots, ctx)

@@ -64,11 +64,14 @@ def ping(port: int, password: str, timeout_s: float = 1.0) -> bool:
         return False
 
 
+MAXMEMORY = 256 << 20   # the page store: a second tier behind the backend's own KV pool (docs/OPERATIONS.md)
+
+
 @dataclass(frozen=True)
 class LocalValkey:
     data_dir: Path
     password: str
-    maxmemory_bytes: int = 256 << 20
+    maxmemory_bytes: int = MAXMEMORY
     port: int = 0
 
     @property

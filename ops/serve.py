@@ -25,16 +25,13 @@ import msgspec
 
 from edgeinfer.ops.children import Children, Stopped, exit_code, raise_on_stop_signals
 from edgeinfer.ops.local_state import HomeLock, LocalSecrets, clear_running, write_running
-from edgeinfer.ops.local_valkey import LocalValkey, ValkeyError
+from edgeinfer.ops.local_valkey import MAXMEMORY, LocalValkey, ValkeyError
 from edgeinfer.protocol.defaults import home_dir
 
 PAGE_KEY_ENV = "EDGEINFER_PAGE_KEY"     # what backend.server reads (backend/store_wiring.py)
 REDIS_URL_ENV = "EDGEINFER_REDIS_URL"   # backend.server's --redis-url default
 PROGRESS_EVERY_S = 15.0
 
-
-
-VALKEY_MAXMEMORY = 256 << 20   # the embedded page store: a second tier behind the backend's own KV pool
 
 def say(msg: str) -> None:
     print(f"edgeinfer serve: {msg}", flush=True)
@@ -55,7 +52,7 @@ def parser() -> argparse.ArgumentParser:
                        help="use this Redis/valkey for the page store, index and registry instead of the embedded one")
     store.add_argument("--no-page-store", action="store_true",
                        help="no shared page store, index or registry (the backend's own prefix cache only)")
-    p.add_argument("--valkey-maxmemory", type=int, default=VALKEY_MAXMEMORY,
+    p.add_argument("--valkey-maxmemory", type=int, default=MAXMEMORY,
                    help="bytes the embedded valkey keeps before evicting the coldest pages (default 256 MiB: "
                         "~1,400 fp8 pages of the default model, 22k tokens of shared prefixes, half what the "
                         "backend's own KV pool holds; docs/OPERATIONS.md)")

@@ -435,7 +435,7 @@ class DecodePlan:
         layers: list[DecoderLayer] = list(model.layers)   # type: ignore[arg-type]
         norms = [layer.input_layernorm for layer in layers[1:]] + [model.norm]
         rows: list[tuple] = []
-        residual: set[tuple[bool, float]] = set()
+        modes: set[tuple[bool, float]] = set()   # (two passes?, second-pass tau) of every linear: one
         for layer, nxt in zip(layers, norms):
             attn, mlp = layer.self_attn, layer.mlp
             if not isinstance(mlp, MLP) or not isinstance(attn, Attention) or attn.norms_or_partial_rope:
@@ -444,13 +444,13 @@ class DecodePlan:
                        if isinstance(m, W4A16Linear) and m.q4_1x8 is not None and m.bias is None]
             if len(linears) != 4:
                 return None
-            residual.update((m.residual_activations, m.second_pass_tau) for m in linears)
+            modes.update((m.residual_activations, m.second_pass_tau) for m in linears)
             post = layer.post_attention_layernorm
             rows.append((attn, *(w for m in linears for w in (m.q4_1x8, m._shape[0])),
                          post.weight, post.eps, nxt.weight, nxt.eps))
-        if not rows or len(residual) != 1:
+        if not rows or len(modes) != 1:
             return None
-        return cls(model, layers[0].input_layernorm, rows, *residual.pop())
+        return cls(model, layers[0].input_layernorm, rows, *modes.pop())
 
     def applies(self, x: torch.Tensor, kv_caches: list[LayerKV]) -> bool:
         return x.shape[0] < linear_mod.DENSE_MIN_ROWS and x.dtype == torch.float32

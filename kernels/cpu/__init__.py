@@ -10,8 +10,8 @@ Ops (every one has a pure-torch reference with the same signature in kernels.cpu
   q8_0_dequant(qweight, scales, out [N, K] fp32) -> out
   q4_1x8_gemm(x, packed [ceil(N/8), K/32*160] uint8, n) -> [M, n] fp32               (8 weight rows interleaved)
   q4_1x8_gemm_residual(x, packed, n, tau=0.0) -> [M, n] fp32
-      (x in two int8 passes: q(x), then q(x - deq(q(x))) with its own per-32 scale, each a GEMM row, summed:
-       ~15-bit activations; tau > 0: the second pass only on the blocks whose first-pass scale is at least tau
+      (x in two int8 passes: q(x) at scale d, then x - deq(q(x)) in steps of d / 256, each block's two integer
+       dots combined in int32 (256 * hi + lo) inside the tile: ~15-bit activations; tau > 0: the second pass only on the blocks whose first-pass scale is at least tau
        times the row's largest (the rest stay at one pass, and the tiles skip their zero blocks); what the
        served model runs by default, see activations() and second_pass_tau())
   q8_0x8_gemm(x, qs [ceil(N/8), K/32*256] int8, d [ceil(N/8), K/32*8] fp16, n) -> [M, n] fp32

@@ -87,15 +87,15 @@ def decode_layers(x, h, positions, cos, sin, slots, tables, lens, weights, kv, s
     kernels.cpu.reference's GEMMs."""
     from edgeinfer.kernels.cpu import reference as gemms
 
+    def gemm(a, w, n):
+        return gemms.q4_1x8_gemm_residual(a, w, n, tau) if residual else gemms.q4_1x8_gemm(a, w, n)
+
     t = x.shape[0]
     for layer in range(len(kv) // 2):
         qkv_w, o_w, gu_w, down_w, post_w, nxt_w = weights[6 * layer: 6 * layer + 6]
         qkv_n, o_n, gu_n, down_n, nh, nkv, hd, hadamard = ints[8 * layer: 8 * layer + 8]
         post_eps, nxt_eps, scale = floats[3 * layer: 3 * layer + 3]
         k, v, ks, vs = kv[2 * layer], kv[2 * layer + 1], scales[2 * layer], scales[2 * layer + 1]
-
-        def gemm(a, w, n):
-            return gemms.q4_1x8_gemm_residual(a, w, n, tau) if residual else gemms.q4_1x8_gemm(a, w, n)
         qkv = gemm(h, qkv_w, qkv_n)
         rope_kv_store_(qkv, positions, cos, sin, k, v, slots, nh, nkv, ks, vs, bool(hadamard))
         out = decode_attention(qkv[:, : nh * hd].view(t, nh, hd), k, v, tables, lens, scale, ks, vs)
