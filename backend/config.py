@@ -41,6 +41,8 @@ class BackendConfig:
     contended_step_ratio: float  # 0: the fixed token cap only
     contended_window_s: float
     no_cuda_graphs: bool
+    no_kv_integrity: bool
+    kv_verify_fraction: float
     fixed_threads: bool
     redis_url: str | None
     redis_cluster: bool
@@ -79,4 +81,5 @@ class BackendConfig:
                             contended_step_tokens=self.contended_step_tokens,
                             contended_step_ratio=self.contended_step_ratio,
                             contended_window_s=self.contended_window_s, cuda_graphs=not self.no_cuda_graphs,
-                            adaptive_threads=not self.fixed_threads)
+                            adaptive_threads=not self.fixed_threads, kv_integrity=not self.no_kv_integrity,
+                            kv_verify_fraction=self.kv_verify_fraction)

@@ -41,6 +41,12 @@ class BackendMetrics(EngineObserver):
         self.integrity_failures = Counter("edgeinfer_backend_integrity_failures",
                                           "KV pages dropped because their tag/header/tokens did not match",
                                           L + ["source"], registry=r)
+        self.kv_checks = Counter("edgeinfer_backend_kv_integrity_checks",
+                                 "Live KV pages checked (identity or checksum), by where: step, prefix_hit, resume, "
+                                 "store_receive, swap_in, free", L + ["where"], registry=r)
+        self.kv_failures = Counter("edgeinfer_backend_kv_integrity_failures",
+                                   "Live KV pages that failed a check (dropped and recomputed), by where",
+                                   L + ["where"], registry=r)
         self.weight_bytes = Gauge("edgeinfer_backend_weight_bytes", "Bytes of model weights", L, registry=r)
         self.prepacked_copy_bytes = Gauge("edgeinfer_backend_prepacked_copy_bytes",
                                           "Extra bytes of a prepacked CPU lm_head tied to the embedding", L,
@@ -77,6 +83,7 @@ class BackendMetrics(EngineObserver):
         self._preempt = 0
         self._contended = 0
         self._holders: set[str] = set()
+        self._kv_counted: dict[tuple[str, str], int] = {}
 
     def on_step(self, engine, batch, dt: float) -> None:
         m = self.model
@@ -102,11 +109,21 @@ class BackendMetrics(EngineObserver):
             self._contended = c
         if getattr(sched, "contended_cap", 0):                 # also where it is the whole budget (none capped)
             self.contended_cap.labels(m).set(sched.contended_cap)
+        self._kv_integrity(engine.blocks.ledger)
         coef = engine.step_cost.coef
         if coef is not None:
             for part, v in zip(("fixed", "decode", "prefill_token"), coef):
                 self.step_cost.labels(m, part).set(v)
         self._tenants(engine, batch)
+
+    def _kv_integrity(self, ledger) -> None:
+        for kind, counts, metric in (("checks", ledger.checks, self.kv_checks),
+                                     ("failures", ledger.failures, self.kv_failures)):
+            for where, n in list(counts.items()):
+                seen = self._kv_counted.get((kind, where), 0)
+                if n > seen:
+                    metric.labels(self.model, where).inc(n - seen)
+                    self._kv_counted[kind, where] = n
 
     def _tenants(self, engine, batch) -> None:
         m = self.model

@@ -6,7 +6,9 @@ the page key) against what this engine expects (hash, parent, tokens, format) ->
 An integrity failure is counted (integrity_failures{model,source}), logged with the page hash and tier,
 deleted from that tier, and ends the fetch (the rest is recomputed). Verified pages go into the KV pool on the
 engine thread (BlockManager.insert_external + write + release), so the scheduler's own prefix match then hits
-them. Bounded by fetch_timeout_s; never fails the request.
+them; with the engine's KV integrity on, each page's bytes in the pool are read back against the verified body
+(kv_integrity_checks_total{where="swap_in"} from the host tier, "store_receive" from the others) and a page that
+differs is dropped. Bounded by fetch_timeout_s; never fails the request.
 """
 
 from __future__ import annotations
@@ -87,12 +89,12 @@ class PagePrefetcher(StorePart):
         return uploaded
 
     async def _fetch_chunk(self, keys: list[bytes], hashes: list[bytes], tokens: list[int], i: int, root: bytes,
-                           left: float) -> tuple[list[tuple[bytes, bytes, tuple]], list[memoryview]]:
+                           left: float) -> tuple[list[tuple[bytes, bytes, tuple, str]], list[memoryview]]:
         """The verified leading pages of one chunk (pages i, i+1, ...), up to the first miss or bad page."""
         p = self.format.page_size
         assert self.store is not None   # checked by prefetch()
         sourced = await self.store.get_many_sourced(keys, timeout_s=left)
-        good: list[tuple[bytes, bytes, tuple]] = []
+        good: list[tuple[bytes, bytes, tuple, str]] = []
         bodies: list[memoryview] = []
         for j, got in enumerate(sourced):
             k = i + j
@@ -112,7 +114,7 @@ class PagePrefetcher(StorePart):
                     log.info("page %s from the %s tier is not usable here: %s (%s)", h.hex(), source,
                              res.reason.label, res.detail)
                 break
-            good.append((h, parent, tuple(page_tokens)))
+            good.append((h, parent, tuple(page_tokens), source))
             bodies.append(res.body)
         return good, bodies
 
@@ -149,7 +151,7 @@ class PagePrefetcher(StorePart):
         except Exception:  # noqa: BLE001
             log.exception("could not delete corrupt page %s from %s", h.hex(), source)
 
-    def _upload(self, pages: list[tuple[bytes, bytes, tuple]], buf: torch.Tensor, root: bytes) -> int:
+    def _upload(self, pages: list[tuple[bytes, bytes, tuple, str]], buf: torch.Tensor, root: bytes) -> int:
         """Engine thread: put verified pages into the KV pool and the prefix cache, chain order; returns count."""
         blocks = self.engine.blocks
         first_parent = pages[0][1]
@@ -158,7 +160,7 @@ class PagePrefetcher(StorePart):
         taken: list[int] = []
         rows: list[int] = []
         hs: list[bytes] = []
-        for r, (h, parent, toks) in enumerate(pages):
+        for r, (h, parent, toks, _) in enumerate(pages):
             if blocks.lookup(h) is not None:
                 continue
             page = blocks.insert_external(h, parent, toks)
@@ -169,14 +171,22 @@ class PagePrefetcher(StorePart):
             hs.append(h)
         if not taken:
             return 0
+        body = buf if len(rows) == len(pages) else buf[rows]
         try:
-            scatter_pages(self.engine.runner, taken, buf if len(rows) == len(pages) else buf[rows])
+            scatter_pages(self.engine.runner, taken, body)
         except BaseException:
             for h in hs:
                 blocks.drop_cached(h)
             for page in taken:
                 blocks.release(page)
             raise
+        good = len(taken)
+        integrity = self.engine.integrity
+        if integrity is not None:
+            where = ["swap_in" if pages[r][3] == "host" else "store_receive" for r in rows]
+            good = integrity.received(taken, hs, body, where)
+            for h in hs[good:]:        # the first page that differs and those after it: recomputed instead
+                blocks.drop_cached(h)
         for page in reversed(taken):   # deepest page least recently used: evicted first, the prefix survives
             blocks.release(page)
-        return len(taken)
+        return good

@@ -12,6 +12,7 @@ variable EDGEINFER_KERNELS=reference forces the reference on CUDA too):
   fused_moe_w4a16(x, weights, ids, w1q, w1s, w1z, w2q, w2s, w2z, group_size=128) -> out  (kernels/fused_moe.py)
   paged_mla_decode_attention(q, cache, block_tables, context_lens, sm_scale, v_dim, scale=None) -> out
   mla_latent_store(latent, cache, slot_mapping, scale=None)  (torch on every device; kernels/paged_mla_attention.py)
+  page_checksum(buf) -> [n] int64   (buf: [n, page_bytes] uint8 page bodies; kernels/page_checksum.py)
 
 Every op except kv_store also accepts out= (written and returned). EDGEINFER_KERNELS=triton
 forces the Triton kernels (on CPU only under TRITON_INTERPRET=1). Details: docs/KERNELS.md.
@@ -34,6 +35,7 @@ from edgeinfer.kernels.dispatch import (  # noqa: F401
     fused_moe_w4a16_reference,
     kv_store,
     mla_latent_store,
+    page_checksum,
     paged_decode_attention,
     paged_mla_decode_attention,
     paged_prefill_attention,

@@ -16,6 +16,7 @@ import torch
 from edgeinfer.kernels import _triton
 from edgeinfer.kernels import fused_moe as _moe
 from edgeinfer.kernels import kv_store as _kv
+from edgeinfer.kernels import page_checksum as _sum
 from edgeinfer.kernels import paged_decode_attention as _decode
 from edgeinfer.kernels import paged_mla_attention as _mla
 from edgeinfer.kernels import paged_prefill_attention as _prefill
@@ -98,3 +99,9 @@ def paged_mla_decode_attention(q, cache, block_tables, context_lens, sm_scale, v
 
 
 mla_latent_store = _mla.mla_latent_store
+
+
+def page_checksum(buf):
+    # buf: [n, page_bytes] uint8 (page_bytes % 4 == 0) -> [n] int64, on buf's device
+    fn = _sum.page_checksum_triton if use_triton(buf) else _sum.page_checksum_reference
+    return fn(buf)

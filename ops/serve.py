@@ -23,6 +23,7 @@ from pathlib import Path
 
 import msgspec
 
+from edgeinfer.backend.engine.kv_faults import refuse_in_production
 from edgeinfer.ops.children import Children, Stopped, exit_code, raise_on_stop_signals
 from edgeinfer.ops.local_state import HomeLock, LocalSecrets, clear_running, write_running
 from edgeinfer.ops.local_valkey import MAXMEMORY, LocalValkey, ValkeyError
@@ -107,6 +108,7 @@ def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
 
 
 def main(argv: list[str]) -> int:
+    refuse_in_production()
     args = parser().parse_args(argv)
     from edgeinfer.gateway import cli as gateway_cli
     from edgeinfer.gateway import config as config_mod

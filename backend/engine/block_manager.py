@@ -5,6 +5,12 @@ least recently freed page of the tenant most over its share, i.e. with the most 
 weight (TenantSpec.weight), counting the pages it has cached whether in use or free. A page belongs to the
 tenant whose sequence filled it; a page fetched from an outer tier (insert_external) to the first tenant that
 uses it. A tenant with retain=False never gets a page into the cache: its pages are freed uncached.
+
+Every page carries an identity in `ledger` (backend/engine/kv_integrity.py): a stamp drawn each time it is taken
+or freed uncached, its owner, and once sealed its checksum. A sequence records the stamp of each page it takes
+(seq.page_stamps, mirrored in `tables`), a prefix-cache entry the stamp its page had when sealed. A prefix hit
+takes only pages whose entry still names them (and, with `verify_content`, whose bytes still have their sealed
+checksum); a sequence gives back only pages it still holds.
 """
 
 from __future__ import annotations
@@ -13,7 +19,10 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import NamedTuple
 
+import numpy as np
+
 from edgeinfer.backend.engine.block_table import BlockTables
+from edgeinfer.backend.engine.kv_integrity import EXTERNAL, PageLedger
 from edgeinfer.backend.engine.sequence import Sequence
 
 
@@ -21,6 +30,7 @@ class CachedPage(NamedTuple):
     page: int
     parent: bytes
     tokens: tuple[int, ...]
+    stamp: int = 0              # the page's stamp when it was sealed (ledger.stamp while the entry is true)
 
 
 class PrefixMatch(NamedTuple):
@@ -58,6 +68,10 @@ class BlockManager:
         self.hits = 0
         self.queries = 0
         self._evict_subscribers: list[Callable[[bytes], None]] = []   # told the hash of every page leaving the cache
+        self.ledger = PageLedger(num_pages)
+        self.check_identity = True             # prefix hits and frees check page identity (EngineConfig.kv_integrity)
+        # set by the engine: (pages, hashes, where) -> how many leading pages keep their sealed checksum
+        self.verify_content: Callable[[list[int], list[bytes], str], int] | None = None
 
     # ---- accounting
     @property
@@ -73,8 +87,39 @@ class BlockManager:
 
     # ---- prefix cache
     def match_prefix(self, seq: Sequence, hashes: list[bytes]) -> PrefixMatch:
+        """seq's leading pages in the prefix cache whose entries still name them (verify_taken checks content)."""
         n = self.cached_prefix_len(hashes, seq.all_ids, seq.key_ctx.root) if self.enable_prefix_cache else 0
-        return PrefixMatch([self.cache[h].page for h in hashes[:n]], hashes[:n])
+        if not self.check_identity:
+            return PrefixMatch([self.cache[h].page for h in hashes[:n]], hashes[:n])
+        where = "resume" if seq.admitted_once else "prefix_hit"
+        pages: list[int] = []
+        for h in hashes[:n]:
+            entry = self.cache[h]
+            self.ledger.checks[where] += 1
+            if self.ledger.stamp[entry.page] != entry.stamp or self.hash_of_page.get(entry.page) != h:
+                self._drop_stale(h, entry, where)
+                break
+            pages.append(entry.page)
+        return PrefixMatch(pages, hashes[:len(pages)])
+
+    def verify_taken(self, seq: Sequence, pages: list[int], hashes: list[bytes]) -> bool:
+        """The content check of prefix-hit pages seq is about to take (after match_prefix, once they fit): False if
+        one changed since it was sealed (it is dropped from the cache: match again)."""
+        if not pages or self.verify_content is None or not self.check_identity:
+            return True
+        where = "resume" if seq.admitted_once else "prefix_hit"
+        return self.verify_content(pages, hashes, where) == len(pages)
+
+    def _drop_stale(self, h: bytes, entry: CachedPage, where: str) -> None:
+        """A prefix-cache entry whose page was freed or taken since it was sealed: out of the cache (the page's
+        present identity, if any, is left alone)."""
+        self.ledger.fail(where, f"prefix entry {h.hex()[:16]} names page {entry.page} with stamp {entry.stamp}; the "
+                                f"page has stamp {int(self.ledger.stamp[entry.page])}")
+        if self.hash_of_page.get(entry.page) == h:
+            self.drop_cached(h)
+        else:
+            self.cache.pop(h, None)
+            self._evicted(h)
 
     def cached_prefix_len(self, hashes: list[bytes], ids: list[int], root: bytes) -> int:
         """Leading pages of `hashes` cached here, each with its parent and tokens compared. Safe to call from
@@ -154,7 +199,7 @@ class BlockManager:
     def _note_tenant(self, seq: Sequence) -> None:
         self.weights[seq.tenant.id] = seq.tenant.weight
 
-    def _take_free(self) -> int:
+    def _take_free(self, owner: int) -> int:
         if self.free_uncached:
             page = self.free_uncached.pop()
         elif (victim := self.eviction_candidate()) is not None:
@@ -164,6 +209,7 @@ class BlockManager:
         else:
             raise OutOfPages(f"Cannot allocate a page: 0 of {self.num_pages} free")
         self.ref[page] = 1
+        self.ledger.take(page, owner)
         return page
 
     def can_allocate(self, num_new_pages: int, reused: list[int] | tuple[int, ...] = ()) -> bool:
@@ -190,15 +236,18 @@ class BlockManager:
                 self.owner[pg] = seq.tenant.id
                 self.held[seq.tenant.id] += 1
         seq.block_table = list(pages)
-        self.tables.set(seq, seq.block_table)
+        seq.page_stamps = self.ledger.stamp[pages].tolist() if pages else []
+        self.tables.set(seq, seq.block_table, seq.page_stamps)
 
     def allocate(self, seq: Sequence, num_pages: int) -> None:
         if num_pages > self.num_free:
             raise OutOfPages(f"Cannot allocate {num_pages} pages: {self.num_free} free")
         start = len(seq.block_table)
         for _ in range(num_pages):
-            seq.block_table.append(self._take_free())
-        self.tables.append(seq, start, seq.block_table[start:])
+            page = self._take_free(seq.serial)
+            seq.block_table.append(page)
+            seq.page_stamps.append(int(self.ledger.stamp[page]))
+        self.tables.append(seq, start, seq.block_table[start:], seq.page_stamps[start:])
 
     def ensure_capacity(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow seq's block table to hold num_tokens; False (nothing changed) if pages run out."""
@@ -225,7 +274,8 @@ class BlockManager:
             if h in self.cache or page in self.hash_of_page:
                 continue
             parent = seq.page_hashes[i - 1] if i else seq.key_ctx.root
-            self._cache_page(page, h, CachedPage(page, parent, tuple(ids[i * p:(i + 1) * p])), seq.tenant.id)
+            entry = CachedPage(page, parent, tuple(ids[i * p:(i + 1) * p]), int(self.ledger.stamp[page]))
+            self._cache_page(page, h, entry, seq.tenant.id)
             out.append((h, page))
         return out
 
@@ -233,8 +283,8 @@ class BlockManager:
         """Take a free page for a page fetched from an outer tier (caller fills it); ref=1."""
         if h in self.cache or self.num_free == 0:
             return None
-        page = self._take_free()
-        self._cache_page(page, h, CachedPage(page, parent, tokens), "")
+        page = self._take_free(EXTERNAL)
+        self._cache_page(page, h, CachedPage(page, parent, tokens, int(self.ledger.stamp[page])), "")
         return page
 
     def drop_cached(self, h: bytes) -> None:
@@ -243,14 +293,43 @@ class BlockManager:
             if self.ref[hit.page] == 0:
                 self._unpark(hit.page)
                 self.free_uncached.append(hit.page)
+                self.ledger.retire(hit.page)
             self._uncache_page(hit.page)
             self._evicted(h)
 
     def free(self, seq: Sequence) -> None:
-        for page in reversed(seq.block_table):
-            self.release(page)
+        """Give back seq's pages: with identity checks, only those it still holds (an entry whose page was freed or
+        retaken under it is counted as a failure and left to its present holder)."""
+        if self.check_identity:
+            stamps = self.ledger.stamp
+            self.ledger.checks["free"] += len(seq.block_table)
+            for i in range(len(seq.block_table) - 1, -1, -1):
+                page, want = seq.block_table[i], seq.page_stamps[i]
+                if want == 0:                    # already found wrong (kv_integrity): not ours to give back
+                    continue
+                if stamps[page] != want or self.ref[page] <= 0:
+                    self.ledger.fail("free", f"request {seq.request_id} gives back page {page} (stamp {want}); the "
+                                             f"page has stamp {int(stamps[page])}, {self.ref[page]} holders")
+                    continue
+                self.release(page)
+        else:
+            for page in reversed(seq.block_table):
+                self.release(page)
         seq.block_table = []
+        seq.page_stamps = []
         self.tables.release(seq)
+
+    def repair(self, seq: Sequence, index: int) -> None:
+        """Entry `index` of seq's table names a page seq does not hold (found by an integrity check). If the page
+        seq took there still carries the stamp seq recorded (the entry was overwritten), the entry names it again,
+        so that seq gives it back; otherwise (the page was freed under seq) seq gives back nothing there."""
+        held = np.flatnonzero(self.ledger.stamp == seq.page_stamps[index])
+        if held.size and self.ref[int(held[0])] > 0:
+            seq.block_table[index] = int(held[0])
+            self.tables.array[seq.table_row, index] = int(held[0])
+        else:
+            seq.page_stamps[index] = 0
+            self.tables.forget(seq, index)
 
     def release(self, page: int) -> None:
         self.ref[page] -= 1
@@ -261,3 +340,4 @@ class BlockManager:
                 self._park(page)
             else:
                 self.free_uncached.append(page)
+                self.ledger.retire(page)

@@ -35,6 +35,10 @@ class EngineConfig:
     cache_eviction: str = "fair"            # fair: evict cached pages of the tenant most over its share first | lru
     cuda_graphs: bool = True                # decode steps replay CUDA graphs (CUDA + Triton only; cuda_graphs.py)
     adaptive_threads: bool = True           # CPU: step threads = the cores other processes leave free (threads.py)
+    kv_integrity: bool = True               # page identity checked before each step, at prefix hits, store receives
+                                            # and frees; sealed pages checksummed (backend/engine/kv_integrity.py)
+    kv_verify_fraction: float = 1.0         # of the sealed pages a prefix hit takes, the fraction whose checksum is
+                                            # verified (0: none; needs kv_integrity)
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -59,6 +63,8 @@ class EngineConfig:
             raise ValueError(f"contended_step_ratio={self.contended_step_ratio!r} is invalid: expected a finite number >= 0")
         if not 0 <= self.contended_window_s < float("inf"):
             raise ValueError(f"contended_window_s={self.contended_window_s!r} is invalid: expected a finite number >= 0")
+        if not 0.0 <= self.kv_verify_fraction <= 1.0:
+            raise ValueError(f"kv_verify_fraction={self.kv_verify_fraction!r} is invalid: expected 0 <= fraction <= 1")
         if self.priority_aging_steps < 1:
             raise ValueError(f"priority_aging_steps={self.priority_aging_steps!r} is invalid: expected >= 1")
 

@@ -19,6 +19,7 @@ from edgeinfer.backend.engine.block_manager import BlockManager
 from edgeinfer.backend.engine.config import EngineConfig
 from edgeinfer.backend.engine.fair import make_scheduler
 from edgeinfer.backend.engine.grammar import GrammarCompiler, GrammarError
+from edgeinfer.backend.engine.kv_integrity import KVIntegrity
 from edgeinfer.backend.engine.model_runner import ModelRunner
 from edgeinfer.backend.engine.sampler import (
     GrammarFailed,
@@ -80,6 +81,11 @@ class LLMEngine:
                                  model.cfg.max_position_embeddings)
         self.blocks = BlockManager(self.runner.num_pages, self.cfg.page_size, self.cfg.enable_prefix_cache,
                                    tables=self.runner.tables, eviction=self.cfg.cache_eviction)
+        self.blocks.check_identity = self.cfg.kv_integrity
+        self.integrity = KVIntegrity(self.runner, self.blocks, self.cfg.kv_verify_fraction) \
+            if self.cfg.kv_integrity else None
+        if self.integrity is not None and self.cfg.kv_verify_fraction > 0:
+            self.blocks.verify_content = self.integrity.verify
         self.step_cost = StepCost()                # what steps cost here (the fair scheduler's contended cap)
         self.scheduler = make_scheduler(self.cfg, self.blocks, self.step_cost)
         self.kv = self.runner.kv_format
@@ -421,16 +427,22 @@ class LLMEngine:
         for seq in batch.out_of_room:
             assert seq.stop_checker is not None   # set in _make_seq
             self._finish(seq, "length", text=seq.stop_checker.flush())
+        if self.integrity is not None and not batch.empty:
+            self._check_pages(batch)
         if batch.empty:
             return
         seqs, logits = self.runner.execute(batch)
+        sealed: list[int] = []
         for s in [*batch.decodes, *(s for s, _ in batch.prefills)]:
             new = s.extend_hashes()
             if new:
                 cached = self.blocks.register_full_pages(s, new)
                 if cached:
+                    sealed += [page for _, page in cached]
                     for o in self.observers:
                         o.on_pages_filled(s, cached)
+        if sealed and self.integrity is not None:
+            self.integrity.seal(sealed)
         now = time.monotonic()
         if seqs:
             for seq, got in zip(seqs, sample(seqs, logits, self.grammars)):
@@ -442,6 +454,22 @@ class LLMEngine:
         self.step_cost.observe(len(batch.decodes), prefill, dt)
         for o in self.observers:
             o.on_step(self, batch, dt)
+
+    def _check_pages(self, batch) -> None:
+        """Before the forward pass: a scheduled sequence whose table names a page it does not hold gives back the
+        pages it does hold (BlockManager.repair finds one its table lost) and waits first in line to be recomputed
+        (it reads and writes no page this step)."""
+        assert self.integrity is not None
+        bad = self.integrity.check_batch([*batch.decodes, *(s for s, _ in batch.prefills)])
+        if not bad:
+            return
+        out = {id(s) for s, _ in bad}
+        for seq, entries in bad:
+            for i in entries:
+                self.blocks.repair(seq, i)
+            self.scheduler.requeue(seq)
+        batch.decodes = [s for s in batch.decodes if id(s) not in out]
+        batch.prefills = [(s, n) for s, n in batch.prefills if id(s) not in out]
 
     def _take(self, seq: Sequence, got: tuple[int, TokenLogprob | None] | SamplingError, now: float) -> None:
         """Append a sampled token; a failure (sampling, stop check, detokenizing) ends this sequence only."""

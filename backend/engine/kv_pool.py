@@ -127,10 +127,14 @@ def gather_pages(runner, pages: list[int]) -> torch.Tensor:
     Engine thread only. A tensor-parallel node's model gathers every rank's share (backend/parallel/node.py)."""
     if hasattr(runner.model, "gather_pages"):
         return runner.model.gather_pages(runner.kv, pages)
+    return gather_pages_on_device(runner, pages).cpu()
+
+
+def gather_pages_on_device(runner, pages: list[int]) -> torch.Tensor:
+    """uint8 [len(pages), page_bytes] on the pool's device (one process's pool): the page bodies."""
     parts = pool_parts(runner)
     idx = torch.tensor(pages, dtype=torch.long, device=parts[0].device)
-    buf = torch.cat([t.index_select(0, idx).reshape(len(pages), -1) for t in parts], dim=1)
-    return buf.cpu()
+    return torch.cat([t.index_select(0, idx).reshape(len(pages), -1) for t in parts], dim=1)
 
 
 def scatter_pages(runner, pages: list[int], buf: torch.Tensor) -> None:

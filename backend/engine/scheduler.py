@@ -50,15 +50,19 @@ class Scheduler:
         self.blocks.free(seq)
 
     def _preempt(self, victim: Sequence, batch: ScheduledBatch) -> None:
-        self.running.remove(victim)
-        self.blocks.free(victim)
-        victim.num_computed_tokens = 0
-        victim.page_hashes = []
-        victim.status = SeqStatus.WAITING
+        self.requeue(victim)
         victim.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(victim)
         batch.preempted.append(victim)
+
+    def requeue(self, seq: Sequence) -> None:
+        """A running seq gives back its pages and waits first in line to be recomputed (its output so far kept)."""
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.num_computed_tokens = 0
+        seq.page_hashes = []
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
 
     def _victim(self, seq: Sequence, protected: set[int]) -> Sequence | None:
         """Whom to preempt so that seq can grow: the newest other running sequence not scheduled yet."""
@@ -127,16 +131,18 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> bool:
         hashes = seq.prompt_page_hashes()
-        match = self.blocks.match_prefix(seq, hashes)
         p = self.blocks.page_size
-        pages = list(match.pages)
-        if len(pages) * p >= seq.num_tokens:     # keep >= 1 token to compute (its logits are needed)
-            pages = pages[:-1]
-        cached = len(pages) * p
-        n = min(seq.num_tokens - cached, budget)
-        need = self.blocks.pages_needed(cached + n) - len(pages)
-        if not self.blocks.can_allocate(need, pages):
-            return False
+        while True:          # a prefix page that fails its content check is dropped: match again (ends: one fewer)
+            pages = list(self.blocks.match_prefix(seq, hashes).pages)
+            if len(pages) * p >= seq.num_tokens:     # keep >= 1 token to compute (its logits are needed)
+                pages = pages[:-1]
+            cached = len(pages) * p
+            n = min(seq.num_tokens - cached, budget)
+            need = self.blocks.pages_needed(cached + n) - len(pages)
+            if not self.blocks.can_allocate(need, pages):
+                return False
+            if self.blocks.verify_taken(seq, pages, hashes[:len(pages)]):
+                break
         self.blocks.assign(seq, pages)
         self.blocks.allocate(seq, need)
         seq.num_computed_tokens = cached

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from typing import TYPE_CHECKING, Protocol
 
@@ -14,6 +15,9 @@ if TYPE_CHECKING:
     from llguidance import LLMatcher
 
     from edgeinfer.backend.engine.stop import StopChecker
+
+
+_serials = itertools.count(1)
 
 
 class SeqStatus(enum.Enum):
@@ -42,7 +46,9 @@ class Sequence:
         self.key_ctx = key_ctx
         self.emit = emit
         self.status = SeqStatus.WAITING
+        self.serial = next(_serials)          # owner of the pages it takes (backend/engine/kv_integrity.py)
         self.block_table: list[int] = []
+        self.page_stamps: list[int] = []      # the stamp of each block_table page when taken (0: not held)
         self.table_row = -1                 # its row in the BlockManager's BlockTables while it holds pages
         self.num_computed_tokens = 0        # tokens whose KV is in the cache
         self.num_cached_prompt_tokens = 0   # prompt tokens served from the prefix cache (first admission)

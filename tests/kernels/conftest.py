@@ -30,7 +30,7 @@ try:
 
     importlib.reload(kernels._triton)
     for name in ("_online_softmax", "kv_store", "w4a16_gemm", "paged_decode_attention", "paged_prefill_attention",
-                 "fused_moe", "paged_mla_attention"):
+                 "fused_moe", "paged_mla_attention", "page_checksum"):
         importlib.reload(importlib.import_module(f"edgeinfer.kernels.{name}"))
 finally:
     if _ON_GPU:
