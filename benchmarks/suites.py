@@ -191,6 +191,11 @@ SUITES: list[Suite] = [
              ["--models", "fp32", "--batch", "1", "--steps", "2", "--repeats", "1"], _step),
         Part("engine.native_int4", "the GGUF's INT4 weights served natively vs dequantized fp32: bytes, RSS, speed, ppl",
              ["--batch", "1", "--steps", "2", "--repeats", "1", "--chunks", "1", "--chunk-len", "64"], _native_int4),
+        Part("engine.kv_integrity", "KV integrity checks on vs off as served: decode at 1/8/32, prefix-hit TTFT",
+             ["--levels", "1,2", "--steps", "4", "--rounds", "2", "--prompt-len", "32", "--hit-len", "64"],
+             _keys(("decode on / off @32", "decode.32.on_over_off"), ("parts' cost @32", "parts_cost_at_top_level"),
+                   ("prefix-hit TTFT on / off", "prefix_hit.hit_ttft_on_over_off"),
+                   ("verify us/page", "prefix_hit.verify_us_per_page"), digits=4)),
     ]),
     Suite("kernels", "How fast are the kernels against their baselines?", [
         Part("kernels.cpu", "C++ int8-dot CPU kernels vs torch int4 GEMM vs fp32 dense, per SmolLM2 layer shape",

@@ -84,7 +84,9 @@ async def test_engine_other_namespace_never_hits_same_namespace_and_group_do(eng
 
 
 class PrefillWork(EngineObserver):
-    """Prompt tokens the engine computed per request id (batch.prefills: (sequence, tokens) per step)."""
+    """Prompt tokens the engine computed per request id: batch.prefills ((sequence, tokens) per step), and a
+    prompt's last token when a capped chunk left only it (the scheduler computes a lone token as a decode: the
+    decode that yields the first output token computed a prompt token)."""
 
     def __init__(self) -> None:
         self.tokens: dict[str, int] = {}
@@ -92,6 +94,9 @@ class PrefillWork(EngineObserver):
     def on_step(self, engine, batch, dt: float) -> None:
         for seq, n in batch.prefills:
             self.tokens[seq.request_id] = self.tokens.get(seq.request_id, 0) + n
+        for seq in batch.decodes:
+            if len(seq.output_ids) == 1:
+                self.tokens[seq.request_id] = self.tokens.get(seq.request_id, 0) + 1
 
 
 async def test_engine_prefix_cache_saves_another_tenant_no_work(engine):
