@@ -46,7 +46,7 @@ class KVFaults:
 
     def corrupt_page(self, page: int, seed: int = 0) -> None:
         """Overwrite page's K and V in every layer (values, not scales) with large random values."""
-        import torch   # this module stays torch-free at import: `edgeinfer serve` imports it before any model
+        import torch  # this module stays torch-free at import: `edgeinfer serve` imports it before any model
 
         g = torch.Generator().manual_seed(seed)
         for kv in self.engine.runner.kv:
