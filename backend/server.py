@@ -13,12 +13,10 @@ stuck node. A request whose estimated wait for its first token (backend.engine.b
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hmac
 import json
 import logging
-import os
 import signal
 import socket
 import sys
@@ -31,17 +29,13 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from edgeinfer.backend.config import BackendConfig
+from edgeinfer.backend.config import VERSION, BackendConfig, parse_args
 from edgeinfer.backend.engine.engine import LLMEngine, RequestError
 from edgeinfer.backend.engine.kv_faults import refuse_in_production
 from edgeinfer.backend.metrics import BackendMetrics
-from edgeinfer.protocol.defaults import CACHE_SEED, CACHE_SEED_ENV, KEY_PREFIX, PAGE_SIZE
 from edgeinfer.protocol.wire import AbortRequest, BackendInfo, GenerateRequest, StreamChunk, encode
 
 log = logging.getLogger("edgeinfer.backend")
-VERSION = os.environ.get("EDGEINFER_VERSION", "0.1.0")
-INTERNAL_SECRET_ENV = "EDGEINFER_INTERNAL_SECRET"
-MIN_SECRET_CHARS = 16
 
 
 @dataclass
@@ -270,133 +264,6 @@ def make_app(state: BackendState) -> web.Application:
     return app
 
 
-def parse_args(argv: list[str] | None) -> BackendConfig:
-    p = argparse.ArgumentParser(prog="edgeinfer backend", description="Run one inference backend node.")
-    p.add_argument("--model", default=None, help="HF checkpoint directory (default: SmolLM2-135M-Instruct, the GGUF's INT4 weights)")
-    p.add_argument("--model-name", default=None, help="name served to clients (default: directory name)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8100)
-    p.add_argument("--node-id", default=None)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--tensor-parallel", type=int, default=1,
-                   help="ranks of this node on torch.distributed (gloo on CPU): attention heads, MLP widths and the "
-                        "vocab split across them; rank 0 is this process (default 1)")
-    p.add_argument("--expert-parallel", action="store_true",
-                   help="with --tensor-parallel: split the routed experts by rank instead of each expert's width")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--page-size", type=int, default=PAGE_SIZE)
-    p.add_argument("--kv-dtype", default="fp8_e4m3", choices=["auto", "fp32", "bf16", "fp16", "fp8_e4m3"],
-                   help="KV pages' dtype (default fp8_e4m3: a scale per token-head, q and k Hadamard-rotated; 3.9x "
-                        "the tokens of fp32 in the same bytes, 4k perplexity 1.0009x fp32's on the default model; "
-                        "auto: the model's dtype)")
-    p.add_argument("--kv-cache-bytes", type=int, default=512 << 20,
-                   help="KV pool budget (default 512 MiB: 45k tokens of fp8 KV for the default model, 11.6k of fp32); "
-                        "memory becomes resident as pages are first used")
-    p.add_argument("--num-pages", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-queue-wait-s", type=float, default=300.0,
-                   help="refuse (503 + Retry-After) a request whose estimated wait for its first token is longer; "
-                        "0: no bound")
-    p.add_argument("--keepalive-s", type=float, default=1.0,
-                   help="empty line on a stream silent this long while the engine steps (0: none); keep it well "
-                        "under the gateway's first_byte_timeout_s")
-    p.add_argument("--no-prefix-cache", action="store_true")
-    p.add_argument("--scheduler", default="fair", choices=["fair", "fifo"],
-                   help="fair: per-tenant virtual token counter (weights, priority classes); fifo: arrival order")
-    p.add_argument("--cache-eviction", default="fair", choices=["fair", "lru"],
-                   help="fair: evict cached pages of the tenant most over its share first; lru: oldest first")
-    p.add_argument("--prefill-token-weight", type=float, default=1.0, help="fair scheduler: cost of a prefill token")
-    p.add_argument("--decode-token-weight", type=float, default=2.0, help="fair scheduler: cost of a decode token")
-    p.add_argument("--priority-aging-steps", type=int, default=256,
-                   help="fair scheduler: a waiting request's priority class improves by one per this many steps")
-    p.add_argument("--no-fair-preemption", action="store_true",
-                   help="fair scheduler: never preempt a tenant over its slot share to admit one under it")
-    p.add_argument("--no-prefill-isolation", action="store_true",
-                   help="fair scheduler: let over-share tenants' prefill share a step with an under-share first token")
-    p.add_argument("--contended-step-tokens", type=int, default=32,
-                   help="fair scheduler: while more than one tenant is active, a step computes at most this many "
-                        "prefill tokens (the step a newly arrived request waits on stays short) until the step "
-                        "cost is measured, and always with --contended-step-ratio 0; 0: no cap, the step takes "
-                        "--max-num-batched-tokens")
-    p.add_argument("--contended-step-ratio", type=float, default=1.0,
-                   help="fair scheduler: once the engine has measured what its steps cost, a contended step's "
-                        "prefill tokens are those whose predicted time is at most this times the rest of the "
-                        "step (its decodes and fixed cost); 0: the fixed --contended-step-tokens cap")
-    p.add_argument("--contended-window-s", type=float, default=1.0,
-                   help="fair scheduler: a tenant counts as active for the step cap this long after its last "
-                        "request left (a closed-loop client between two requests)")
-    p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
-    p.add_argument("--no-kv-integrity", action="store_true",
-                   help="turn off the live pool's integrity checks: page identity before each step and at prefix "
-                        "hits, store receives and frees, and sealed-page checksums (backend/engine/kv_integrity.py)")
-    p.add_argument("--kv-verify-fraction", type=float, default=1.0,
-                   help="of the sealed pages a prefix hit reuses, the fraction whose checksum is verified (default 1: "
-                        "every page; costs < 2%% of decode at 32 sequences, benchmarks/engine/kv_integrity.py)")
-    p.add_argument("--fixed-threads", action="store_true",
-                   help="CPU: keep every step on torch's thread count; by default the engine uses the cores other "
-                        "processes leave free (a busy neighbour on one of two cores otherwise stalls every op's "
-                        "barrier: batch-1 decode fell from ~155 to 2-68 tok/s, docs/KERNELS.md)")
-    p.add_argument("--redis-url", default=os.environ.get("EDGEINFER_REDIS_URL"))
-    p.add_argument("--redis-cluster", action="store_true")
-    p.add_argument("--store-tier", default="redis", choices=["redis", "host", "none"])
-    p.add_argument("--host-store-bytes", type=int, default=256 << 20)
-    p.add_argument("--store-fetch-timeout", type=float, default=1.0,
-                   help="seconds a request may spend fetching KV pages from the store before computing them")
-    p.add_argument("--redis-key-prefix", default=KEY_PREFIX, help="prefix of every Redis key (same as the gateway's)")
-    p.add_argument("--cache-seed", default=os.environ.get(CACHE_SEED_ENV, CACHE_SEED))
-    p.add_argument("--operator-key", default=os.environ.get("EDGEINFER_OPERATOR_KEY"))
-    p.add_argument("--internal-secret-file", default=None,
-                   help=f"file holding the secret the gateway sends on /internal/* (default: ${INTERNAL_SECRET_ENV})")
-    p.add_argument("--insecure-no-internal-auth", action="store_true",
-                   help="serve /internal/* to anyone who can connect (only on a trusted, isolated network)")
-    p.add_argument("--page-key-file", default=None,
-                   help="file holding the key that seals KV pages in the store (default: $EDGEINFER_PAGE_KEY, "
-                        "else derived from the cache seed); the same on every node")
-    p.add_argument("--start-drained", action="store_true",
-                   help="register as draining: no routed traffic until `edgeinfer ops undrain` (rollouts run "
-                        "their canary first); needs --operator-key")
-    p.add_argument("--version", default=VERSION)
-    p.add_argument("--heartbeat", type=float, default=2.0)
-    p.add_argument("--log-level", default="INFO")
-    args = p.parse_args(argv)
-    args.internal_secret = None if args.insecure_no_internal_auth else _internal_secret(p, args)
-    for name in ("max_queue_wait_s", "keepalive_s"):
-        v = getattr(args, name)
-        if not (v >= 0 and v != float("inf")):
-            p.error(f"--{name.replace('_', '-')} {v!r}: expected a finite number of seconds >= 0 (0: off)")
-    if args.contended_step_tokens < 0:
-        p.error(f"--contended-step-tokens {args.contended_step_tokens}: expected >= 0 (0: no cap)")
-    if not (0 <= args.contended_step_ratio < float("inf")):
-        p.error(f"--contended-step-ratio {args.contended_step_ratio!r}: expected a finite number >= 0 (0: fixed cap)")
-    if not (0 <= args.contended_window_s < float("inf")):
-        p.error(f"--contended-window-s {args.contended_window_s!r}: expected a finite number of seconds >= 0")
-    if not (0.0 <= args.kv_verify_fraction <= 1.0):
-        p.error(f"--kv-verify-fraction {args.kv_verify_fraction!r}: expected a fraction 0 <= f <= 1")
-    if args.start_drained and not args.operator_key:
-        p.error("--start-drained needs --operator-key (or EDGEINFER_OPERATOR_KEY): without it the node could "
-                "never be undrained")
-    return BackendConfig.from_namespace(args)
-
-
-def _internal_secret(p: argparse.ArgumentParser, args: argparse.Namespace) -> str:
-    if args.internal_secret_file:
-        try:
-            secret = Path(args.internal_secret_file).read_text().strip()
-        except OSError as e:
-            p.error(f"--internal-secret-file: {e}")
-        origin = args.internal_secret_file
-    else:
-        secret, origin = os.environ.get(INTERNAL_SECRET_ENV, "").strip(), f"${INTERNAL_SECRET_ENV}"
-        if not secret:
-            p.error(f"no internal secret: set {INTERNAL_SECRET_ENV} or --internal-secret-file (the gateway sends "
-                    "it on /internal/*), or pass --insecure-no-internal-auth on an isolated network")
-    if len(secret) < MIN_SECRET_CHARS:
-        p.error(f"internal secret from {origin} is {len(secret)} characters; at least {MIN_SECRET_CHARS} needed")
-    return secret
-
-
 def release_free_heap() -> int:
     """Give the heap the load left free (read buffers, unpacked weights) back to the OS: glibc keeps freed
     small-block memory mapped (measured ~27 MiB after loading the default model). Returns malloc_trim's result
@@ -414,7 +281,7 @@ def release_free_heap() -> int:
 def build_state(cfg: BackendConfig) -> BackendState:
     import torch
 
-    from edgeinfer.backend.engine.engine import in_fresh_thread, load_engine
+    from edgeinfer.backend.engine.loading import in_fresh_thread, load_engine
     from edgeinfer.backend.model.gguf_import import ensure_native_default_model
 
     # the import runs torch on CPU: off the main thread, so the engine thread's OpenMP pool stays the only one
@@ -449,7 +316,7 @@ def build_state(cfg: BackendConfig) -> BackendState:
                          "kv_dtype": engine.kv_format, "kv_bytes_per_token": engine.runner.bytes_per_token,
                          "kv_pages": engine.blocks.num_pages, "page_size": engine.cfg.page_size,
                          "max_tokens_in_budget": engine.blocks.num_pages * engine.cfg.page_size}))
-    from edgeinfer.backend.store_wiring import attach_page_store  # noqa: PLC0415
+    from edgeinfer.backend.page_store.wiring import attach_page_store  # noqa: PLC0415
 
     attach_page_store(st, cfg)
     return st

@@ -258,9 +258,9 @@ async def bench_ttft(url: str, args) -> dict:
     import torch
 
     from edgeinfer.backend.engine.config import EngineConfig
-    from edgeinfer.backend.engine.engine import load_engine
+    from edgeinfer.backend.engine.loading import load_engine
     from edgeinfer.backend.model.gguf_import import ensure_default_model
-    from edgeinfer.backend.store_bridge import PageStoreBridge
+    from edgeinfer.backend.page_store.bridge import PageStoreBridge
     from edgeinfer.cache_store.store import HostPageStore, TieredPageStore
     from edgeinfer.protocol.wire import GenerateRequest, SamplingParams
 

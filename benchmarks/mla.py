@@ -71,7 +71,7 @@ def build(kind: str, out: Path, vocab: int, tokenizer_dir: Path) -> None:
 def kv_bytes(model_dir: Path) -> dict:
     from edgeinfer.backend.engine.config import EngineConfig
     from edgeinfer.backend.engine.model_runner import ModelRunner
-    from edgeinfer.backend.model.llama import load_model
+    from edgeinfer.backend.model.loader import load_model
 
     model = load_model(model_dir)
     out = {}
@@ -83,7 +83,7 @@ def kv_bytes(model_dir: Path) -> dict:
 
 
 def decode_and_prefill(model_dir: Path, levels: list[int], context: int, prefill: int, steps: int) -> dict:
-    from edgeinfer.backend.model.llama import load_model
+    from edgeinfer.backend.model.loader import load_model
     from tests.backend.dense import decode_batch, prefill_batch
 
     model = load_model(model_dir)
@@ -120,7 +120,8 @@ def decode_and_prefill(model_dir: Path, levels: list[int], context: int, prefill
 
 
 def fp8_agreement(model_dir: Path, chunks: list[list[int]]) -> dict:
-    from edgeinfer.backend.model.llama import LayerKV, load_model
+    from edgeinfer.backend.model.batch import LayerKV
+    from edgeinfer.backend.model.loader import load_model
     from tests.backend.dense import fresh_kv, prefill_logits
 
     model = load_model(model_dir)

@@ -118,7 +118,7 @@ def model_steps(model_dir: Path, levels: list[int], threads: int, steps: int = 1
 import json, sys, time, torch
 sys.path.insert(0, {str(ROOT)!r})
 torch.set_num_threads({threads})
-from edgeinfer.backend.model.llama import load_model
+from edgeinfer.backend.model.loader import load_model
 from tests.backend.dense import decode_batch
 m = load_model({str(model_dir)!r})
 out = {{}}

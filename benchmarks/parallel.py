@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "glm"
         build(model_dir)
-        from edgeinfer.backend.model.llama import load_model
+        from edgeinfer.backend.model.loader import load_model
 
         torch.set_num_threads(a.threads)
         one = load_model(model_dir)

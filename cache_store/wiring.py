@@ -1,5 +1,5 @@
 """One way to wire a Redis deployment: a fail-fast client, the KeySpace, and the page index, node registry and
-page store over one guard. Used by the gateway (gateway/app.py), the backends (backend/store_bridge.py) and
+page store over one guard. Used by the gateway (gateway/app.py), the backends (backend/page_store/bridge.py) and
 `edgeinfer ops` (ops/commands.py)."""
 
 from __future__ import annotations

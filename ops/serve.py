@@ -29,7 +29,7 @@ from edgeinfer.ops.local_state import HomeLock, LocalSecrets, clear_running, wri
 from edgeinfer.ops.local_valkey import MAXMEMORY, LocalValkey, ValkeyError
 from edgeinfer.protocol.defaults import home_dir
 
-PAGE_KEY_ENV = "EDGEINFER_PAGE_KEY"     # what backend.server reads (backend/store_wiring.py)
+PAGE_KEY_ENV = "EDGEINFER_PAGE_KEY"     # what backend.server reads (backend/page_store/wiring.py)
 REDIS_URL_ENV = "EDGEINFER_REDIS_URL"   # backend.server's --redis-url default
 PROGRESS_EVERY_S = 15.0
 

@@ -31,7 +31,7 @@ def smol_device() -> str:
 
 @pytest.fixture(scope="session")
 def smol_model(smol_dir):
-    from edgeinfer.backend.model.llama import load_model
+    from edgeinfer.backend.model.loader import load_model
 
     return load_model(smol_dir, device=smol_device())
 

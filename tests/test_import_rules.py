@@ -101,6 +101,58 @@ def test_every_import_runs_down_the_layout():
     assert sum(len(v) for v in graph.values()) > 200   # the graph was really read
 
 
+# backend's rooms -> the rooms of backend (and the packages outside it) each may import (docs/ARCHITECTURE.md);
+# backend's top-level modules (server, cli, config, metrics) wire the rooms together and may import any of them
+BACKEND_ALLOWED = {
+    "model": {"kernels", "protocol"},
+    "engine": {"model", "kernels", "protocol"},
+    "parallel": {"engine", "model", "kernels", "protocol"},
+    "quant": {"model", "engine", "kernels", "protocol"},
+    "page_store": {"engine", "cache_store", "protocol"},
+}
+
+
+def folder(module: str) -> str:
+    """A module's room: its top-level package, or for backend its subpackage ("backend" for its own modules)."""
+    parts = module.split(".")
+    if parts[1] == "backend" and len(parts) > 3:
+        return parts[2]
+    return parts[1]
+
+
+def test_every_import_inside_backend_runs_down_its_rooms():
+    graph = import_graph(modules())
+    bad = sorted((a, b) for a, outs in graph.items() for b in outs
+                 if (fa := folder(a)) in BACKEND_ALLOWED and (fb := folder(b)) != fa
+                 and fb not in BACKEND_ALLOWED[fa])
+    assert bad == [], "imports against backend's rooms: " + ", ".join(f"{a} -> {b}" for a, b in bad)
+    assert {folder(m) for m in graph} >= set(BACKEND_ALLOWED)     # every room was found
+
+
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for a, outs in graph.items():
+        out.setdefault(folder(a), set()).update(folder(b) for b in outs if folder(b) != folder(a))
+    return out
+
+
+def test_no_loop_of_folders():
+    """Rooms import down, never around (the old model -> quant -> engine -> model loop), counting imports inside
+    functions and under TYPE_CHECKING."""
+    found = circles(folder_graph(import_graph(modules())))
+    assert found == [], f"folder loops: {found}"
+
+
+def test_the_folder_loop_finder_finds_the_old_loop():
+    graph = {"edgeinfer.backend.model.loader": {"edgeinfer.backend.quant.loader"},
+             "edgeinfer.backend.quant.loader": {"edgeinfer.backend.quant.calib"},
+             "edgeinfer.backend.quant.calib": {"edgeinfer.backend.engine.model_runner"},
+             "edgeinfer.backend.engine.model_runner": {"edgeinfer.backend.model.batch"},
+             "edgeinfer.backend.model.batch": set()}
+    assert circles(folder_graph(graph)) == [["engine", "model", "quant"]]
+    assert circles(graph) == []                        # no module circle: only the folders loop
+
+
 def test_no_circle_of_modules():
     found = circles(import_graph(modules()))
     assert found == [], f"import circles: {found}"

@@ -133,7 +133,7 @@ class BlockManager:
             parent = h
         return len(hashes)
 
-    # ---- the page store's view (backend/store_*.py): lookup, insert_external, evictions
+    # ---- the page store's view (backend/page_store/): lookup, insert_external, evictions
     def lookup(self, h: bytes) -> CachedPage | None:
         return self.cache.get(h)
 

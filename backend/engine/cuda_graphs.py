@@ -26,7 +26,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from edgeinfer.backend.model.llama import AttentionMetadata, LayerKV, LlamaModel
+from edgeinfer.backend.model.batch import AttentionMetadata, LayerKV
+from edgeinfer.backend.model.decoder import LlamaModel
 
 GRAPHS_ENV = "EDGEINFER_CUDA_GRAPHS"
 PAD_SLOT = -1          # kv_store skips the row

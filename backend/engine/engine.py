@@ -8,19 +8,21 @@ import queue
 import threading
 import time
 from collections.abc import AsyncGenerator
-from pathlib import Path
 from typing import Any
 
 import torch
-import xxhash
 
 from edgeinfer.backend.engine.backlog import Backlog
 from edgeinfer.backend.engine.block_manager import BlockManager
 from edgeinfer.backend.engine.config import EngineConfig
 from edgeinfer.backend.engine.fair import make_scheduler
 from edgeinfer.backend.engine.grammar import GrammarCompiler, GrammarError
+from edgeinfer.backend.engine.isolation import isolate
 from edgeinfer.backend.engine.kv_integrity import KVIntegrity
+from edgeinfer.backend.engine.kv_port import EngineKVPort
 from edgeinfer.backend.engine.model_runner import ModelRunner
+from edgeinfer.backend.engine.observer import EngineObserver
+from edgeinfer.backend.engine.requests import RequestError, validate_request
 from edgeinfer.backend.engine.sampler import (
     GrammarFailed,
     SamplingError,
@@ -28,45 +30,17 @@ from edgeinfer.backend.engine.sampler import (
     make_generator,
     sample,
 )
-from edgeinfer.backend.engine.scheduler import Scheduler
 from edgeinfer.backend.engine.sequence import SeqStatus, Sequence
 from edgeinfer.backend.engine.step_cost import StepCost
 from edgeinfer.backend.engine.stop import StopChecker
+from edgeinfer.backend.engine.streaming import Keepalive
 from edgeinfer.backend.engine.threads import ThreadGovernor
-from edgeinfer.backend.model.llama import LlamaModel
+from edgeinfer.backend.model.decoder import LlamaModel
 from edgeinfer.protocol.page_id import PageKeyContext
 from edgeinfer.protocol.tokenizer import Tokenizer
 from edgeinfer.protocol.wire import GenerateRequest, StreamChunk, TokenLogprob, Usage
 
 log = logging.getLogger("edgeinfer.engine")
-
-
-class RequestError(ValueError):
-    def __init__(self, message: str, code: int = 400) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def model_fingerprint(path: str | Path) -> str:
-    path = Path(path)
-    h = xxhash.xxh3_64()
-    h.update((path / "config.json").read_bytes() if (path / "config.json").is_file() else b"")
-    for f in sorted(path.glob("*.safetensors")):
-        h.update(f.name.encode())
-        h.update(str(f.stat().st_size).encode())
-        with open(f, "rb") as fh:
-            h.update(fh.read(1 << 16))
-    return h.hexdigest()
-
-
-class EngineObserver:
-    """Hooks for metrics and the page store; the defaults do nothing."""
-
-    def on_step(self, engine: LLMEngine, batch, dt: float) -> None: ...
-    def on_first_token(self, seq: Sequence, ttft: float) -> None: ...
-    def on_token(self, seq: Sequence, itl: float) -> None: ...
-    def on_finish(self, seq: Sequence) -> None: ...
-    def on_pages_filled(self, seq: Sequence, pages: list[tuple[bytes, int]]) -> None: ...
 
 
 class LLMEngine:
@@ -86,6 +60,7 @@ class LLMEngine:
             if self.cfg.kv_integrity else None
         if self.integrity is not None and self.cfg.kv_verify_fraction > 0:
             self.blocks.verify_content = self.integrity.verify
+        self.kv_port = EngineKVPort(self)           # what the page store may do with this engine's KV
         self.step_cost = StepCost()                # what steps cost here (the fair scheduler's contended cap)
         self.scheduler = make_scheduler(self.cfg, self.blocks, self.step_cost)
         self.kv = self.runner.kv_format
@@ -124,35 +99,8 @@ class LLMEngine:
         return PageKeyContext(self.cfg.cache_seed, namespace, self.fingerprint, self.kv_format, self.cfg.page_size)
 
     def validate(self, req: GenerateRequest) -> None:
-        try:
-            req.sampling.validate()
-        except ValueError as e:
-            raise RequestError(str(e)) from e
-        n = len(req.prompt_token_ids)
-        if n == 0:
-            raise RequestError("prompt_token_ids is empty: expected at least 1 token")
-        vocab = self.model.cfg.vocab_size
-        bad = next((t for t in req.prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestError(f"prompt token id {bad} is out of range: expected 0 <= id < {vocab}")
-        if n >= self.max_model_len:
-            raise RequestError(f"prompt has {n} tokens; this model accepts at most {self.max_model_len - 1}", 400)
-        if self.blocks.pages_needed(n + 1) > self.blocks.num_pages:
-            raise RequestError(f"prompt of {n} tokens needs {self.blocks.pages_needed(n + 1)} KV pages; the KV "
-                               f"cache has {self.blocks.num_pages} pages of {self.cfg.page_size} tokens", 400)
-        if req.request_id in self._seqs:
-            raise RequestError(f"request_id {req.request_id!r} is already running", 409)
-        if not req.cache_namespace:
-            raise RequestError("cache_namespace is empty: expected the tenant's namespace")
-        if req.tenant is not None:
-            try:
-                req.tenant.validate()
-            except ValueError as e:
-                raise RequestError(str(e)) from e
-            cap = req.tenant.max_running_pages
-            if cap and self.blocks.pages_needed(n + 1) > cap:
-                raise RequestError(f"prompt of {n} tokens needs {self.blocks.pages_needed(n + 1)} KV pages; tenant "
-                                   f"{req.tenant.id!r} may hold at most {cap} (max_running_pages)", 400)
+        """Raises RequestError (with its HTTP-like code) naming what is wrong with req (backend/engine/requests.py)."""
+        validate_request(self, req)
 
     async def generate(self, req: GenerateRequest) -> AsyncGenerator[StreamChunk, None]:
         """Yields StreamChunks; the last one carries finish_reason and usage. Cancelling the iterator aborts."""
@@ -196,7 +144,7 @@ class LLMEngine:
         self.backlog.submitted += len(seq.prompt_ids)
         self._cmds.put(("add", seq))
         finished = False
-        beat = _Keepalive(loop, q, keepalive_s, self) if keepalive_s is not None else None
+        beat = Keepalive(loop, q, keepalive_s, self) if keepalive_s is not None else None
         try:
             while True:
                 item = q.get_nowait() if not q.empty() else await q.get()
@@ -332,7 +280,7 @@ class LLMEngine:
                 self._flush()
             except Exception as e:  # a failed step must not hang clients, nor fail the sequences it did not cause
                 log.exception("engine step failed")
-                self._isolate(e)
+                isolate(self, e)
                 self._flush()
 
     def _flush(self) -> None:
@@ -362,64 +310,6 @@ class LLMEngine:
         seq.emit(seq, [], None, "", "error", msg, code)
         for o in self.observers:
             o.on_finish(seq)
-
-    def _isolate(self, error: Exception) -> None:
-        """After a failed step: put every admitted sequence (and the queue, up to max_num_seqs) back to
-        recompute, then run each alone until it yields a token. A sequence whose solo step fails is the
-        culprit and ends with an error; the others carry on with the same tokens (recompute is exact).
-        If every one of two or more fails alone, the node is at fault: they end with 503."""
-        suspects = list(self.scheduler.running) + list(self.scheduler.waiting)
-        if not suspects:
-            return
-        for seq in suspects:
-            self.scheduler.remove(seq)          # frees its pages; the waiting queue is rebuilt below
-            seq.num_computed_tokens = 0
-            seq.page_hashes = []
-            seq.status = SeqStatus.WAITING
-        failed: list[tuple[Sequence, str]] = []
-        rest = list(suspects)
-        while rest and len(self.scheduler.running) < self.cfg.max_num_seqs:
-            seq = rest.pop(0)
-            outcome = self._probe(seq)
-            if outcome == "stuck":               # no room alone right now: queue it with the rest
-                rest.insert(0, seq)
-                break
-            if outcome is not None:
-                failed.append((seq, outcome))
-        self.scheduler.waiting.extendleft(reversed(rest))
-        code = 503 if len(failed) == len(suspects) > 1 else 500
-        for seq, msg in failed:
-            self._finish_error(seq, msg, code)
-        if failed:
-            log.warning("step failure isolated: %d of %d sequence(s) failed alone (%s): %s", len(failed),
-                        len(suspects), ", ".join(s.request_id for s, _ in failed), error)
-
-    def _probe(self, seq: Sequence) -> str | None:
-        """Run seq alone until it has a new token or finishes. None: fine (it is running again or
-        finished); "stuck": it could not be scheduled alone; otherwise the failure's message."""
-        solo = Scheduler(self.cfg, self.blocks)
-        solo.add(seq)
-        main, self.scheduler = self.scheduler, solo
-        produced = len(seq.output_ids)
-        try:
-            while seq.status != SeqStatus.FINISHED and len(seq.output_ids) == produced:
-                computed = seq.num_computed_tokens
-                self.step()
-                if seq.status != SeqStatus.FINISHED and seq.num_computed_tokens == computed \
-                        and len(seq.output_ids) == produced:
-                    solo.remove(seq)
-                    seq.num_computed_tokens, seq.page_hashes, seq.status = 0, [], SeqStatus.WAITING
-                    return "stuck"
-        except Exception as e:  # this sequence fails alone: it is the culprit
-            log.exception("request %s fails alone", seq.request_id)
-            solo.remove(seq)
-            return f"engine step failed on this request: {type(e).__name__}: {e}"
-        finally:
-            self.scheduler = main
-            self._flush()
-        if seq.status != SeqStatus.FINISHED:
-            main.running.append(seq)
-        return None
 
     def step(self) -> None:
         t0 = time.monotonic()
@@ -521,79 +411,6 @@ def _grammar_done(seq: Sequence, tok: int) -> bool:
     return m.is_stopped()
 
 
-class _Keepalive:
-    """Puts a None (keepalive) into a stream's queue after `every_s` without output, if the engine stepped
-    since the stream's last output: one loop timer per stream, moved only when it fires."""
-
-    __slots__ = ("loop", "q", "every_s", "engine", "last", "seen_steps", "handle")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, q: asyncio.Queue, every_s: float, engine: LLMEngine) -> None:
-        self.loop, self.q, self.every_s, self.engine = loop, q, every_s, engine
-        self.last = loop.time()
-        self.seen_steps = engine.steps
-        self.handle = loop.call_at(self.last + every_s, self._fire)
-
-    def saw_output(self) -> None:
-        """The stream passed on a chunk or a keepalive: the silence starts again."""
-        self.last = self.loop.time()
-        self.seen_steps = self.engine.steps
-
-    def _fire(self) -> None:
-        now = self.loop.time()
-        due = self.last + self.every_s
-        if now < due:
-            self.handle = self.loop.call_at(due, self._fire)
-            return
-        if self.engine.steps != self.seen_steps:
-            self.seen_steps = self.engine.steps
-            self.q.put_nowait(None)
-        self.last = now
-        self.handle = self.loop.call_at(now + self.every_s, self._fire)
-
-    def cancel(self) -> None:
-        self.handle.cancel()
-
-
 def _deliver(items: list) -> None:
     for q, chunk in items:
         q.put_nowait(chunk)
-
-
-def in_fresh_thread(fn, *args, **kwargs):
-    """fn(*args, **kwargs) on a new thread that exits when it returns; its result, or its exception.
-
-    For torch work on CPU outside the engine thread (loading a model). libgomp gives every thread that
-    runs a parallel region its own worker pool, kept until that thread exits; once the pools hold more
-    threads than there are CPUs, every worker spins only 100 times before sleeping, so each of the ~600
-    parallel ops of a decode step pays a futex wake-up (measured at 32 sequences on 2 cores: 52 ms per
-    step with one pool, 70 ms once the main thread has a pool too). A thread that exits frees its pool.
-    """
-    box: dict[str, object] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn(*args, **kwargs)
-        except BaseException as e:  # re-raised in the caller
-            box["error"] = e
-
-    t = threading.Thread(target=run, name="edgeinfer-torch-oneshot")
-    t.start()
-    t.join()
-    if "error" in box:
-        raise box["error"]  # type: ignore[misc]
-    return box["value"]
-
-
-def load_engine(model_dir: str | Path, cfg: EngineConfig | None = None, dtype: torch.dtype = torch.float32,
-                device: str = "cpu", model_name: str | None = None) -> LLMEngine:
-    """Load on a thread that exits (see in_fresh_thread): the engine thread's OpenMP pool stays the only one."""
-    return in_fresh_thread(_load_engine, model_dir, cfg, dtype, device, model_name)
-
-
-def _load_engine(model_dir, cfg, dtype, device, model_name) -> LLMEngine:
-    from edgeinfer.backend.model.llama import load_model
-
-    model_dir = Path(model_dir)
-    model = load_model(model_dir, dtype=dtype, device=device)
-    tok = Tokenizer.from_dir(model_dir, model_vocab_size=model.cfg.vocab_size)
-    return LLMEngine(model, tok, cfg, fingerprint=model_fingerprint(model_dir), model_name=model_name or model_dir.name)

@@ -44,6 +44,8 @@ import numpy as np
 import torch
 import xxhash
 
+from edgeinfer import kernels
+
 if TYPE_CHECKING:
     from edgeinfer.backend.engine.block_manager import BlockManager
     from edgeinfer.backend.engine.model_runner import ModelRunner
@@ -102,28 +104,23 @@ class KVIntegrity:
         self.verify_fraction = verify_fraction
         self._rng = random.Random(seed)
         self._np_parts: list[np.ndarray] | None = None
-        self._device_sums = runner.model.device.type == "cuda" and not hasattr(runner.model, "gather_pages")
+        self._device_sums = runner.model.device.type == "cuda" and runner.page_io.world == 1
 
     # ---- checksums
     def _parts(self) -> list[np.ndarray]:
         if self._np_parts is None:
-            from edgeinfer.backend.engine.kv_pool import pool_parts
-
-            self._np_parts = [t.reshape(t.shape[0], -1).numpy() for t in pool_parts(self.runner)]
+            self._np_parts = [t.reshape(t.shape[0], -1).numpy() for t in self.runner.page_io.parts()]
         return self._np_parts
 
     def checksums(self, pages: list[int]) -> list[int]:
-        """The checksum of each pool page's bytes (body order: backend/store_bridge.py's page layout)."""
+        """The checksum of each pool page's bytes (body order: backend/page_store/bridge.py's page layout)."""
         if not pages:
             return []
-        from edgeinfer.backend.engine.kv_pool import gather_pages, gather_pages_on_device
-
+        io = self.runner.page_io
         if self._device_sums:
-            from edgeinfer import kernels
-
-            return kernels.page_checksum(gather_pages_on_device(self.runner, pages)).tolist()
-        if hasattr(self.runner.model, "gather_pages"):       # a tensor-parallel node: every rank's share
-            return body_checksums(gather_pages(self.runner, pages))
+            return kernels.page_checksum(io.read_on_device(pages)).tolist()
+        if io.world > 1:                                     # a tensor-parallel node: every rank's share
+            return body_checksums(io.read(pages))
         parts = self._parts()
         out = []
         for pg in pages:
@@ -136,8 +133,6 @@ class KVIntegrity:
     def body_checksums(self, buf: torch.Tensor) -> list[int]:
         """The checksums of page bodies [n, page_bytes] (host uint8), as checksums() gives for them in the pool."""
         if self._device_sums:
-            from edgeinfer import kernels
-
             return kernels.page_checksum(buf.to(self.runner.model.device).contiguous()).tolist()
         return body_checksums(buf)
 

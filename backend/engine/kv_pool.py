@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
+    from edgeinfer.backend.model.batch import LayerKV
     from edgeinfer.backend.model.config import ModelConfig
-    from edgeinfer.backend.model.llama import LayerKV
 
 KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn}
 SCALE_DTYPE = torch.bfloat16   # fp8 scales: 2 bytes per token-head (float32 would make fp8 only 1.88x of bf16)
@@ -99,7 +99,7 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device 
 def allocate_pool(fmt: KVFormat, num_pages: int, page_size: int, model_cfg: ModelConfig,
                   device: torch.device | str) -> list[LayerKV]:
     """One LayerKV per layer: lazily zeroed values, and for a scaled format scales of one."""
-    from edgeinfer.backend.model.llama import LayerKV
+    from edgeinfer.backend.model.batch import LayerKV
 
     shape = (num_pages, page_size, model_cfg.num_kv_heads, model_cfg.head_dim)
 
@@ -113,44 +113,23 @@ def allocate_pool(fmt: KVFormat, num_pages: int, page_size: int, model_cfg: Mode
                     hadamard=fmt.hadamard) for _ in range(model_cfg.num_layers)]
 
 
-# ---- page bodies: the bytes of one page of every layer (k, v, then the fp8 scales), for the page store
+# ---- page bodies: the bytes of one page of every layer (k, v, then the fp8 scales), through the runner's PageIO
 def pool_parts(runner) -> list[torch.Tensor]:
-    """The KV pool tensors in body order, viewed as uint8 ([num_pages, ..., bytes]); same order as read_page."""
-    parts = []
-    for kv in runner.kv:
-        parts += [t for t in (kv.k, kv.v, kv.k_scale, kv.v_scale) if t is not None]
-    return [t.view(torch.uint8) for t in parts]
+    """The KV pool tensors in body order, viewed as uint8 ([num_pages, ..., bytes]) (this process's pool)."""
+    return runner.page_io.parts()
 
 
 def gather_pages(runner, pages: list[int]) -> torch.Tensor:
-    """Host uint8 [len(pages), page_bytes]: each row is one page body (backend/store_bridge.py names its layout).
-    Engine thread only. A tensor-parallel node's model gathers every rank's share (backend/parallel/node.py)."""
-    if hasattr(runner.model, "gather_pages"):
-        return runner.model.gather_pages(runner.kv, pages)
-    return gather_pages_on_device(runner, pages).cpu()
+    """Host uint8 [len(pages), page body bytes]: each row is one page body (backend/page_store/bridge.py names its
+    layout); a tensor-parallel node's rows hold every rank's share. Engine thread only."""
+    return runner.page_io.read(pages)
 
 
 def gather_pages_on_device(runner, pages: list[int]) -> torch.Tensor:
     """uint8 [len(pages), page_bytes] on the pool's device (one process's pool): the page bodies."""
-    parts = pool_parts(runner)
-    idx = torch.tensor(pages, dtype=torch.long, device=parts[0].device)
-    return torch.cat([t.index_select(0, idx).reshape(len(pages), -1) for t in parts], dim=1)
+    return runner.page_io.read_on_device(pages)
 
 
 def scatter_pages(runner, pages: list[int], buf: torch.Tensor) -> None:
     """Write host rows buf[i] (page bodies) into KV pool pages[i]. Engine thread only."""
-    if hasattr(runner.model, "scatter_pages"):
-        runner.model.scatter_pages(runner.kv, pages, buf)
-        return
-    parts = pool_parts(runner)
-    dev = parts[0].device
-    idx = torch.tensor(pages, dtype=torch.long, device=dev)
-    src = buf.to(dev, non_blocking=False)
-    n = len(pages)
-    off = 0
-    for t in parts:
-        nb = t[0].numel()
-        t.index_copy_(0, idx, src[:, off:off + nb].reshape((n, *t.shape[1:])))
-        off += nb
-    if off != src.shape[1]:
-        raise ValueError(f"page body of {src.shape[1]} bytes, the KV pool needs {off}")
+    runner.page_io.write(pages, buf)

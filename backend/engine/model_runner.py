@@ -11,7 +11,8 @@ from edgeinfer.backend.engine.cuda_graphs import decode_graphs_for
 from edgeinfer.backend.engine.kv_pool import KVFormat, allocate_pool
 from edgeinfer.backend.engine.scheduler import ScheduledBatch
 from edgeinfer.backend.engine.sequence import Sequence
-from edgeinfer.backend.model.llama import AttentionMetadata, LayerKV, LlamaModel
+from edgeinfer.backend.model.batch import AttentionMetadata, LayerKV
+from edgeinfer.backend.model.decoder import LlamaModel
 
 
 class ModelRunner:
@@ -24,6 +25,7 @@ class ModelRunner:
         self.page_bytes = self.bytes_per_token * cfg.page_size
         self.num_pages = cfg.num_pages or max(1, cfg.kv_cache_bytes // self.page_bytes)
         self.kv: list[LayerKV] = allocate_pool(self.kv_format, self.num_pages, cfg.page_size, c, model.device)
+        self.page_io = model.page_io(self.kv)   # page bodies in and out (a tensor-parallel node's span its ranks)
         max_len = min(cfg.max_model_len or c.max_position_embeddings, c.max_position_embeddings)
         self.tables = BlockTables(cfg.max_num_seqs, -(-max_len // cfg.page_size))   # kept by the BlockManager
         self._stage = np.zeros((4, cfg.max_num_batched_tokens + cfg.max_num_seqs), dtype=np.int64)   # reused

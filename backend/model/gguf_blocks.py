@@ -1,7 +1,7 @@
 """GGUF quantized blocks -> our layouts, without requantizing (the values are the file's, bit for bit).
 
 A GGUF row of K weights is K/32 blocks; in a 4-bit block byte j holds q[j] (low nibble) and q[j + 16]
-(high nibble). Ours packs along K with the low nibble = even k (backend.quant.packing), so the nibbles are
+(high nibble). Ours packs along K with the low nibble = even k (backend.model.packing), so the nibbles are
 re-ordered, never re-rounded:
 
   Q4_0  [d fp16][16 B]  w = d * (q - 8)   -> qweight, scales = d (symmetric: zero 8)

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from edgeinfer.backend.model.atomic_dir import atomic_directory
+from edgeinfer.backend.model.gguf_metadata import ModelImportError, hf_config, hf_tokenizer_files
 from edgeinfer.protocol.defaults import DEFAULT_MODEL_NAME, home_dir, native_default_dir
 
 NATIVE_SUBDIR = "gguf-native"    # models_home()/gguf-native/<name>: same directory name, so the same served name
@@ -59,8 +60,6 @@ _MLA_BLOCK_NAMES = {   # deepseek2 (DeepSeek-V3, Kimi K2): kv_b_proj arrives spl
     "attn_k_b.weight": "self_attn.k_b",      # [H, r, nope] (W_UK^T per head): joined with v_b into kv_b_proj
     "attn_v_b.weight": "self_attn.v_b",      # [H, v, r]
 }
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "glm4moe": "Glm4MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
-                 "deepseek2": "DeepseekV3ForCausalLM"}
 _BLOCK_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -72,10 +71,6 @@ _BLOCK_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-
-
-class ModelImportError(RuntimeError):
-    pass
 
 
 def default_gguf_path() -> Path:
@@ -117,13 +112,6 @@ def ensure_native_default_model(progress: bool = False) -> Path:
     return dst
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
-
-
 def _reverse_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     # llama.cpp's converter interleaves rotary halves of q/k; undo it (HF layout).
     dim = w.shape[0] // n_head // 2
@@ -149,132 +137,6 @@ def _open(path: Path):
             raise ModelImportError(f"{path}: truncated: tensor {t.name!r} ends at byte "
                                    f"{t.data_offset + t.n_bytes}, file has {size}")
     return reader
-
-
-def _config(reader, path: Path, names: set[str]) -> dict:
-    arch = _field(reader, "general.architecture")
-    if arch not in ARCHITECTURES:
-        raise ModelImportError(f"{path}: unsupported GGUF architecture {arch!r}; supported: "
-                               f"{', '.join(repr(a) for a in ARCHITECTURES)}")
-    p = f"{arch}."
-    heads = int(_field(reader, p + "attention.head_count"))
-    hidden = int(_field(reader, p + "embedding_length"))
-    vocab = _field(reader, p + "vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-    head_dim = int(_field(reader, p + "attention.key_length", 0) or _field(reader, p + "rope.dimension_count",
-                                                                          hidden // heads))
-    cfg = {
-        "architectures": [ARCHITECTURES[arch]],
-        "model_type": {"llama": "llama", "glm4moe": "glm4_moe", "qwen3moe": "qwen3_moe",
-                       "deepseek2": "deepseek_v3"}[arch],
-        "hidden_size": hidden,
-        "intermediate_size": int(_field(reader, p + "feed_forward_length", 0)),
-        "num_hidden_layers": int(_field(reader, p + "block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(_field(reader, p + "attention.head_count_kv", heads)),
-        "head_dim": head_dim,
-        "max_position_embeddings": int(_field(reader, p + "context_length", 2048)),
-        "rms_norm_eps": float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(_field(reader, p + "rope.freq_base", 10000.0)),
-        "vocab_size": int(vocab),
-        "hidden_act": "silu",
-        "tie_word_embeddings": "output.weight" not in names,
-        "bos_token_id": int(_field(reader, "tokenizer.ggml.bos_token_id", 1)),
-        "eos_token_id": int(_field(reader, "tokenizer.ggml.eos_token_id", 2)),
-        "torch_dtype": "float32",
-        "attention_bias": "blk.0.attn_q.bias" in names,
-        "mlp_bias": False,
-    }
-    if arch != "llama":
-        rope_dim = int(_field(reader, p + "rope.dimension_count", head_dim))
-        cfg |= {
-            "num_experts_per_tok": int(_field(reader, p + "expert_used_count")),
-            "moe_intermediate_size": int(_field(reader, p + "expert_feed_forward_length")),
-            "norm_topk_prob": bool(_field(reader, p + "expert_weights_norm", True)),
-            "partial_rotary_factor": rope_dim / head_dim,
-            "use_qk_norm": "blk.0.attn_q_norm.weight" in names,
-        }
-    if arch == "deepseek2":
-        rope = int(_field(reader, p + "rope.dimension_count"))
-        q_rank = int(_field(reader, p + "attention.q_lora_rank", 0) or 0)
-        cfg |= {
-            "num_key_value_heads": heads, "head_dim": rope, "qk_rope_head_dim": rope,
-            "kv_lora_rank": int(_field(reader, p + "attention.kv_lora_rank")),
-            "qk_nope_head_dim": int(_field(reader, p + "attention.key_length_mla")) - rope,
-            "v_head_dim": int(_field(reader, p + "attention.value_length_mla")),
-            "q_lora_rank": q_rank or None, "rope_interleave": True, "partial_rotary_factor": 1.0,
-        }
-        cfg.pop("use_qk_norm")
-        scaling = _field(reader, p + "rope.scaling.type")
-        if scaling not in (None, "none", "yarn"):
-            raise ModelImportError(f"{path}: deepseek2 rope.scaling.type={scaling!r}; supported: none, yarn")
-        if scaling == "yarn":
-            log_mul = float(_field(reader, p + "rope.scaling.yarn_log_multiplier", 0.0))
-            cfg["rope_scaling"] = {   # llama.cpp writes 0.1 * mscale_all_dim; DeepSeek-V3 has mscale = mscale_all_dim
-                "rope_type": "yarn", "factor": float(_field(reader, p + "rope.scaling.factor")),
-                "original_max_position_embeddings": int(_field(reader, p + "rope.scaling.original_context_length")),
-                "mscale": log_mul / 0.1, "mscale_all_dim": log_mul / 0.1, "beta_fast": 32.0, "beta_slow": 1.0}
-    if arch in ("glm4moe", "deepseek2"):
-        gating = int(_field(reader, p + "expert_gating_func", 2))
-        if gating != 2:
-            raise ModelImportError(f"{path}: {arch}.expert_gating_func={gating}; expected 2 (sigmoid, "
-                                   "DeepSeek-V3 / GLM-4.5 routing)")
-        cfg |= {
-            "n_routed_experts": int(_field(reader, p + "expert_count")),
-            "n_shared_experts": int(_field(reader, p + "expert_shared_count", 0)),
-            "first_k_dense_replace": int(_field(reader, p + "leading_dense_block_count", 0)),
-            "routed_scaling_factor": float(_field(reader, p + "expert_weights_scale", 1.0)),
-            "n_group": int(_field(reader, p + "expert_group_count", 1) or 1),
-            "topk_group": int(_field(reader, p + "expert_group_used_count", 1) or 1),
-        }
-    elif arch == "qwen3moe":
-        cfg |= {"num_experts": int(_field(reader, p + "expert_count")), "decoder_sparse_step": 1,
-                "mlp_only_layers": [], "use_qk_norm": True}
-    pad = _field(reader, "tokenizer.ggml.padding_token_id")
-    if pad is not None:
-        cfg["pad_token_id"] = int(pad)
-    return cfg
-
-
-def _tokenizer_files(reader, path: Path) -> tuple[dict, dict]:
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    kind = _field(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ModelImportError(f"{path}: unsupported tokenizer model {kind!r}; supported: 'gpt2' (byte-level BPE)")
-    tokens = list(_field(reader, "tokenizer.ggml.tokens"))
-    types = list(_field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
-    vocab = {t: i for i, t in enumerate(tokens)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    pre = _field(reader, "tokenizer.ggml.pre", "default")
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in ("smollm", "starcoder", "refact", "qwen2"):
-        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    else:
-        tok.pre_tokenizer = byte_level
-    tok.decoder = decoders.ByteLevel()
-    specials = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty in (3, 4)]
-    tok.add_special_tokens(specials)
-
-    def name(key: str) -> str | None:
-        i = _field(reader, key)
-        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
-
-    tcfg = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": name("tokenizer.ggml.bos_token_id"),
-        "eos_token": name("tokenizer.ggml.eos_token_id"),
-        "unk_token": name("tokenizer.ggml.unknown_token_id"),
-        "pad_token": name("tokenizer.ggml.padding_token_id"),
-        "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": int(_field(reader, "llama.context_length", 2048)),
-    }
-    tmpl = _field(reader, "tokenizer.chat_template")
-    if tmpl:
-        tcfg["chat_template"] = tmpl
-    return json.loads(tok.to_str()), tcfg
 
 
 def _hf_name(src: Path, gguf_name: str) -> str | None:
@@ -406,7 +268,7 @@ def import_gguf(src: str | Path, dst: str | Path, *, dtype: str = "float32", pro
     from safetensors.torch import save_file
     from tqdm import tqdm
 
-    from edgeinfer.backend.quant.format import edgeinfer_config
+    from edgeinfer.backend.model.quant_format import edgeinfer_config
 
     src, dst = Path(src), Path(dst)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtype)
@@ -417,7 +279,7 @@ def import_gguf(src: str | Path, dst: str | Path, *, dtype: str = "float32", pro
     reader = _open(src)
     linear_types = _native_linear_types(reader, src) if native else set()
     names = {t.name for t in reader.tensors}
-    cfg = _config(reader, src, names)
+    cfg = hf_config(reader, src, names)
     moe = cfg["architectures"][0] != "LlamaForCausalLM"
     # Q4_0 in the Q4_1 form (mins = -8 d, exact) wherever a Q4_1 tensor is, and in MoE models, whose experts
     # run kernels.cpu's grouped Q4_1 GEMM
@@ -427,7 +289,7 @@ def import_gguf(src: str | Path, dst: str | Path, *, dtype: str = "float32", pro
         cfg["quantization_config"] = edgeinfer_config(
             32, "gguf", zero_point=offset == "min", offset=offset, source=src.name,
             gguf_types=sorted(linear_types))
-    tok_json, tok_cfg = _tokenizer_files(reader, src)
+    tok_json, tok_cfg = hf_tokenizer_files(reader, src)
     heads, kv_heads = (0, 0) if moe else (cfg["num_attention_heads"], cfg["num_key_value_heads"])
 
     with atomic_directory(dst) as tmp:

@@ -11,7 +11,7 @@ from torch import nn
 import edgeinfer.kernels.cpu as cpu_kernels
 from edgeinfer import kernels
 from edgeinfer.backend.model.gguf_blocks import dequantize_int8
-from edgeinfer.backend.quant.packing import group_dequantize_mins, unpack_uint4
+from edgeinfer.backend.model.packing import group_dequantize_mins, unpack_uint4
 
 PREPACK_ENV = "EDGEINFER_CPU_PREPACK"
 PREPACK_BATCH_HINT = 64   # oneDNN picks its blocking for this many rows (a hint of 1 was 2x slower at 32 rows)

@@ -23,6 +23,8 @@ import edgeinfer.kernels.cpu as cpu_kernels
 from edgeinfer import kernels
 from edgeinfer.backend.model.config import MoEConfig
 from edgeinfer.backend.model.linear import kernel_takes, mins_as_zeros
+from edgeinfer.backend.model.packing import group_dequantize_mins
+from edgeinfer.kernels.w4a16_gemm import group_dequantize_tensor
 
 
 def route(logits: torch.Tensor, moe: MoEConfig, correction_bias: torch.Tensor | None = None
@@ -223,8 +225,6 @@ class Int4Experts(nn.Module):
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 gate_up [E, 2I, H] and down [E, H, I] as the INT4 weights hold them (what tests compare with)."""
-        from edgeinfer.backend.quant.packing import group_dequantize_mins
-        from edgeinfer.kernels.w4a16_gemm import group_dequantize_tensor
 
         self._plain()
 

@@ -28,7 +28,9 @@ from pathlib import Path
 
 import torch
 
-from edgeinfer.backend.model.llama import AttentionMetadata, LayerKV, LlamaModel, load_model
+from edgeinfer.backend.model.batch import AttentionMetadata, LayerKV, PageIO
+from edgeinfer.backend.model.decoder import LlamaModel
+from edgeinfer.backend.model.loader import load_model
 from edgeinfer.backend.parallel.comm import Comm
 from edgeinfer.backend.parallel.shard import shard_model
 
@@ -54,7 +56,7 @@ class TensorParallelModel:
 
     @property
     def tp_world(self) -> int:
-        """Ranks of the node (backend/store_bridge.py: a page body holds every rank's share)."""
+        """Ranks of the node (backend/page_store/bridge.py: a page body holds every rank's share)."""
         return self.comm.world
 
     def __getattr__(self, name: str):
@@ -80,17 +82,33 @@ class TensorParallelModel:
         self.comm.broadcast_object(("logits", hidden))
         return self.shard.compute_logits(hidden)
 
-    def gather_pages(self, kv: list[LayerKV], pages: list[int]) -> torch.Tensor:
-        return gather_pages(self, kv, pages)
-
-    def scatter_pages(self, kv: list[LayerKV], pages: list[int], buf: torch.Tensor) -> None:
-        scatter_pages(self, kv, pages, buf)
+    def page_io(self, kv: list[LayerKV]) -> NodePageIO:
+        """Page bodies of every rank's share (a TP=1 pool's layout), through the group."""
+        return NodePageIO(self, kv)
 
     def stop_workers(self) -> None:
         try:
             self.comm.broadcast_object(("stop",))
         except RuntimeError:
             pass
+
+
+class NodePageIO(PageIO):
+    """A node's page bodies: read gathers each rank's KV heads, write scatters them (collectives on the group)."""
+
+    def __init__(self, node: TensorParallelModel, kv: list[LayerKV]) -> None:
+        super().__init__(kv)
+        self.node = node
+        self.world = node.comm.world
+
+    def read(self, pages: list[int]) -> torch.Tensor:
+        return gather_pages(self.node, self.kv, pages)
+
+    def read_on_device(self, pages: list[int]) -> torch.Tensor:
+        return self.read(pages)
+
+    def write(self, pages: list[int], buf: torch.Tensor) -> None:
+        scatter_pages(self.node, self.kv, pages, buf)
 
 
 def worker_loop(shard: LlamaModel, comm: Comm) -> None:
@@ -250,7 +268,8 @@ class Node:
 def load_parallel_engine(model_dir: str | Path, cfg, world: int, expert_parallel: bool, dtype: str = "float32",
                          model_name: str | None = None):
     """The engine of a tensor-parallel node (rank 0), and the node's handle."""
-    from edgeinfer.backend.engine.engine import LLMEngine, model_fingerprint
+    from edgeinfer.backend.engine.engine import LLMEngine
+    from edgeinfer.backend.engine.loading import model_fingerprint
     from edgeinfer.protocol.tokenizer import Tokenizer
 
     model_dir = Path(model_dir)

@@ -19,9 +19,9 @@ from typing import cast
 import torch
 from tqdm import tqdm
 
-from edgeinfer.backend.model.llama import LlamaModel
+from edgeinfer.backend.model.decoder import LlamaModel
+from edgeinfer.backend.model.packing import effective_group_size, fake_quantize
 from edgeinfer.backend.quant.calib import paged_prefill
-from edgeinfer.backend.quant.packing import effective_group_size, fake_quantize
 
 GRID = 20                                  # alpha in {0, 1/GRID, ..., 1}
 CLIP_RATIOS = [1 - i / 20 for i in range(10)]

@@ -17,7 +17,7 @@ import torch
 
 from edgeinfer.backend.engine.config import EngineConfig
 from edgeinfer.backend.engine.model_runner import ModelRunner
-from edgeinfer.backend.model.llama import LlamaModel
+from edgeinfer.backend.model.decoder import LlamaModel
 
 
 def calibration_text() -> tuple[str, str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from edgeinfer.backend.quant.packing import QMAX, pack_uint4
+from edgeinfer.backend.model.packing import QMAX, pack_uint4
 
 DAMP = 0.1
 

@@ -148,9 +148,9 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     args.levels = [int(x) for x in args.levels.split(",")]
     t0, load0 = time.monotonic(), os.getloadavg()
-    from edgeinfer.backend.engine.engine import in_fresh_thread
+    from edgeinfer.backend.engine.loading import in_fresh_thread
     from edgeinfer.backend.model.gguf_import import ensure_native_default_model
-    from edgeinfer.backend.model.llama import load_model
+    from edgeinfer.backend.model.loader import load_model
 
     torch.set_grad_enabled(False)
     model_dir = ensure_native_default_model()

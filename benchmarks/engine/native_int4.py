@@ -52,7 +52,7 @@ class Bf16Head(torch.nn.Module):
 
 def load(variant: str):
     from edgeinfer.backend.model.gguf_import import ensure_default_model, ensure_native_default_model
-    from edgeinfer.backend.model.llama import load_model
+    from edgeinfer.backend.model.loader import load_model
 
     if variant == "fp32 dequantized":
         return load_model(ensure_default_model())
@@ -88,7 +88,7 @@ def child(variant: str, batches: list[int], steps: int) -> dict:
 def perplexity(chunks_n: int, chunk_len: int) -> list[dict]:
     from benchmarks.quality.perplexity import evaluate
     from edgeinfer.backend.model.gguf_import import ensure_default_model, ensure_native_default_model
-    from edgeinfer.backend.model.llama import load_model
+    from edgeinfer.backend.model.loader import load_model
     from edgeinfer.backend.quant.calib import eval_text, token_chunks
     from edgeinfer.protocol.tokenizer import Tokenizer
 
@@ -116,7 +116,7 @@ def bf16_weight_error() -> dict:
     from safetensors.torch import load_file
 
     from edgeinfer.backend.model.gguf_import import ensure_native_default_model
-    from edgeinfer.backend.quant.packing import group_dequantize_mins, unpack_uint4
+    from edgeinfer.backend.model.packing import group_dequantize_mins, unpack_uint4
 
     t = load_file(str(ensure_native_default_model() / "model.safetensors"))
     num = den = worst = 0.0

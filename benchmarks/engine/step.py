@@ -112,7 +112,12 @@ def _cpu_timed(fn, total: dict, part: str):
 def _instrument(model=None) -> Timers:
     from edgeinfer import kernels
     from edgeinfer.backend.engine import engine as engine_mod
-    from edgeinfer.backend.model import linear, llama
+    from edgeinfer.backend.model import linear
+    try:
+        from edgeinfer.backend.model import decoder, layers
+    except ImportError:   # a baseline tree from before backend/model/llama.py was split
+        from edgeinfer.backend.model import llama as decoder  # type: ignore[no-redef]
+        layers = decoder
 
     t = Timers()
     t.wrap(linear.DenseLinear, "forward", "gemm")
@@ -120,14 +125,14 @@ def _instrument(model=None) -> Timers:
     t.wrap(kernels, "paged_decode_attention", "attention")
     t.wrap(kernels, "paged_prefill_attention", "attention")
     t.wrap(kernels, "kv_store", "kv_store")
-    t.wrap(llama.RMSNorm, "forward", "norms")
-    if "rotate" in llama.Rotary.__dict__:
-        t.wrap(llama.Rotary, "rotate", "rope", static=True)
+    t.wrap(layers.RMSNorm, "forward", "norms")
+    if "rotate" in layers.Rotary.__dict__:
+        t.wrap(layers.Rotary, "rotate", "rope", static=True)
     else:
-        t.wrap(llama.Rotary, "forward", "rope")
-    t.wrap(llama.Rotary, "lookup", "rope")
-    t.wrap(llama.LlamaModel, "forward", "model")
-    t.wrap(llama.LlamaModel, "compute_logits", "model")
+        t.wrap(layers.Rotary, "forward", "rope")
+    t.wrap(layers.Rotary, "lookup", "rope")
+    t.wrap(decoder.LlamaModel, "forward", "model")
+    t.wrap(decoder.LlamaModel, "compute_logits", "model")
     t.wrap(engine_mod, "sample", "sampling")
     t.wrap(engine_mod.LLMEngine, "step", "step")
     if getattr(model, "lean_decode", False):   # the timers sit on the module path: DecodePlan bypasses it
@@ -165,9 +170,14 @@ def _aten_ops_per_step(eng, steps: int = 3) -> float:
 def worker(args) -> dict:
     import torch
 
-    from edgeinfer.backend.engine.engine import in_fresh_thread
     from edgeinfer.backend.model.gguf_import import ensure_default_model
-    from edgeinfer.backend.model.llama import load_model
+    try:
+        from edgeinfer.backend.engine.loading import in_fresh_thread
+        from edgeinfer.backend.model.loader import load_model
+    except ImportError:   # a baseline tree from before the house step that split engine.py and llama.py
+        from edgeinfer.backend.model.llama import load_model  # type: ignore[no-redef]
+
+        from edgeinfer.backend.engine.engine import in_fresh_thread  # type: ignore[attr-defined,no-redef]
 
     torch.set_num_threads(args.threads)
     path = ensure_default_model() if args.model == "fp32" else Path(args.model)

@@ -84,7 +84,7 @@ def main() -> int:
     from scipy.stats import mannwhitneyu
 
     from edgeinfer.backend.engine.config import EngineConfig
-    from edgeinfer.backend.engine.engine import load_engine
+    from edgeinfer.backend.engine.loading import load_engine
     from edgeinfer.backend.model.gguf_import import ensure_default_model
 
     load0 = os.getloadavg()

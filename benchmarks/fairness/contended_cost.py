@@ -88,7 +88,7 @@ def main() -> int:
     if args.requests > 128 or args.reps > 5:
         p.error("bounded: at most 128 requests, 5 reps")
     from edgeinfer.backend.engine.config import EngineConfig
-    from edgeinfer.backend.engine.engine import load_engine
+    from edgeinfer.backend.engine.loading import load_engine
     from edgeinfer.backend.model.gguf_import import ensure_default_model
 
     caps: list[str] = [c for c in args.caps.split(",") if c] + [f"ratio={r}" for r in args.ratios.split(",") if r]

@@ -61,7 +61,7 @@ def perplexity(served_model, kv_dtype: str, chunks: int, chunk_len: int) -> dict
 
     from benchmarks.quality.perplexity import evaluate
     from edgeinfer.backend.model.gguf_import import default_gguf_path, ensure_default_model
-    from edgeinfer.backend.model.llama import load_model
+    from edgeinfer.backend.model.loader import load_model
     from edgeinfer.backend.quant.calib import eval_text, token_chunks
     from edgeinfer.protocol.tokenizer import Tokenizer
 

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import edgeinfer.kernels.cpu as kc  # noqa: E402
 from edgeinfer.backend.model.linear import HEAD_CHUNK, DenseLinear, Q8Linear, W4A16Linear  # noqa: E402
-from edgeinfer.backend.quant.packing import group_dequantize_mins  # noqa: E402
+from edgeinfer.backend.model.packing import group_dequantize_mins  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "kernels.cpu.json"
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "head": (49152, 576)}

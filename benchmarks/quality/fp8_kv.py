@@ -123,7 +123,7 @@ def main() -> int:
     import torch
 
     from edgeinfer.backend.model.gguf_import import ensure_native_default_model
-    from edgeinfer.backend.model.llama import load_model
+    from edgeinfer.backend.model.loader import load_model
     from edgeinfer.backend.quant.calib import calibration_sources, eval_text
     from edgeinfer.protocol.tokenizer import Tokenizer
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from edgeinfer.backend.engine.kv_pool import kv_bytes_per_token
-from edgeinfer.backend.model.llama import load_model
+from edgeinfer.backend.model.loader import load_model
 from edgeinfer.backend.quant.calib import eval_text, paged_prefill, token_chunks
 from edgeinfer.backend.quant.quantize import quantize_checkpoint
 from edgeinfer.protocol.tokenizer import Tokenizer

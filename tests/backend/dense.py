@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from edgeinfer.backend.model.llama import AttentionMetadata, LayerKV, LlamaModel
+from edgeinfer.backend.model.batch import AttentionMetadata, LayerKV
+from edgeinfer.backend.model.decoder import LlamaModel
 
 
 def fresh_kv(model: LlamaModel, num_pages: int, page_size: int = 16) -> list[LayerKV]:

@@ -9,8 +9,8 @@ import pytest
 
 from edgeinfer.backend.config import BackendConfig
 from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.page_store.wiring import page_key_from_config
 from edgeinfer.backend.server import parse_args
-from edgeinfer.backend.store_wiring import page_key_from_config
 from edgeinfer.cache_store.codec import PageKey
 from edgeinfer.protocol.defaults import CACHE_SEED, CACHE_SEED_ENV, KEY_PREFIX, PAGE_SIZE
 

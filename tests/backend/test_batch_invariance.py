@@ -93,7 +93,7 @@ def test_decode_is_batch_variant_by_roundoff_only_on_the_reference_ops(smol_mode
 @pytest.fixture(scope="module")
 def native_model():
     from edgeinfer.backend.model.gguf_import import ensure_native_default_model
-    from edgeinfer.backend.model.llama import load_model
+    from edgeinfer.backend.model.loader import load_model
 
     return load_model(ensure_native_default_model())
 

@@ -15,7 +15,7 @@ import torch
 
 import edgeinfer.kernels.cpu as kc
 from edgeinfer.backend.model.linear import Q8Embedding, Q8Linear, W4A16Linear
-from edgeinfer.backend.quant.packing import group_dequantize_mins
+from edgeinfer.backend.model.packing import group_dequantize_mins
 from edgeinfer.kernels.cpu import reference as ref
 
 ROWS = [1, 3, 8, 32, 200]
@@ -449,7 +449,7 @@ def test_without_a_compiler_auto_falls_back_to_torch_int4_with_one_warning(tmp_p
 @pytest.fixture(scope="module")
 def native_served():
     from edgeinfer.backend.model.gguf_import import ensure_native_default_model
-    from edgeinfer.backend.model.llama import load_model
+    from edgeinfer.backend.model.loader import load_model
 
     native_dir = ensure_native_default_model()
     return native_dir, load_model(native_dir)
@@ -473,7 +473,7 @@ def test_served_head_keeps_its_outlier_channels_exact_and_moves_nearer_the_oracl
     (docs/QUANTIZATION.md): on 512 held-out tokens its log-probabilities are nearer the GGUF's dequantized fp32
     model (mean KL) than with int8 activations on every channel, and those channels are also the largest on
     that text's final hidden states."""
-    from edgeinfer.backend.model.llama import load_model
+    from edgeinfer.backend.model.loader import load_model
     from edgeinfer.backend.quant.calib import eval_text, paged_prefill, token_chunks
 
     _, served = native_served
@@ -556,7 +556,7 @@ def test_served_kernels_stay_near_the_dequantized_oracle(native_served, smol_dir
     """int8 activations (llama.cpp's numerics) move the logits more than bf16 did, not the model's predictions:
     the prompt's next-token cross-entropy within 2% of the oracle's (perplexity on 2048 held-out tokens:
     1.0003x with the Q4 linears exact, docs/QUANTIZATION.md) and the teacher-forced greedy tokens mostly equal."""
-    from edgeinfer.backend.model.llama import load_model
+    from edgeinfer.backend.model.loader import load_model
     from edgeinfer.backend.quant.calib import paged_prefill
 
     _, served = native_served

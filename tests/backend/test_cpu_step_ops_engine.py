@@ -23,7 +23,7 @@ TOKENS = 16
 @pytest.fixture(scope="module")
 def native():
     from edgeinfer.backend.model.gguf_import import ensure_native_default_model
-    from edgeinfer.backend.model.llama import load_model
+    from edgeinfer.backend.model.loader import load_model
 
     model = load_model(ensure_native_default_model())
     assert model.step_ops is ka.ops()
@@ -54,7 +54,7 @@ def test_fused_loop_on_the_reference_ops_is_the_old_loop_bit_for_bit(native, pro
 
 
 def test_greedy_on_the_ops_equals_the_torch_ops_on_the_fp32_model(smol_dir, prompts):
-    from edgeinfer.backend.model.llama import load_model
+    from edgeinfer.backend.model.loader import load_model
 
     model = load_model(smol_dir)
     ext, ref = greedy(model, ka._ext(), prompts, "auto"), greedy(model, attn_reference, prompts, "auto")

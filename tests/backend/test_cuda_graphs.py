@@ -14,7 +14,7 @@ from edgeinfer.backend.engine import cuda_graphs as cg
 from edgeinfer.backend.engine.config import EngineConfig
 from edgeinfer.backend.engine.engine import LLMEngine
 from edgeinfer.backend.engine.model_runner import ModelRunner
-from edgeinfer.backend.model.llama import load_model
+from edgeinfer.backend.model.loader import load_model
 from tests.backend.engine_steps import generate_together
 
 

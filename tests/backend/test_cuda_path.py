@@ -10,7 +10,7 @@ import torch
 
 from edgeinfer.backend.engine.config import EngineConfig
 from edgeinfer.backend.engine.engine import LLMEngine
-from edgeinfer.backend.model.llama import load_model
+from edgeinfer.backend.model.loader import load_model
 from edgeinfer.protocol.wire import GenerateRequest, SamplingParams
 from tests.backend.dense import greedy
 

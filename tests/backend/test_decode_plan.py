@@ -1,4 +1,4 @@
-"""DecodePlan (backend/model/llama.py): the served native model's decode-only steps through one lean loop of the
+"""DecodePlan (backend/model/cpu_decode.py): the served native model's decode-only steps through one lean loop of the
 same ops in the same order as _forward_cpu, so the same bits; used exactly where it applies."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from edgeinfer import kernels
 from edgeinfer.backend.engine.config import EngineConfig
 from edgeinfer.backend.engine.engine import LLMEngine
-from edgeinfer.backend.model.llama import DecodePlan
+from edgeinfer.backend.model.cpu_decode import DecodePlan
 from tests.backend.engine_steps import generate_together
 
 
@@ -23,7 +23,7 @@ def prompt(seed: int, n: int) -> list[int]:
 @pytest.fixture(scope="module")
 def native_model():
     from edgeinfer.backend.model.gguf_import import ensure_native_default_model
-    from edgeinfer.backend.model.llama import load_model
+    from edgeinfer.backend.model.loader import load_model
 
     model = load_model(ensure_native_default_model())
     if model.step_ops is None or not kernels.cpu.attn.enabled():
@@ -85,7 +85,7 @@ def test_the_cpp_layer_loop_is_the_python_loop_bit_for_bit_and_its_reference(nat
     """kernels/cpu/attn.cpp decode_layers runs DecodePlan's loop in one call: the same bits as the loop in Python
     (run_python), close to its pure-torch reference (attn_reference.decode_layers), and a GEMM swapped for its
     reference (as tests do) sends the plan back to the Python loop."""
-    from edgeinfer.backend.model import llama
+    from edgeinfer.backend.model import cpu_decode as llama
     from edgeinfer.kernels.cpu import attn_reference
     from edgeinfer.kernels.cpu import reference as gemm_ref
 

@@ -36,7 +36,7 @@ def native_dir():
 
 def engine(native_dir, seed: bytes):
     from edgeinfer.backend.engine.config import EngineConfig
-    from edgeinfer.backend.engine.engine import load_engine
+    from edgeinfer.backend.engine.loading import load_engine
 
     eng = load_engine(native_dir, EngineConfig(kv_dtype="fp8_e4m3", num_pages=300, cache_seed=seed,
                                                max_num_batched_tokens=BUDGET))
@@ -59,7 +59,7 @@ async def run(eng, prompt: list[int], bridge=None, tokens: int = 12):
 
 def bridge_for(eng, node_id: str, client, host=None):
     from edgeinfer.backend.metrics import BackendMetrics
-    from edgeinfer.backend.store_bridge import PageStoreBridge
+    from edgeinfer.backend.page_store.bridge import PageStoreBridge
     from edgeinfer.cache_store.codec import PageKey
     from edgeinfer.cache_store.index import RedisPageIndex
     from edgeinfer.cache_store.resilience import RedisGuard

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from edgeinfer.backend.model.gguf_import import ModelImportError, default_gguf_path, import_gguf
-from edgeinfer.backend.model.llama import load_model
+from edgeinfer.backend.model.loader import load_model
 from edgeinfer.backend.model.moe import Int4Experts
 from tests import moe_checkpoints
 from tests.backend.dense import greedy

@@ -23,10 +23,10 @@ from edgeinfer.backend.model.gguf_import import (
     native_default_dir,
 )
 from edgeinfer.backend.model.linear import Q8Embedding, W4A16Linear
-from edgeinfer.backend.model.llama import load_model
+from edgeinfer.backend.model.loader import load_model
+from edgeinfer.backend.model.packing import group_dequantize_mins, group_dequantize_tensor
+from edgeinfer.backend.model.quant_format import QuantConfig
 from edgeinfer.backend.quant.calib import paged_prefill
-from edgeinfer.backend.quant.format import QuantConfig
-from edgeinfer.backend.quant.packing import group_dequantize_mins, group_dequantize_tensor
 
 Q = gguf.GGMLQuantizationType
 

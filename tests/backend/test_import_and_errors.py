@@ -11,7 +11,7 @@ import pytest
 
 from edgeinfer.backend.model.config import CheckpointError, ModelConfig
 from edgeinfer.backend.model.gguf_import import ModelImportError, default_gguf_path, import_gguf
-from edgeinfer.backend.model.llama import load_model
+from edgeinfer.backend.model.loader import load_model
 from edgeinfer.protocol.tokenizer import Tokenizer, TokenizerError
 
 

@@ -10,7 +10,7 @@ import pytest
 from edgeinfer.backend.engine.kv_faults import ENV, KVFaults, refuse_in_production
 from edgeinfer.backend.engine.kv_integrity import PageLedger, body_checksums
 from edgeinfer.backend.engine.kv_pool import gather_pages, scatter_pages
-from edgeinfer.backend.model.llama import load_model
+from edgeinfer.backend.model.loader import load_model
 from edgeinfer.protocol.page_id import page_hashes
 from tests.backend.tiny import Stepper, engine, prompt, solo, tiny_llama
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from edgeinfer.backend.engine.kv_faults import ENV, KVFaults
-from edgeinfer.backend.model.llama import load_model
-from edgeinfer.backend.store_bridge import PageStoreBridge
+from edgeinfer.backend.model.loader import load_model
+from edgeinfer.backend.page_store.bridge import PageStoreBridge
 from edgeinfer.cache_store.codec import PageKey
 from edgeinfer.cache_store.resilience import RedisGuard, redis_client
 from edgeinfer.cache_store.store import HostPageStore, RedisPageStore, TieredPageStore

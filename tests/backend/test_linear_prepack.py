@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from edgeinfer.backend.engine.config import EngineConfig
-from edgeinfer.backend.engine.engine import LLMEngine, in_fresh_thread
+from edgeinfer.backend.engine.engine import LLMEngine
+from edgeinfer.backend.engine.loading import in_fresh_thread
 from edgeinfer.backend.model.linear import DenseLinear, can_prepack, cpu_prepack_enabled
 from edgeinfer.protocol.wire import GenerateRequest, SamplingParams
 
@@ -66,7 +67,7 @@ def test_bad_prepack_setting_is_an_error(monkeypatch):
 
 @needs_mkldnn
 def test_weight_bytes_unchanged_by_prepacking(smol_dir):
-    from edgeinfer.backend.model.llama import load_model
+    from edgeinfer.backend.model.loader import load_model
 
     plain = load_model(smol_dir, prepack=False)
     packed = load_model(smol_dir, prepack=True)
@@ -86,7 +87,7 @@ def test_untied_lm_head_is_held_once_when_prepacked(smol_dir):
     import dataclasses
 
     from edgeinfer.backend.model.config import ModelConfig
-    from edgeinfer.backend.model.llama import build_model, read_tensors
+    from edgeinfer.backend.model.loader import build_model, read_tensors
 
     cfg = dataclasses.replace(ModelConfig.from_dir(smol_dir), tie_word_embeddings=False)
     tensors = read_tensors(smol_dir)

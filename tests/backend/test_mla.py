@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from edgeinfer.backend.engine.config import EngineConfig
-from edgeinfer.backend.engine.engine import load_engine
-from edgeinfer.backend.model.llama import load_model
+from edgeinfer.backend.engine.loading import load_engine
+from edgeinfer.backend.model.loader import load_model
 from edgeinfer.backend.model.mla import MLAAttention
 from edgeinfer.cache_store.codec import DecodedPage, Miss, MissReason, PageFormat, PageKey, decode, encode
 from edgeinfer.protocol.page_id import PageKeyContext, page_hashes
@@ -80,7 +80,7 @@ def test_the_pool_holds_only_latent_rows_and_decode_never_expands(dsv3, monkeypa
         monkeypatch.setattr(layer.self_attn, "prefill_expanded", forbidden)
         monkeypatch.setattr(layer.self_attn, "prefill_latent", forbidden)
     monkeypatch.setattr("edgeinfer.backend.model.mla.kernels_gather", forbidden)
-    from edgeinfer.backend.model.llama import AttentionMetadata
+    from edgeinfer.backend.model.batch import AttentionMetadata
 
     out, pos = [int(logits[-1].argmax())], len(PROMPT)
     for _ in range(15):
@@ -145,9 +145,9 @@ def test_engine_batches_latent_pages_and_hits_its_prefix_cache(dsv3_served):
 def test_latent_page_identity_and_header_never_pass_for_gqa(dsv3_served):
     _, path = dsv3_served
     eng = load_engine(path, EngineConfig(num_pages=16))
-    from edgeinfer.backend.store_bridge import page_format
+    from edgeinfer.backend.page_store.bridge import page_format
 
-    fmt = page_format(eng)
+    fmt = page_format(eng.kv_port)
     assert (fmt.kv_dtype, fmt.kv_heads, fmt.head_dim, fmt.body_nbytes) == ("mla_fp32", 1, 40, 16 * 3 * 40 * 4)
     ctx = eng.key_context("ns")
     tokens = list(range(100, 132))
@@ -165,7 +165,7 @@ def test_latent_page_identity_and_header_never_pass_for_gqa(dsv3_served):
 
 async def test_corrupted_latent_pages_are_detected_and_recomputed_and_a_second_node_hits(dsv3_served, valkey):
     from edgeinfer.backend.metrics import BackendMetrics
-    from edgeinfer.backend.store_bridge import PageStoreBridge
+    from edgeinfer.backend.page_store.bridge import PageStoreBridge
     from edgeinfer.cache_store.index import RedisPageIndex
     from edgeinfer.cache_store.resilience import RedisGuard, redis_client
     from edgeinfer.cache_store.store import RedisPageStore, TieredPageStore

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from edgeinfer.backend.model.llama import load_model
+from edgeinfer.backend.model.loader import load_model
 from tests.backend.dense import greedy
 
 MEASURED: dict[str, float] = {}

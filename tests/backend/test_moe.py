@@ -11,9 +11,9 @@ import torch
 
 import edgeinfer.kernels.cpu as kc
 from edgeinfer.backend.model.config import CheckpointError, ModelConfig
-from edgeinfer.backend.model.llama import load_model
+from edgeinfer.backend.model.loader import load_model
 from edgeinfer.backend.model.moe import ExpertOrder, Int4Experts, route
-from edgeinfer.backend.quant.packing import group_dequantize_mins
+from edgeinfer.backend.model.packing import group_dequantize_mins
 from edgeinfer.backend.quant.quantize import QuantizeError, quantize_checkpoint
 from edgeinfer.kernels.cpu import reference as ref
 from tests import moe_checkpoints
@@ -375,7 +375,7 @@ def test_compressed_tensors_pack_quantized_experts_load_int4_and_match_the_libra
 
 
 def test_compressed_tensors_config_errors_name_the_field():
-    from edgeinfer.backend.quant.format import QuantConfig
+    from edgeinfer.backend.model.quant_format import QuantConfig
 
     good = {"quant_method": "compressed-tensors", "format": "pack-quantized",
             "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",

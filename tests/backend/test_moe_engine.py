@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from edgeinfer.backend.engine.config import EngineConfig
-from edgeinfer.backend.engine.engine import load_engine
+from edgeinfer.backend.engine.loading import load_engine
 from edgeinfer.backend.quant.quantize import quantize_checkpoint
 from tests import moe_checkpoints
 from tests.backend.engine_steps import generate_together

@@ -34,8 +34,8 @@ async def generate(engine, bridge, ids: list[int], ns: str, tenant: TenantSpec):
 @pytest.fixture
 async def stack(smol_dir, valkey):
     from edgeinfer.backend.engine.config import EngineConfig
-    from edgeinfer.backend.engine.engine import load_engine
-    from edgeinfer.backend.store_bridge import PageStoreBridge
+    from edgeinfer.backend.engine.loading import load_engine
+    from edgeinfer.backend.page_store.bridge import PageStoreBridge
     from edgeinfer.cache_store.codec import PageKey
     from edgeinfer.cache_store.index import RedisPageIndex
     from edgeinfer.cache_store.resilience import RedisGuard, redis_client

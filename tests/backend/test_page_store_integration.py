@@ -1,4 +1,4 @@
-"""The shared KV page store wired into the backend (backend/store_bridge.py), on the real SmolLM2 model and a
+"""The shared KV page store wired into the backend (backend/page_store/bridge.py), on the real SmolLM2 model and a
 real valkey-server.
 
 - two backend processes: a prompt prefilled on A is served by B from the store, output identical to cold;
@@ -229,10 +229,10 @@ async def _generate(engine, bridge, prompt, namespace, max_tokens=8):
 
 async def test_corrupted_pages_in_host_and_redis_are_all_detected_and_never_used(smol_dir, valkey, caplog):
     from edgeinfer.backend.engine.config import EngineConfig
-    from edgeinfer.backend.engine.engine import load_engine
     from edgeinfer.backend.engine.kv_pool import gather_pages
+    from edgeinfer.backend.engine.loading import load_engine
     from edgeinfer.backend.metrics import BackendMetrics
-    from edgeinfer.backend.store_bridge import PageStoreBridge
+    from edgeinfer.backend.page_store.bridge import PageStoreBridge
     caplog.set_level("WARNING", logger="edgeinfer.store_bridge")
     from edgeinfer.cache_store.index import RedisPageIndex
     from edgeinfer.cache_store.resilience import RedisGuard, redis_client
@@ -351,8 +351,8 @@ async def test_pages_the_engine_evicts_leave_the_index(smol_dir, valkey):
     """The gateway routes a prefix to the nodes the index lists; once this node's engine evicts those pages
     it must stop being listed (not wait for the index TTL), and a page cached again must stay listed."""
     from edgeinfer.backend.engine.config import EngineConfig
-    from edgeinfer.backend.engine.engine import load_engine
-    from edgeinfer.backend.store_bridge import PageStoreBridge
+    from edgeinfer.backend.engine.loading import load_engine
+    from edgeinfer.backend.page_store.bridge import PageStoreBridge
     from edgeinfer.cache_store.index import RedisPageIndex
     from edgeinfer.cache_store.resilience import RedisGuard, redis_client
     from edgeinfer.cache_store.store import HostPageStore, TieredPageStore

@@ -52,7 +52,7 @@ def parts(blob: bytes) -> tuple[bytes, bytes, bytes]:
 @pytest.fixture(scope="module")
 def engine(smol_dir):
     from edgeinfer.backend.engine.config import EngineConfig
-    from edgeinfer.backend.engine.engine import load_engine
+    from edgeinfer.backend.engine.loading import load_engine
 
     eng = load_engine(smol_dir, EngineConfig(num_pages=120, cache_seed=b"trust-test-seed"))
     eng.start()
@@ -65,7 +65,7 @@ class Node:
 
     def __init__(self, engine, valkey, key: PageKey) -> None:
         from edgeinfer.backend.metrics import BackendMetrics
-        from edgeinfer.backend.store_bridge import PageStoreBridge
+        from edgeinfer.backend.page_store.bridge import PageStoreBridge
         from edgeinfer.cache_store.resilience import RedisGuard, redis_client
         from edgeinfer.cache_store.store import RedisPageStore, TieredPageStore
 

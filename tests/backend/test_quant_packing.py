@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edgeinfer.backend.quant.packing import (
+from edgeinfer.backend.model.packing import (
     effective_group_size,
     fake_quantize,
     from_autoawq_gemm,

@@ -4,7 +4,7 @@ series together; events without a series (errors, fetch requests) count only in 
 from __future__ import annotations
 
 from edgeinfer.backend.metrics import BackendMetrics
-from edgeinfer.backend.store_context import PAGE_EVENTS, StoreCounters
+from edgeinfer.backend.page_store.context import PAGE_EVENTS, StoreCounters
 
 
 def _sample(m: BackendMetrics, name: str, **labels: str) -> float:

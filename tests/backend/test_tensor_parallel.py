@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from edgeinfer.backend.model.llama import load_model
+from edgeinfer.backend.model.loader import load_model
 from edgeinfer.backend.parallel.shard import ParallelError, local_config
 from tests import moe_checkpoints
 from tests.backend.dense import greedy

@@ -1,6 +1,6 @@
 """The stub backend (tests/gateway/stub_backend.py) as its own process, for faults a thread cannot
 take (SIGSTOP, SIGKILL), optionally registered in a real Redis by the backends' own heartbeat driver
-(cache_store.registry.keep_registered over a RedisNodeRegistry, as backend.store_bridge does).
+(cache_store.registry.keep_registered over a RedisNodeRegistry, as backend.page_store.bridge does).
 
   python -m tests.gateway.stub_process --node-id N --tokenizer DIR [--port P] [--redis-url URL]
       [--heartbeat S] [--first-token-delay S] [--token-delay S] [--internal-secret S]
@@ -70,7 +70,7 @@ async def serve(args: argparse.Namespace) -> None:
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     await stop.wait()
     await runner.cleanup()
-    if beats is not None and registry is not None:   # like backend.store_bridge.stop: leave the registry
+    if beats is not None and registry is not None:   # like backend.page_store.bridge.stop: leave the registry
         beats.cancel()
         await registry.deregister(args.node_id)
 

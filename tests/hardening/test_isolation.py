@@ -183,7 +183,7 @@ PAGE_KEY = PageKey.from_secret(b"isolation-test-page-key")
 def two_nodes(smol_model, smol_tokenizer, valkey):
     """Engines A and B, each with its own KV pool and a Redis-only page store bridge on one valkey."""
     from edgeinfer.backend.metrics import BackendMetrics
-    from edgeinfer.backend.store_bridge import PageStoreBridge
+    from edgeinfer.backend.page_store.bridge import PageStoreBridge
     from edgeinfer.cache_store.index import RedisPageIndex
     from edgeinfer.cache_store.resilience import RedisGuard, redis_client
     from edgeinfer.cache_store.store import RedisPageStore, TieredPageStore

@@ -114,7 +114,7 @@ def test_gguf_q4_1_mins_run_as_fp32_zero_points(dtype):
     """W4A16Linear on CUDA runs GGUF Q4_1 (w = q * s + m) through the kernel as (q - z) * s with z = -m / s
     kept in fp32 (an fp16 z would round); a block with s = 0 still gives m."""
     from edgeinfer.backend.model.linear import mins_as_zeros
-    from edgeinfer.backend.quant.packing import group_dequantize_mins
+    from edgeinfer.backend.model.packing import group_dequantize_mins
 
     n, k, g = 48, 256, 32
     gen = torch.Generator().manual_seed(5)

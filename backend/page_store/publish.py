@@ -16,8 +16,7 @@ from collections import deque
 
 import torch
 
-from edgeinfer.backend.engine.kv_pool import gather_pages
-from edgeinfer.backend.store_context import StoreContext, StorePart
+from edgeinfer.backend.page_store.context import StoreContext, StorePart
 from edgeinfer.cache_store.codec import encode
 
 log = logging.getLogger("edgeinfer.store_bridge")
@@ -44,7 +43,7 @@ class PagePublisher(StorePart):
         self._queue = asyncio.Queue()
         tasks = [asyncio.create_task(self._publisher(), name="page-store-publisher")]
         if self.index is not None:
-            self._unsubscribe = self.engine.blocks.subscribe_evictions(self._evicted.append)
+            self._unsubscribe = self.port.subscribe_evictions(self._evicted.append)
             tasks.append(asyncio.create_task(self._unindexer(), name="page-store-unindexer"))
         return tasks
 
@@ -80,11 +79,10 @@ class PagePublisher(StorePart):
 
     def enqueue_from_engine(self, pages: list[tuple[bytes, int]], again: bool = False) -> int:
         """Engine thread. again=True re-publishes pages published before (the store may have lost them)."""
-        blocks = self.engine.blocks
         chosen = []
         dropped = 0
         for h, page in pages:
-            hit = blocks.lookup(h)
+            hit = self.port.lookup(h)
             if hit is None or hit.page != page or (h in self.published and not again):
                 continue
             with self._pending_lock:
@@ -99,7 +97,7 @@ class PagePublisher(StorePart):
         if not chosen:
             return 0
         try:
-            buf = gather_pages(self.engine.runner, [c[3] for c in chosen])
+            buf = self.port.read_pages([c[3] for c in chosen])
             assert self._loop is not None and self._queue is not None   # both set by start()
             self._loop.call_soon_threadsafe(self._queue.put_nowait, ([c[:3] for c in chosen], buf))
         except BaseException:
@@ -151,11 +149,10 @@ class PagePublisher(StorePart):
     async def unindex_evicted(self) -> int:
         """Tell the index this node no longer holds the published pages its engine evicted, so the gateway
         stops routing their prefixes here. A page cached again since (recomputed, or fetched back) stays."""
-        blocks = self.engine.blocks
         gone: list[bytes] = []
         while self._evicted:
             h = self._evicted.popleft()
-            if h in self.published and blocks.lookup(h) is None:
+            if h in self.published and self.port.lookup(h) is None:
                 self.published.forget(h)
                 gone.append(h)
         if gone and self.index is not None:
@@ -169,13 +166,13 @@ class PagePublisher(StorePart):
         if self.store is None or self._loop is None:
             return 0
         budget = self.max_pending_bytes if max_bytes is None else max_bytes
-        candidates = await self.engine.call_in_engine(
-            lambda: [(h, page) for h, page in self.engine.blocks.cached_pages() if again or h not in self.published])
+        candidates = await self.port.call_in_engine(
+            lambda: [(h, page) for h, page in self.port.cached_pages() if again or h not in self.published])
         queued = 0
         for start in range(0, len(candidates), 64):
             room = budget // self.page_bytes - queued
             if room <= 0:
                 break
-            queued += await self.engine.call_in_engine(self.enqueue_from_engine,
-                                                       candidates[start:start + min(64, room)], again)
+            queued += await self.port.call_in_engine(self.enqueue_from_engine,
+                                                     candidates[start:start + min(64, room)], again)
         return queued

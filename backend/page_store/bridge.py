@@ -1,16 +1,17 @@
 """The backend's side of the shared prefix cache: one engine observer + server extension over three parts.
 
-Wiring: backend.server.build_state() calls backend.store_wiring.attach_page_store(st, cfg), which
+Wiring: backend.server.build_state() calls backend.page_store.wiring.attach_page_store(st, cfg), which
 appends a PageStoreBridge to st.extensions and st.engine.observers. The parts:
-  backend/store_publish.py       PagePublisher: filled pages -> host copy -> encode -> tiers -> index; evicted
+  backend/page_store/publish.py       PagePublisher: filled pages -> host copy -> encode -> tiers -> index; evicted
                                  pages out of the index
-  backend/store_prefetch.py      PagePrefetcher: a prompt's pages beyond the local cache -> verify -> KV pool
-  backend/store_registration.py  NodeRegistration: the node record, register / heartbeat / deregister
-  backend/store_context.py       StoreContext, shared by both: StoreCounters (BridgeStats and Prometheus, one
+  backend/page_store/prefetch.py      PagePrefetcher: a prompt's pages beyond the local cache -> verify -> KV pool
+  backend/page_store/registration.py  NodeRegistration: the node record, register / heartbeat / deregister
+  backend/page_store/context.py       StoreContext, shared by both: StoreCounters (BridgeStats and Prometheus, one
                                  counter path) and PublishedPages
-They see the engine's cache only through BlockManager's lookup / cached_prefix_len / cached_pages /
-insert_external / subscribe_evictions. The page body's bytes are moved in and out of the KV pool by
-backend.engine.kv_pool.gather_pages / scatter_pages.
+They see the engine only through its KV port (backend/engine/kv_port.py `KVPort`, `engine.kv_port`): the
+prefix cache's lookup / cached_prefix_len / cached_pages / subscribe_evictions, page bodies read and written
+(read_pages / write_pages, through the model's PageIO: a tensor-parallel node's span its ranks), call_in_engine,
+the node's load and the page geometry.
 
 Page body layout (PageFormat.body_nbytes == ModelRunner.page_bytes), the raw
 bytes of ModelRunner.read_page(page) concatenated, i.e. for each layer l:
@@ -28,12 +29,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import Protocol
 
-from edgeinfer.backend.engine.engine import EngineObserver
-from edgeinfer.backend.store_context import BridgeStats, PublishedPages, StoreContext, StoreCounters
-from edgeinfer.backend.store_prefetch import PagePrefetcher
-from edgeinfer.backend.store_publish import PagePublisher
-from edgeinfer.backend.store_registration import NodeRegistration
+from edgeinfer.backend.engine.kv_port import KVPort
+from edgeinfer.backend.engine.observer import EngineObserver
+from edgeinfer.backend.page_store.context import BridgeStats, PublishedPages, StoreContext, StoreCounters
+from edgeinfer.backend.page_store.prefetch import PagePrefetcher
+from edgeinfer.backend.page_store.publish import PagePublisher
+from edgeinfer.backend.page_store.registration import NodeRegistration
 from edgeinfer.cache_store.codec import PageFormat, PageKey
 from edgeinfer.cache_store.index import PageIndex
 from edgeinfer.cache_store.registry import NodeRegistry, NodeState
@@ -43,25 +46,21 @@ log = logging.getLogger("edgeinfer.store_bridge")
 __all__ = ["BridgeStats", "PageStoreBridge", "page_format"]
 
 
-def body_bytes(engine) -> int:
-    """A page body's bytes: the pool's page, times the ranks of a tensor-parallel node (whose page bodies hold every
-    rank's KV heads: backend/parallel/node.py)."""
-    return engine.runner.page_bytes * getattr(engine.model, "tp_world", 1)
+class HasKVPort(Protocol):
+    kv_port: KVPort
 
 
-def page_format(engine) -> PageFormat:
-    c = engine.model.cfg
-    world = getattr(engine.model, "tp_world", 1)
-    kv_heads = c.num_kv_heads if c.mla is not None else c.num_kv_heads * world   # a latent is never split
-    return PageFormat(model_fingerprint=engine.fingerprint, kv_dtype=engine.kv.ident, num_layers=c.num_layers,
-                      kv_heads=kv_heads, head_dim=c.head_dim, page_size=engine.cfg.page_size,
-                      scale_layout=engine.kv.scale_layout, body_nbytes=body_bytes(engine))
+def page_format(port: KVPort) -> PageFormat:
+    g = port.geometry()
+    return PageFormat(model_fingerprint=g.fingerprint, kv_dtype=g.kv_format, num_layers=g.num_layers,
+                      kv_heads=g.kv_heads, head_dim=g.head_dim, page_size=g.page_size, scale_layout=g.scale_layout,
+                      body_nbytes=g.body_bytes)
 
 
 class PageStoreBridge(EngineObserver):
     """Engine observer + server extension (start/stop/before_generate/on_drain/on_undrain)."""
 
-    def __init__(self, engine, *, node_id: str, store: TieredPageStore | None, page_key: PageKey,
+    def __init__(self, engine: HasKVPort, *, node_id: str, store: TieredPageStore | None, page_key: PageKey,
                  index: PageIndex | None = None,
                  registry: NodeRegistry | None = None, metrics=None, url: str = "", version: str = "",
                  state_fn: Callable[[], NodeState] | None = None, redis_client=None,
@@ -69,22 +68,22 @@ class PageStoreBridge(EngineObserver):
                  fetch_chunk_bytes: int = 96 << 20, max_pending_bytes: int = 256 << 20,
                  publish_batch_bytes: int = 16 << 20, published_memory: int = 1 << 16,
                  unindex_interval_s: float = 0.5) -> None:
-        self.engine = engine
+        self.port = port = engine.kv_port
         self.node_id = node_id
         self.store = store
         self.page_key = page_key
         self.redis_client = redis_client
-        self.format = page_format(engine)
-        self.counters = StoreCounters(engine.model_name, metrics)
+        self.format = page_format(port)
+        self.counters = StoreCounters(port.model_name, metrics)
         self.stats: BridgeStats = self.counters.stats
-        ctx = StoreContext(engine=engine, store=store, index=index, page_key=page_key, format=self.format,
-                           page_bytes=body_bytes(engine), node_id=node_id, counters=self.counters,
+        ctx = StoreContext(port=port, store=store, index=index, page_key=page_key, format=self.format,
+                           page_bytes=self.format.body_nbytes, node_id=node_id, counters=self.counters,
                            published=PublishedPages(published_memory))
         self.publisher = PagePublisher(ctx, max_pending_bytes=max_pending_bytes, publish_batch_bytes=publish_batch_bytes,
                                        unindex_interval_s=unindex_interval_s)
         self.prefetcher = PagePrefetcher(ctx, fetch_timeout_s=fetch_timeout_s, fetch_chunk_bytes=fetch_chunk_bytes)
         self.registration = None if registry is None else NodeRegistration(
-            engine, registry, node_id=node_id, url=url, version=version, state_fn=state_fn or (lambda: "active"))
+            port, registry, node_id=node_id, url=url, version=version, state_fn=state_fn or (lambda: "active"))
         self._tasks: list[asyncio.Task] = []
 
     @property
@@ -93,8 +92,7 @@ class PageStoreBridge(EngineObserver):
 
     # ------------------------------------------------------------ lifecycle (server extension)
     async def start(self, app=None) -> None:
-        if self not in self.engine.observers:
-            self.engine.observers.append(self)
+        self.port.observe(self)
         if self.redis_client is not None and hasattr(self.redis_client, "initialize"):
             try:   # RedisCluster: learn the slot map now; failure is fine (the guard handles later calls)
                 async with asyncio.timeout(2.0):
@@ -108,8 +106,7 @@ class PageStoreBridge(EngineObserver):
     async def stop(self, app=None) -> None:
         await self.flush(timeout_s=2.0)
         self.publisher.close()
-        if self in self.engine.observers:
-            self.engine.observers.remove(self)
+        self.port.unobserve(self)
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:

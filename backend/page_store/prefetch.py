@@ -20,8 +20,8 @@ import time
 import numpy as np
 import torch
 
-from edgeinfer.backend.engine.kv_pool import scatter_pages
-from edgeinfer.backend.store_context import StoreContext, StorePart
+from edgeinfer.backend.engine.kv_port import ExternalPage
+from edgeinfer.backend.page_store.context import StoreContext, StorePart
 from edgeinfer.cache_store.codec import DecodedPage, decode
 from edgeinfer.protocol.page_id import page_hashes
 
@@ -37,7 +37,7 @@ class PagePrefetcher(StorePart):
 
     async def prefetch(self, req) -> int:
         """Fetch, verify and upload the prompt's pages beyond the local cache. Returns pages uploaded."""
-        if self.store is None or not self.engine.cfg.enable_prefix_cache or (req.tenant and not req.tenant.retain):
+        if self.store is None or not self.port.prefix_cache or (req.tenant and not req.tenant.retain):
             return 0    # a no-retain tenant's prompts neither fetch nor (through the fetch) index anything
         t0 = time.monotonic()
         try:
@@ -50,7 +50,7 @@ class PagePrefetcher(StorePart):
             self.counters.fetch_took(time.monotonic() - t0)
 
     async def _prefetch(self, req, deadline: float) -> int:
-        ctx = self.engine.key_context(req.cache_namespace)
+        ctx = self.port.key_context(req.cache_namespace)
         tokens = req.prompt_token_ids
         p = ctx.page_size
         usable = (len(tokens) - 1) // p      # the scheduler always computes >= 1 prompt token
@@ -58,7 +58,7 @@ class PagePrefetcher(StorePart):
             return 0
         root = ctx.root
         hashes = page_hashes(ctx, tokens[: usable * p])
-        first = self.engine.blocks.cached_prefix_len(hashes, tokens, root)   # a hint: the upload re-checks
+        first = self.port.cached_prefix_len(hashes, tokens, root)   # a hint: the upload re-checks
         if first >= usable:
             return 0
         self.counters.count("fetch_requests")
@@ -76,8 +76,8 @@ class PagePrefetcher(StorePart):
                 buf = np.empty((len(good), self.page_bytes), dtype=np.uint8)
                 for r, body in enumerate(bodies):
                     buf[r] = np.frombuffer(body, dtype=np.uint8)
-                fut = asyncio.ensure_future(self.engine.call_in_engine(self._upload, good, torch.from_numpy(buf),
-                                                                       root))
+                fut = asyncio.ensure_future(self.port.call_in_engine(self.port.write_pages, good,
+                                                                     torch.from_numpy(buf), root))
                 await asyncio.sleep(0)        # lets the task queue its engine command now, in chain order
                 uploads.append(fut)
             i += len(keys)
@@ -89,12 +89,12 @@ class PagePrefetcher(StorePart):
         return uploaded
 
     async def _fetch_chunk(self, keys: list[bytes], hashes: list[bytes], tokens: list[int], i: int, root: bytes,
-                           left: float) -> tuple[list[tuple[bytes, bytes, tuple, str]], list[memoryview]]:
+                           left: float) -> tuple[list[ExternalPage], list[memoryview]]:
         """The verified leading pages of one chunk (pages i, i+1, ...), up to the first miss or bad page."""
         p = self.format.page_size
         assert self.store is not None   # checked by prefetch()
         sourced = await self.store.get_many_sourced(keys, timeout_s=left)
-        good: list[tuple[bytes, bytes, tuple, str]] = []
+        good: list[ExternalPage] = []
         bodies: list[memoryview] = []
         for j, got in enumerate(sourced):
             k = i + j
@@ -114,7 +114,7 @@ class PagePrefetcher(StorePart):
                     log.info("page %s from the %s tier is not usable here: %s (%s)", h.hex(), source,
                              res.reason.label, res.detail)
                 break
-            good.append((h, parent, tuple(page_tokens), source))
+            good.append(ExternalPage(h, parent, tuple(page_tokens), source))
             bodies.append(res.body)
         return good, bodies
 
@@ -150,43 +150,3 @@ class PagePrefetcher(StorePart):
             await self.store.delete_from(source, [h])
         except Exception:  # noqa: BLE001
             log.exception("could not delete corrupt page %s from %s", h.hex(), source)
-
-    def _upload(self, pages: list[tuple[bytes, bytes, tuple, str]], buf: torch.Tensor, root: bytes) -> int:
-        """Engine thread: put verified pages into the KV pool and the prefix cache, chain order; returns count."""
-        blocks = self.engine.blocks
-        first_parent = pages[0][1]
-        if first_parent != root and blocks.lookup(first_parent) is None:
-            return 0     # the page before these was evicted meanwhile: they could never match
-        taken: list[int] = []
-        rows: list[int] = []
-        hs: list[bytes] = []
-        for r, (h, parent, toks, _) in enumerate(pages):
-            if blocks.lookup(h) is not None:
-                continue
-            page = blocks.insert_external(h, parent, toks)
-            if page is None:
-                break
-            taken.append(page)
-            rows.append(r)
-            hs.append(h)
-        if not taken:
-            return 0
-        body = buf if len(rows) == len(pages) else buf[rows]
-        try:
-            scatter_pages(self.engine.runner, taken, body)
-        except BaseException:
-            for h in hs:
-                blocks.drop_cached(h)
-            for page in taken:
-                blocks.release(page)
-            raise
-        good = len(taken)
-        integrity = self.engine.integrity
-        if integrity is not None:
-            where = ["swap_in" if pages[r][3] == "host" else "store_receive" for r in rows]
-            good = integrity.received(taken, hs, body, where)
-            for h in hs[good:]:        # the first page that differs and those after it: recomputed instead
-                blocks.drop_cached(h)
-        for page in reversed(taken):   # deepest page least recently used: evicted first, the prefix survives
-            blocks.release(page)
-        return good

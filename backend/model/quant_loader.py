@@ -15,13 +15,13 @@ from torch import nn
 
 from edgeinfer.backend.model.config import CheckpointError, ModelConfig
 from edgeinfer.backend.model.linear import DenseLinear, Q8Embedding, W4A16Linear
-from edgeinfer.backend.quant.format import QuantConfig
-from edgeinfer.backend.quant.packing import (
+from edgeinfer.backend.model.packing import (
     effective_group_size,
     from_autoawq_gemm,
     from_compressed_tensors,
     from_gptq,
 )
+from edgeinfer.backend.model.quant_format import QuantConfig
 
 Packed = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 

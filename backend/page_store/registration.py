@@ -6,14 +6,14 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
+from edgeinfer.backend.engine.kv_port import KVPort
 from edgeinfer.cache_store.registry import NodeRecord, NodeRegistry, NodeState, keep_registered
 
 
 @dataclass
 class NodeRegistration:
-    engine: Any                          # backend.engine.engine.LLMEngine
+    port: KVPort
     registry: NodeRegistry
     node_id: str
     url: str
@@ -22,12 +22,10 @@ class NodeRegistration:
     started_at: float = field(default_factory=time.time)
 
     def record(self) -> NodeRecord:
-        e = self.engine
-        b = e.blocks
-        return NodeRecord(node_id=self.node_id, url=self.url, model=e.model_name, version=self.version,
-                          state=self.state_fn(), running=e.num_running, waiting=e.num_waiting,
-                          kv_usage=b.num_used / max(b.num_pages, 1), cache_hit_rate=b.hits / max(b.queries, 1),
-                          started_at=self.started_at)
+        load = self.port.load()
+        return NodeRecord(node_id=self.node_id, url=self.url, model=self.port.model_name, version=self.version,
+                          state=self.state_fn(), running=load.running, waiting=load.waiting,
+                          kv_usage=load.kv_usage, cache_hit_rate=load.cache_hit_rate, started_at=self.started_at)
 
     async def start(self) -> asyncio.Task:
         """Register now; returns the heartbeat task."""

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Protocol
 
-from edgeinfer.backend.config import BackendConfig
-from edgeinfer.backend.store_bridge import PageStoreBridge
+from edgeinfer.backend.page_store.bridge import PageStoreBridge
 from edgeinfer.cache_store.codec import PageKey
 from edgeinfer.cache_store.store import PageStore, TieredPageStore
 from edgeinfer.protocol.defaults import KEY_PREFIX
@@ -16,7 +16,21 @@ log = logging.getLogger("edgeinfer.store_bridge")
 PAGE_KEY_ENV = "EDGEINFER_PAGE_KEY"
 
 
-def page_key_from_config(cfg: BackendConfig) -> PageKey:
+class StoreSettings(Protocol):
+    """The backend's flags the page store reads (backend.config.BackendConfig has them)."""
+    page_key_file: str | None
+    cache_seed: str
+    store_tier: str
+    redis_url: str | None
+    host_store_bytes: int
+    redis_cluster: bool
+    redis_key_prefix: str
+    internal_secret: str | None
+    heartbeat: float
+    store_fetch_timeout: float
+
+
+def page_key_from_config(cfg: StoreSettings) -> PageKey:
     """--page-key-file, else $EDGEINFER_PAGE_KEY, else derived from --cache-seed (logged: weaker if the seed leaks)."""
     path = cfg.page_key_file
     if path:
@@ -30,7 +44,7 @@ def page_key_from_config(cfg: BackendConfig) -> PageKey:
     return PageKey.from_seed(cfg.cache_seed.encode())
 
 
-def attach_page_store(st, cfg: BackendConfig) -> PageStoreBridge | None:
+def attach_page_store(st, cfg: StoreSettings) -> PageStoreBridge | None:
     """Called by backend.server.build_state: add the page store extension per the CLI flags."""
     from edgeinfer.cache_store.node_auth import NodeRecordKey
     from edgeinfer.cache_store.store import HostPageStore

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
 
+from edgeinfer.backend.engine.kv_port import KVPort
 from edgeinfer.cache_store.codec import PageFormat, PageKey
 from edgeinfer.cache_store.index import PageIndex
 from edgeinfer.cache_store.store import TieredPageStore
@@ -91,7 +91,7 @@ class PublishedPages:
 
 @dataclass(frozen=True)
 class StoreContext:
-    engine: Any                     # backend.engine.engine.LLMEngine
+    port: KVPort                    # the engine's KV, as the page store may use it
     store: TieredPageStore | None
     index: PageIndex | None
     page_key: PageKey
@@ -110,7 +110,7 @@ class StorePart:
     """Publisher and prefetcher: the context's fields as their own."""
 
     def __init__(self, ctx: StoreContext) -> None:
-        self.engine = ctx.engine
+        self.port = ctx.port
         self.store = ctx.store
         self.index = ctx.index
         self.page_key = ctx.page_key
