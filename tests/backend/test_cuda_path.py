@@ -14,7 +14,7 @@ from edgeinfer.backend.model.loader import load_model
 from edgeinfer.protocol.wire import GenerateRequest, SamplingParams
 from tests.backend.dense import greedy
 
-pytestmark = [pytest.mark.slow,
+pytestmark = [pytest.mark.slow, pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 

@@ -15,7 +15,7 @@ from tests.gateway.conftest import DEMO_KEY
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")    # litellm fetches its price list on import otherwise
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]   # e2e: claims through the public API (a real stack)
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = "What is the capital of France?"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 
 from tests.gateway.conftest import DEMO_KEY
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]   # e2e: claims through the public API (a real stack)
 MODEL = "SmolLM2-135M-Instruct"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},

@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 from tests.backend_process import INTERNAL_AUTH, BackendProcess
 from tests.gateway.conftest import DEMO_KEY, parsed, tenant
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]   # e2e: claims through the public API (a real stack)
 SEED = "structured-test-seed"
 
 

@@ -23,7 +23,7 @@ from tests.gateway.conftest import DEMO_KEY
 from tests.ops.launcher import alive
 from tests.redis_server import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]   # e2e: claims through the public API (a real stack)
 EDGEINFER = Path(sys.executable).with_name("edgeinfer")   # the console script pip installed
 QUESTION = [{"role": "system", "content": "You are a concise assistant. Answer in one short sentence, with the "
              "fact the user asks for and nothing else; no lists, no preamble."},

@@ -15,7 +15,7 @@ from tests import moe_checkpoints
 from tests.gateway.conftest import DEMO_KEY
 from tests.ops.test_serve import Serve
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]   # e2e: claims through the public API (a real stack)
 NAMES = {"glm4_moe": "tiny-glm45-moe", "deepseek_v3": "tiny-deepseek-v3"}
 LONG = [{"role": "user", "content": "Tell me everything you know about the history of the city of Paris, "
                                     "its rivers, its bridges and its museums, in as much detail as you can."}]
