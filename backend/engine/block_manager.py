@@ -6,7 +6,7 @@ weight (TenantSpec.weight), counting the pages it has cached whether in use or f
 tenant whose sequence filled it; a page fetched from an outer tier (insert_external) to the first tenant that
 uses it. A tenant with retain=False never gets a page into the cache: its pages are freed uncached.
 
-Every page carries an identity in `ledger` (backend/engine/kv_integrity.py): a stamp drawn each time it is taken
+Every page carries an identity in `ledger` (backend/engine/page_ledger.py, checked as kv_integrity.py says): a stamp drawn each time it is taken
 or freed uncached, its owner, and once sealed its checksum. A sequence records the stamp of each page it takes
 (seq.page_stamps, mirrored in `tables`), a prefix-cache entry the stamp its page had when sealed. A prefix hit
 takes only pages whose entry still names them (and, with `verify_content`, whose bytes still have their sealed
@@ -22,7 +22,7 @@ from typing import NamedTuple
 import numpy as np
 
 from edgeinfer.backend.engine.block_table import BlockTables
-from edgeinfer.backend.engine.kv_integrity import EXTERNAL, PageLedger
+from edgeinfer.backend.engine.page_ledger import EXTERNAL, PageLedger
 from edgeinfer.backend.engine.sequence import Sequence
 
 
