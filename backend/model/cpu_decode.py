@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Any
 
 import torch
-from torch import nn
 
 import edgeinfer.backend.model.linear as linear_mod
 import edgeinfer.kernels.cpu as cpu_kernels
@@ -30,7 +30,7 @@ class DecodePlan:
     default) and the rows are under linear.DENSE_MIN_ROWS (any KV dtype: the rope op quantizes fp8 pages as it
     stores them); otherwise the model runs _forward_cpu (docs/KERNELS.md)."""
 
-    def __init__(self, model: nn.Module, first: RMSNorm, layers: list[tuple], residual: bool, tau: float) -> None:
+    def __init__(self, model: Any, first: RMSNorm, layers: list[tuple], residual: bool, tau: float) -> None:
         self.model, self.layers = model, layers
         self.first_norm = (first.weight, first.eps)
         self.residual = residual   # the linears' activations in two int8 passes (W4A16Linear.residual_activations)
@@ -43,7 +43,7 @@ class DecodePlan:
         self._kv: tuple[int, list[torch.Tensor], list[torch.Tensor | None], list[int]] | None = None
 
     @classmethod
-    def build(cls, model: nn.Module) -> DecodePlan | None:
+    def build(cls, model: Any) -> DecodePlan | None:
         layers: list[DecoderLayer] = list(model.layers)   # type: ignore[arg-type]
         norms = [layer.input_layernorm for layer in layers[1:]] + [model.norm]
         rows: list[tuple] = []

@@ -77,7 +77,7 @@ class PageStoreBridge(EngineObserver):
         self.counters = StoreCounters(port.model_name, metrics)
         self.stats: BridgeStats = self.counters.stats
         ctx = StoreContext(port=port, store=store, index=index, page_key=page_key, format=self.format,
-                           page_bytes=self.format.body_nbytes, node_id=node_id, counters=self.counters,
+                           page_bytes=port.geometry().body_bytes, node_id=node_id, counters=self.counters,
                            published=PublishedPages(published_memory))
         self.publisher = PagePublisher(ctx, max_pending_bytes=max_pending_bytes, publish_batch_bytes=publish_batch_bytes,
                                        unindex_interval_s=unindex_interval_s)

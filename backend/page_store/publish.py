@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -32,7 +33,7 @@ class PagePublisher(StorePart):
         self.pending_bytes = 0
         self._pending_lock = threading.Lock()
         self._evicted: deque[bytes] = deque()       # appended on the engine thread, drained on the loop
-        self._unsubscribe = None
+        self._unsubscribe: Callable[[], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queue: asyncio.Queue | None = None
         self._closed = False

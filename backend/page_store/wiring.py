@@ -18,16 +18,26 @@ PAGE_KEY_ENV = "EDGEINFER_PAGE_KEY"
 
 class StoreSettings(Protocol):
     """The backend's flags the page store reads (backend.config.BackendConfig has them)."""
-    page_key_file: str | None
-    cache_seed: str
-    store_tier: str
-    redis_url: str | None
-    host_store_bytes: int
-    redis_cluster: bool
-    redis_key_prefix: str
-    internal_secret: str | None
-    heartbeat: float
-    store_fetch_timeout: float
+    @property
+    def page_key_file(self) -> str | None: ...
+    @property
+    def cache_seed(self) -> str: ...
+    @property
+    def store_tier(self) -> str: ...
+    @property
+    def redis_url(self) -> str | None: ...
+    @property
+    def host_store_bytes(self) -> int: ...
+    @property
+    def redis_cluster(self) -> bool: ...
+    @property
+    def redis_key_prefix(self) -> str: ...
+    @property
+    def internal_secret(self) -> str | None: ...
+    @property
+    def heartbeat(self) -> float: ...
+    @property
+    def store_fetch_timeout(self) -> float: ...
 
 
 def page_key_from_config(cfg: StoreSettings) -> PageKey:
