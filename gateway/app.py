@@ -11,7 +11,14 @@ import aiohttp
 import msgspec
 from aiohttp import web, web_protocol, web_server
 
-from edgeinfer.gateway import api, responses
+from edgeinfer.gateway import (
+    pipeline,
+    serving_chat,
+    serving_completions,
+    serving_models,
+    serving_responses,
+    serving_tokenize,
+)
 from edgeinfer.gateway.config import ConfigError, GatewayConfig
 from edgeinfer.gateway.errors import APIError
 from edgeinfer.gateway.openapi import openapi_document
@@ -41,7 +48,7 @@ class _ParserErrorHandler(web_protocol.RequestHandler):
         code = "request_header_fields_too_large" if status == 431 else (
             "invalid_http_request" if status < 500 else "internal_error")
         resp = _error_response(APIError(status, f"malformed HTTP request: {reason}", code=code),
-                               api.new_request_id(None))
+                               pipeline.new_request_id(None))
         resp.force_close()
         return resp
 
@@ -80,7 +87,7 @@ def _error_response(e: APIError, request_id: str) -> web.Response:
 async def edge_middleware(request: web.Request, handler) -> web.StreamResponse:
     st: GatewayState = request.app[STATE]
     t0 = request["t0"] = time.perf_counter()
-    rid = request["request_id"] = api.new_request_id(request.headers.get("x-request-id"))
+    rid = request["request_id"] = pipeline.new_request_id(request.headers.get("x-request-id"))
     status, error = 500, None
     task = asyncio.current_task()
     assert task is not None, "aiohttp runs each request's handler in its own task"
@@ -92,7 +99,7 @@ async def edge_middleware(request: web.Request, handler) -> web.StreamResponse:
         status = resp.status
         return resp
     except APIError as e:
-        if isinstance(e, api.TooDeep):
+        if isinstance(e, pipeline.TooDeep):
             e = await e.named()
         status, error = e.status, e.code
         return _error_response(e, rid)
@@ -153,7 +160,7 @@ async def _cut_response(request: web.Request, rid: str) -> web.StreamResponse:
     (`request["cut_event"]()`, set by the streaming handlers once their headers are out) and the stream ended."""
     resp = request.get("stream")
     if resp is None or not resp.prepared:
-        return _error_response(APIError(503, api.SHUTDOWN_MESSAGE, code="shutting_down",
+        return _error_response(APIError(503, pipeline.SHUTDOWN_MESSAGE, code="shutting_down",
                                         headers={"retry-after": "1"}), rid)
     try:
         await resp.write(request["cut_event"]())
@@ -274,12 +281,12 @@ def create_app(cfg: GatewayConfig, *, state: GatewayState | None = None, **overr
     app = web.Application(middlewares=[edge_middleware], client_max_size=cfg.server.max_body_bytes)
     app[STATE] = state
     app["openapi"] = _encode(openapi_document())
-    app.router.add_post("/v1/chat/completions", api.chat_completions)
-    app.router.add_post("/v1/completions", api.completions)
-    app.router.add_get("/v1/models", api.list_models)
-    app.router.add_post("/v1/responses", responses.create_response)
-    app.router.add_post("/tokenize", responses.tokenize)
-    app.router.add_post("/detokenize", responses.detokenize)
+    app.router.add_post("/v1/chat/completions", serving_chat.chat_completions)
+    app.router.add_post("/v1/completions", serving_completions.completions)
+    app.router.add_get("/v1/models", serving_models.list_models)
+    app.router.add_post("/v1/responses", serving_responses.create_response)
+    app.router.add_post("/tokenize", serving_tokenize.tokenize)
+    app.router.add_post("/detokenize", serving_tokenize.detokenize)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)

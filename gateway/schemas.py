@@ -119,13 +119,31 @@ def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float]:
     return out
 
 
+DEFAULT_TEMPERATURE = 1.0     # OpenAI's defaults, echoed back where a response names them
+DEFAULT_TOP_P = 1.0
+
+
+def check_sampling_fields(req) -> None:
+    """The sampling fields every endpoint shares (chat, completions, responses), checked in one place; the rest
+    of their ranges are SamplingParams.validate's (protocol/wire.py) when the gateway builds the request."""
+    if req.temperature is not None and not 0 <= req.temperature <= 2:
+        raise bad_value("temperature", f"temperature={req.temperature!r} is invalid: expected a number in [0, 2]")
+
+
+def temperature_of(req) -> float:
+    return DEFAULT_TEMPERATURE if req.temperature is None else req.temperature
+
+
+def top_p_of(req) -> float:
+    return DEFAULT_TOP_P if req.top_p is None else req.top_p
+
+
 def check_common(req: _Sampling, max_n: int) -> None:
     if not 1 <= req.n <= max_n:
         raise bad_value("n", f"n={req.n} is invalid: expected an integer in [1, {max_n}]")
     if req.stream_options is not None and not req.stream:
         raise bad_value("stream_options", "stream_options is only allowed when stream=true")
-    if req.temperature is not None and not 0 <= req.temperature <= 2:
-        raise bad_value("temperature", f"temperature={req.temperature!r} is invalid: expected a number in [0, 2]")
+    check_sampling_fields(req)
     logit_bias_ids(req.logit_bias)
     guided = [name for name in ("guided_json", "guided_choice", "guided_regex") if getattr(req, name) is not None]
     if len(guided) > 1:

@@ -1,4 +1,7 @@
-"""OpenAI-compatible handlers: /v1/chat/completions, /v1/completions, /v1/models."""
+"""What every generating endpoint shares (SGLang's serving_base): the body read and decoded under the gateway's
+limits, the served model and its access check, sampling fields -> SamplingParams (one place), admission and the
+job's budgets (Job), the runs' execution, streamed as SSE or collected, and the routing affinity key. The
+endpoints: serving_chat.py, serving_completions.py, serving_responses.py, serving_tokenize.py, serving_models.py."""
 
 from __future__ import annotations
 
@@ -25,22 +28,17 @@ from edgeinfer.gateway.schemas import (
     Completion,
     CompletionChoice,
     Delta,
-    ModelCard,
-    ModelList,
     PromptTokensDetails,
     UsageInfo,
-    chat_decoder,
-    check_chat,
-    check_completion,
-    completion_decoder,
     encode,
     logit_bias_ids,
-    message_dicts,
+    temperature_of,
+    top_p_of,
 )
 from edgeinfer.gateway.served_model import ServedModel
-from edgeinfer.gateway.state import STATE, GatewayState
-from edgeinfer.gateway.structured import Pending, SchemaLimits, check_depth, constraint_for, guided_constraint
-from edgeinfer.gateway.tools import ToolPlan, ToolStream, plan_tools, render_messages, split_output
+from edgeinfer.gateway.state import GatewayState
+from edgeinfer.gateway.structured import SchemaLimits, check_depth
+from edgeinfer.gateway.tools import ToolPlan, ToolStream, split_output
 from edgeinfer.gateway.upstream import GRAMMAR_FAILED, UpstreamBroken, error_code_name
 from edgeinfer.protocol.wire import Constraint, SamplingParams, StreamChunk
 
@@ -126,8 +124,8 @@ def sampling_params(req, max_tokens: int, seed: int | None, logprobs: bool, top_
     bias = logit_bias_ids(req.logit_bias)
     sp = SamplingParams(
         max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
+        temperature=temperature_of(req),
+        top_p=top_p_of(req),
         top_k=req.top_k or 0,
         min_p=req.min_p or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
@@ -270,7 +268,7 @@ class Tally:
 async def execute(job: Job, runs: list[Run], n: int, stream: bool, include_usage: bool,
                   session: str, render=None) -> web.StreamResponse:
     """Route, run and answer; `render(job, runs, tally)` writes a response of another shape (gateway/
-    responses.py) instead of a chat completion or completion."""
+    serving_responses.py) instead of a chat completion or completion."""
     st, request = job.st, job.request
     tenant, model = job.tenant, job.model
     target = Target(model.name, tenant.namespace, session, tenant.spec())
@@ -472,7 +470,7 @@ def check_bias_ids(model: ServedModel, bias: dict[str, float] | None) -> None:
             raise bad_value("logit_bias", f"logit_bias token id {t} is out of range [0, {vocab})")
 
 
-def _session(request: web.Request, prompt_cache_key: str | None = None) -> str:
+def session_key(request: web.Request, prompt_cache_key: str | None = None) -> str:
     """The routing affinity key: the x-session-affinity header, else OpenAI's prompt_cache_key (the same
     meaning: requests that share it go to the node that holds their prefix)."""
     session = request.headers.get("x-session-affinity", "") or (prompt_cache_key or "")
@@ -483,110 +481,6 @@ def _session(request: web.Request, prompt_cache_key: str | None = None) -> str:
         raise APIError(400, "x-session-affinity header is not UTF-8 text", code="invalid_header",
                        param="x-session-affinity") from e
     return session
-
-
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    st = request.app[STATE]
-    tenant = st.authenticate(request)
-    req = decode(chat_decoder, await read_body(request, st))
-    request["model"] = req.model
-    check_chat(req, st.cfg.server.max_n)
-    model = served_model(st, tenant, req.model)
-    check_bias_ids(model, req.logit_bias)
-    limits, pending = st.schema_limits, Pending()
-    tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, limits, pending)
-    constraint = constraint_for(req.response_format, limits, pending) or guided_constraint(
-        req.guided_json, req.guided_choice, req.guided_regex, limits, pending)
-    check_nesting(limits, tools=req.tools, tool_choice=req.tool_choice, response_format=req.response_format,
-                  guided_json=req.guided_json, chat_template_kwargs=req.chat_template_kwargs,
-                  messages=[m.tool_calls for m in req.messages if m.tool_calls])
-    if tools is not None and tools.mode != "auto":
-        if constraint is not None:
-            raise bad_value("response_format", "response_format cannot be combined with a tool_choice that "
-                                               "forces a tool call")
-        constraint = tools.constraint()
-    messages = render_messages(message_dicts(req.messages), tools)
-    job = Job(request, st, tenant, model, "chat")
-    job.tools = tools
-    job.constraint_param = constraint_field(req, tools)
-    job.check_chars(sum(len(m["content"]) for m in messages), "messages")
-    session = _session(request, req.prompt_cache_key)
-    top = req.top_logprobs or 0
-    sampling_params(req, 1, req.seed, req.logprobs, top)   # a bad sampling value: 400 before admission
-    async with job.admitted():
-        await st.schemas.check(pending)       # off the event loop, after admission (gateway/schema_guard.py)
-        prompt = await model.encode_chat(messages, req.chat_template_kwargs)
-        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        max_tokens = job.limits([prompt], requested)
-        job.check_budget(len(prompt))
-        await job.charge_prompt(len(prompt))
-
-        def make(i: int) -> SamplingParams:
-            return sampling_params(req, max_tokens, None if req.seed is None else req.seed + i, req.logprobs, top)
-
-        runs = job.runs([prompt], req.n, make, constraint)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await execute(job, runs, req.n, req.stream, include_usage, session)
-
-
-async def completions(request: web.Request) -> web.StreamResponse:
-    st = request.app[STATE]
-    tenant = st.authenticate(request)
-    req = decode(completion_decoder, await read_body(request, st))
-    request["model"] = req.model
-    check_completion(req, st.cfg.server.max_n)
-    model = served_model(st, tenant, req.model)
-    check_bias_ids(model, req.logit_bias)
-    limits, pending = st.schema_limits, Pending()
-    constraint = constraint_for(req.response_format, limits, pending) or guided_constraint(
-        req.guided_json, req.guided_choice, req.guided_regex, limits, pending)
-    check_nesting(limits, response_format=req.response_format, guided_json=req.guided_json)
-    p = req.prompt
-    texts = [p] if isinstance(p, str) else list(p) if p and isinstance(p[0], str) else []
-    count = len(texts) if texts else (1 if p and isinstance(p[0], int) else len(p))
-    if count * req.n > st.cfg.server.max_n:
-        raise bad_value("n", f"{count} prompts x n={req.n} = {count * req.n} choices exceeds the "
-                             f"limit of {st.cfg.server.max_n}")
-    job = Job(request, st, tenant, model, "completion")
-    job.constraint_param = constraint_field(req, None)
-    job.check_chars(sum(len(t) for t in texts), "prompt")  # type: ignore[arg-type]
-    session = _session(request, req.prompt_cache_key)
-    top = req.logprobs or 0
-    sampling_params(req, 1, req.seed, req.logprobs is not None, top)   # a bad sampling value: 400 before admission
-    async with job.admitted():
-        await st.schemas.check(pending)
-        prompts: list[Sequence[int]]
-        if texts:
-            prompts = [await model.encode_prompt(t) for t in texts]  # type: ignore[arg-type]
-        elif isinstance(p[0], int):
-            prompts = [list(p)]  # type: ignore[arg-type]
-        else:
-            prompts = [list(x) for x in p]  # type: ignore[union-attr]
-        if not texts:
-            for ids in prompts:
-                model.check_ids(ids)  # type: ignore[arg-type]
-        max_tokens = job.limits(prompts, 16 if req.max_tokens is None else req.max_tokens)
-        prompt_tokens = sum(len(x) for x in prompts)
-        job.check_budget(prompt_tokens)
-        await job.charge_prompt(prompt_tokens)
-
-        def make(i: int) -> SamplingParams:
-            return sampling_params(req, max_tokens, None if req.seed is None else req.seed + i,
-                                   req.logprobs is not None, top)
-
-        runs = job.runs(prompts, req.n, make, constraint)
-        if req.echo:   # each choice starts with its prompt, as text (token-id prompts decoded)
-            job.echo = {r.index: (texts[r.index // req.n] if texts else model.tokenizer.decode(r.prompt_ids, False))
-                        for r in runs}
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await execute(job, runs, req.n, req.stream, include_usage, session)
-
-
-async def list_models(request: web.Request) -> web.Response:
-    st = request.app[STATE]
-    tenant = st.authenticate(request)
-    cards = [ModelCard(name, st.started) for name in sorted(st.models) if tenant.allows(name)]
-    return web.Response(body=encode(ModelList(cards)), content_type="application/json")
 
 
 def new_request_id(header: str | None) -> str:

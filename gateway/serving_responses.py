@@ -18,11 +18,20 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from edgeinfer.gateway import pipeline
 from edgeinfer.gateway.errors import APIError, bad_value
-from edgeinfer.gateway.schemas import REASONING_EFFORTS, encode
+from edgeinfer.gateway.generation import merged
+from edgeinfer.gateway.schemas import (
+    REASONING_EFFORTS,
+    check_sampling_fields,
+    encode,
+    temperature_of,
+    top_p_of,
+)
 from edgeinfer.gateway.state import STATE
 from edgeinfer.gateway.structured import Pending, constraint_for
 from edgeinfer.gateway.tools import ToolStream, plan_tools, render_messages, split_output
+from edgeinfer.gateway.upstream import UpstreamBroken
 
 
 class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -54,7 +63,7 @@ responses_decoder = msgspec.json.Decoder(ResponsesRequest)
 
 
 class ChatShape(msgspec.Struct, kw_only=True):
-    """The fields api.sampling_params reads, from a Responses request."""
+    """The fields pipeline.sampling_params reads, from a Responses request."""
     model: str
     temperature: float | None = None
     top_p: float | None = None
@@ -143,8 +152,7 @@ def check(req: ResponsesRequest) -> None:
         raise bad_value("previous_response_id", "previous_response_id is not supported: this server keeps no "
                                                 "responses; send the whole conversation as input",
                         code="unsupported_parameter")
-    if req.temperature is not None and not 0 <= req.temperature <= 2:
-        raise bad_value("temperature", f"temperature={req.temperature!r} is invalid: expected a number in [0, 2]")
+    check_sampling_fields(req)
     if req.max_output_tokens is not None and req.max_output_tokens < 1:
         raise bad_value("max_output_tokens", f"max_output_tokens={req.max_output_tokens} is invalid: expected "
                                              "an integer >= 1")
@@ -180,8 +188,7 @@ class ResponseBuilder:
                 "model": self.model, "output": output, "usage": usage, "error": None,
                 "incomplete_details": {"reason": "max_output_tokens"} if reason == "length" else None,
                 "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
-                "temperature": 1.0 if r.temperature is None else r.temperature,
-                "top_p": 1.0 if r.top_p is None else r.top_p, "parallel_tool_calls": r.parallel_tool_calls is not False,
+                "temperature": temperature_of(r), "top_p": top_p_of(r), "parallel_tool_calls": r.parallel_tool_calls is not False,
                 "tool_choice": r.tool_choice or "auto", "tools": r.tools or [], "metadata": r.metadata or {},
                 "text": r.text or {"format": {"type": "text"}}, "previous_response_id": None,
                 "reasoning": {"effort": None, "summary": None}, "store": False, "truncation": "disabled"}
@@ -217,16 +224,13 @@ class ResponseBuilder:
 
 
 async def collect(job, runs, tally, builder: ResponseBuilder) -> web.Response:
-    from edgeinfer.gateway import api
-    from edgeinfer.gateway.generation import merged
-    from edgeinfer.gateway.upstream import UpstreamBroken
 
     parts: list[str] = []
     reason = None
     try:
         async for run, chunk, _t in merged(runs):
             if chunk.error is not None or chunk.finish_reason in ("abort", "error"):
-                raise api.chunk_error(run, chunk)
+                raise pipeline.chunk_error(run, chunk)
             tally.add(run, chunk)
             parts.append(chunk.text)
             reason = chunk.finish_reason or reason
@@ -239,16 +243,13 @@ async def collect(job, runs, tally, builder: ResponseBuilder) -> web.Response:
 
 
 async def stream(job, runs, tally, builder: ResponseBuilder) -> web.StreamResponse:
-    from edgeinfer.gateway import api
-    from edgeinfer.gateway.generation import merged
-    from edgeinfer.gateway.upstream import UpstreamBroken
 
     resp = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache",
                                        "x-accel-buffering": "no", **job.headers, "x-request-id": job.rid})
     await resp.prepare(job.request)
     b = builder
     job.request["stream"] = resp
-    job.request["cut_event"] = lambda: b.event("error", code="shutting_down", message=api.SHUTDOWN_MESSAGE, param=None)
+    job.request["cut_event"] = lambda: b.event("error", code="shutting_down", message=pipeline.SHUTDOWN_MESSAGE, param=None)
     await resp.write(b.event("response.created", response=b.obj("in_progress", [], None, None))
                      + b.event("response.in_progress", response=b.obj("in_progress", [], None, None)))
     tool_stream = ToolStream() if b.tools is not None else None
@@ -261,7 +262,7 @@ async def stream(job, runs, tally, builder: ResponseBuilder) -> web.StreamRespon
     try:
         async for run, chunk, _t in merged(runs):
             if chunk.error is not None or chunk.finish_reason in ("abort", "error"):
-                err = api.chunk_error(run, chunk)
+                err = pipeline.chunk_error(run, chunk)
                 await resp.write(b.event("error", code=err.code, message=err.message, param=err.param))
                 return resp
             tally.add(run, chunk)
@@ -305,33 +306,32 @@ async def stream(job, runs, tally, builder: ResponseBuilder) -> web.StreamRespon
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
-    from edgeinfer.gateway import api
 
     st = request.app[STATE]
     tenant = st.authenticate(request)
-    req = api.decode(responses_decoder, await api.read_body(request, st))
+    req = pipeline.decode(responses_decoder, await pipeline.read_body(request, st))
     request["model"] = req.model
     check(req)
-    model = api.served_model(st, tenant, req.model)
+    model = pipeline.served_model(st, tenant, req.model)
     limits, pending = st.schema_limits, Pending()
     tools = plan_tools(chat_tools(req.tools), chat_tool_choice(req.tool_choice), req.parallel_tool_calls, limits,
                        pending)
     constraint = constraint_for(response_format(req.text), limits, pending)
-    api.check_nesting(limits, input=req.input, tools=req.tools, tool_choice=req.tool_choice, text=req.text,
+    pipeline.check_nesting(limits, input=req.input, tools=req.tools, tool_choice=req.tool_choice, text=req.text,
                       reasoning=req.reasoning, stream_options=req.stream_options)
     if tools is not None and tools.mode != "auto":
         if constraint is not None:
             raise bad_value("text.format", "text.format cannot be combined with a tool_choice that forces a call")
         constraint = tools.constraint()
     messages = render_messages(input_messages(req), tools)
-    job = api.Job(request, st, tenant, model, "responses")
+    job = pipeline.Job(request, st, tenant, model, "responses")
     job.tools = tools
     job.constraint_param = "tool_choice" if tools is not None and tools.mode != "auto" else \
         "text.format" if constraint is not None else None
     job.check_chars(sum(len(m["content"]) for m in messages), "input")
-    session = api._session(request, req.prompt_cache_key)
+    session = pipeline.session_key(request, req.prompt_cache_key)
     shape = ChatShape(model=req.model, temperature=req.temperature, top_p=req.top_p)
-    api.sampling_params(shape, 1, req.seed, False, 0)
+    pipeline.sampling_params(shape, 1, req.seed, False, 0)
     builder = ResponseBuilder(req, model.name, tools)
     async with job.admitted():
         await st.schemas.check(pending)
@@ -339,84 +339,10 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         max_tokens = job.limits([prompt], req.max_output_tokens)
         job.check_budget(len(prompt))
         await job.charge_prompt(len(prompt))
-        runs = job.runs([prompt], 1, lambda i: api.sampling_params(shape, max_tokens, req.seed, False, 0), constraint)
+        runs = job.runs([prompt], 1, lambda i: pipeline.sampling_params(shape, max_tokens, req.seed, False, 0), constraint)
         render = stream if req.stream else collect
-        return await api.execute(job, runs, 1, req.stream, False, session,
+        return await pipeline.execute(job, runs, 1, req.stream, False, session,
                                  render=lambda job, runs, tally: render(job, runs, tally, builder))
 
 
 # ---- vLLM's /tokenize and /detokenize ---------------------------------------------------------
-
-class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    model: str
-    prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
-
-
-class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    model: str
-    tokens: list[int]
-
-
-_tokenize_decoder = msgspec.json.Decoder(TokenizeRequest)
-_detokenize_decoder = msgspec.json.Decoder(DetokenizeRequest)
-
-
-async def tokenize(request: web.Request) -> web.Response:
-    from edgeinfer.gateway import api
-    from edgeinfer.gateway.errors import from_validation_error
-    from edgeinfer.gateway.schemas import ChatMessage, message_dicts
-
-    st = request.app[STATE]
-    tenant = st.authenticate(request)
-    req = api.decode(_tokenize_decoder, await api.read_body(request, st))
-    request["model"] = req.model
-    model = api.served_model(st, tenant, req.model)
-    if (req.prompt is None) == (req.messages is None):
-        raise bad_value("prompt", "give exactly one of prompt (text) or messages (a chat)")
-    api.check_nesting(st.schema_limits, messages=req.messages, chat_template_kwargs=req.chat_template_kwargs)
-    job = api.Job(request, st, tenant, model, "tokenize")
-    msgs: list[dict[str, Any]] = []
-    if req.messages is not None:
-        try:
-            msgs = message_dicts(msgspec.convert(req.messages, list[ChatMessage]))
-        except msgspec.ValidationError as e:
-            raise from_validation_error(e) from e
-        job.check_chars(sum(len(m["content"]) for m in msgs), "messages")
-    else:
-        assert req.prompt is not None
-        job.check_chars(len(req.prompt), "prompt")
-    async with job.admitted():     # the tenant's request rate and concurrency, as for chat (no tokens charged)
-        if req.messages is not None:
-            extra = dict(req.chat_template_kwargs or {})
-            if not req.add_generation_prompt:
-                extra["add_generation_prompt"] = False
-            ids = list(await model.encode_chat(msgs, extra or None))
-        else:
-            assert req.prompt is not None
-            ids = list(await model.encode_prompt(req.prompt)) if req.add_special_tokens else \
-                list(await model.encode_text(req.prompt))
-    nodes = st.pool.for_model(model.name)
-    max_len = min((n.info.max_model_len for n in nodes if n.info), default=None)
-    return web.json_response({"count": len(ids), "max_model_len": max_len, "tokens": ids},
-                             headers=job.headers)
-
-
-async def detokenize(request: web.Request) -> web.Response:
-    from edgeinfer.gateway import api
-
-    st = request.app[STATE]
-    tenant = st.authenticate(request)
-    req = api.decode(_detokenize_decoder, await api.read_body(request, st))
-    request["model"] = req.model
-    model = api.served_model(st, tenant, req.model)
-    model.check_ids(req.tokens)
-    job = api.Job(request, st, tenant, model, "detokenize")
-    async with job.admitted():
-        text = model.tokenizer.decode(req.tokens, False)
-    job.check_chars(len(text), "tokens")
-    return web.json_response({"prompt": text}, headers=job.headers)
-
