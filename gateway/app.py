@@ -11,6 +11,7 @@ import aiohttp
 import msgspec
 from aiohttp import web, web_protocol, web_server
 
+from edgeinfer.cache_store.wiring import wire_redis
 from edgeinfer.gateway import (
     pipeline,
     serving_chat,
@@ -271,8 +272,6 @@ async def _on_shutdown(app: web.Application) -> None:
 def create_app(cfg: GatewayConfig, *, state: GatewayState | None = None, **overrides) -> web.Application:
     if state is None:
         if cfg.server.redis_url and "redis_client" not in overrides:
-            from edgeinfer.cache_store.wiring import wire_redis
-
             redis = wire_redis(cfg.server.redis_url, cfg.server.key_prefix, socket_timeout_s=None)  # admission: its own timeout
             overrides.setdefault("registry", redis.registry())
             overrides.setdefault("index", redis.index())

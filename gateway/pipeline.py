@@ -19,6 +19,7 @@ from edgeinfer.gateway.admission import Lease
 from edgeinfer.gateway.config import TenantConfig
 from edgeinfer.gateway.errors import APIError, bad_value, from_validation_error
 from edgeinfer.gateway.generation import Run, Target, merged, more_ready, runs_open
+from edgeinfer.gateway.nesting import deep_field
 from edgeinfer.gateway.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -91,8 +92,6 @@ class TooDeep(APIError):
         self.raw, self.limit = body, limit
 
     async def named(self) -> APIError:
-        from edgeinfer.gateway.nesting import deep_field
-
         field = await asyncio.to_thread(deep_field, self.raw, self.limit)
         if field is None:
             return self

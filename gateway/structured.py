@@ -17,6 +17,7 @@ What the grammar compiler cannot do (on the backend) is a 400 with its message.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -222,8 +223,6 @@ def guided_constraint(guided_json: dict[str, Any] | str | None, guided_choice: l
         alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in guided_choice)
         return Constraint("lark", f"start: {alternatives}")
     if guided_regex is not None:
-        import re
-
         try:
             re.compile(guided_regex)
         except re.error as e:

@@ -24,6 +24,8 @@ import time
 
 import msgspec
 
+from edgeinfer.cache_store.node_auth import NodeRecordKey
+from edgeinfer.cache_store.wiring import wire_redis
 from edgeinfer.ops.local_state import running_redis_url
 from edgeinfer.ops.node_client import CANARY_PROMPT_IDS, NodeClient, NodeError
 from edgeinfer.ops.rollout import Rollout, RolloutOptions, Target
@@ -88,7 +90,6 @@ def list_nodes(args: argparse.Namespace, model: str | None = None) -> list:
     if not args.redis_url:
         raise OpsError("no registry: pass --redis-url or set EDGEINFER_REDIS_URL (or start `edgeinfer serve` "
                        "on this machine: its embedded valkey is found by itself)")
-    from edgeinfer.cache_store.wiring import wire_redis
 
     async def go() -> list:
         redis = wire_redis(args.redis_url, args.redis_key_prefix, socket_timeout_s=2.0, guard_timeout_s=2.0)
@@ -111,7 +112,6 @@ def _believed(records: list) -> list:
     secret = os.environ.get("EDGEINFER_INTERNAL_SECRET", "").strip()
     if not secret:
         return records
-    from edgeinfer.cache_store.node_auth import NodeRecordKey
 
     key, kept = NodeRecordKey(secret), []
     for r in records:

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import secrets
@@ -64,8 +65,6 @@ class HomeLock:
     @classmethod
     def take(cls, path: Path | None = None) -> HomeLock | str:
         """The lock, or the one-line reason it is held by another serve."""
-        import fcntl
-
         path = path or serve_dir() / "serve.lock"
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 CACHE_SEED_ENV = "EDGEINFER_CACHE_SEED"   # deployment secret mixed into every page hash (gateway and backends)
 CACHE_SEED = "edgeinfer-dev-seed"         # used when neither the flag/config nor the env var sets one
 KEY_PREFIX = "ei"                         # prefix of every Redis key (cache_store/keys.py)
@@ -12,9 +15,6 @@ def home_dir():
     """Where edgeinfer keeps what outlives a process (imported models, the embedded valkey's pages, the local
     secrets `edgeinfer serve` made up): $EDGEINFER_HOME, else $XDG_CACHE_HOME/edgeinfer, else
     ~/.cache/edgeinfer."""
-    import os
-    from pathlib import Path
-
     if os.environ.get("EDGEINFER_HOME"):
         return Path(os.environ["EDGEINFER_HOME"])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "edgeinfer"

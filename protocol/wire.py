@@ -15,6 +15,8 @@ Closing the HTTP connection of a generate stream aborts the request.
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 
@@ -37,8 +39,6 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field and what was expected."""
-        import math
-
         def bad(name: str, value: object, expected: str) -> None:
             raise ValueError(f"{name}={value!r} is invalid: expected {expected}")
 
@@ -80,8 +80,6 @@ class TenantSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_running_pages: int = 0        # hard cap on KV pages its running requests hold (0: none)
 
     def validate(self) -> None:
-        import math
-
         if not self.id:
             raise ValueError("tenant.id is empty: expected the tenant's id")
         if not math.isfinite(self.weight) or self.weight <= 0:

@@ -28,6 +28,7 @@ import torch
 
 from edgeinfer.backend.model.batch import AttentionMetadata, LayerKV
 from edgeinfer.backend.model.decoder import LlamaModel
+from edgeinfer.kernels.dispatch import use_triton
 
 GRAPHS_ENV = "EDGEINFER_CUDA_GRAPHS"
 PAD_SLOT = -1          # kv_store skips the row
@@ -195,7 +196,6 @@ def decode_graphs_for(model: LlamaModel, kv: list[LayerKV], enabled: bool, max_n
     env = graphs_env()
     if not (enabled if env is None else env) or model.device.type != "cuda":
         return None
-    from edgeinfer.kernels.dispatch import use_triton
 
     if not use_triton(torch.empty(0, device=model.device)):
         return None   # the references sync on tensor values: not capturable

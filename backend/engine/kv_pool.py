@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from edgeinfer.backend.model.batch import LayerKV
+
 if TYPE_CHECKING:
-    from edgeinfer.backend.model.batch import LayerKV
     from edgeinfer.backend.model.config import ModelConfig
 
 KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn}
@@ -99,8 +100,6 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device 
 def allocate_pool(fmt: KVFormat, num_pages: int, page_size: int, model_cfg: ModelConfig,
                   device: torch.device | str) -> list[LayerKV]:
     """One LayerKV per layer: lazily zeroed values, and for a scaled format scales of one."""
-    from edgeinfer.backend.model.batch import LayerKV
-
     shape = (num_pages, page_size, model_cfg.num_kv_heads, model_cfg.head_dim)
 
     def scales() -> torch.Tensor | None:

@@ -7,7 +7,7 @@ import itertools
 import time
 from typing import TYPE_CHECKING, Protocol
 
-from edgeinfer.protocol.page_id import PageKeyContext, hash_page
+from edgeinfer.protocol.page_id import PageKeyContext, hash_page, page_hashes
 from edgeinfer.protocol.wire import SamplingParams, TenantSpec
 
 if TYPE_CHECKING:
@@ -102,6 +102,4 @@ class Sequence:
         return new
 
     def prompt_page_hashes(self) -> list[bytes]:
-        from edgeinfer.protocol.page_id import page_hashes
-
         return page_hashes(self.key_ctx, self.all_ids)

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from prometheus_client import Counter, Histogram
+
 from edgeinfer.backend.engine.kv_port import KVPort
 from edgeinfer.cache_store.codec import PageFormat, PageKey
 from edgeinfer.cache_store.index import PageIndex
@@ -38,8 +40,6 @@ class StoreCounters:
         self.stats = BridgeStats()
         self._pages = self._fetch_seconds = self._integrity = None
         if metrics is not None:
-            from prometheus_client import Counter, Histogram
-
             self._pages = Counter("edgeinfer_backend_page_store_pages",
                                   "Page store events: " + ", ".join(PAGE_EVENTS),
                                   ["model", "event"], registry=metrics.registry)

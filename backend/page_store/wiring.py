@@ -9,7 +9,9 @@ from typing import Protocol
 
 from edgeinfer.backend.page_store.bridge import PageStoreBridge
 from edgeinfer.cache_store.codec import PageKey
-from edgeinfer.cache_store.store import PageStore, TieredPageStore
+from edgeinfer.cache_store.node_auth import NodeRecordKey
+from edgeinfer.cache_store.store import HostPageStore, PageStore, TieredPageStore
+from edgeinfer.cache_store.wiring import wire_redis
 from edgeinfer.protocol.defaults import KEY_PREFIX
 
 log = logging.getLogger("edgeinfer.store_bridge")
@@ -56,10 +58,6 @@ def page_key_from_config(cfg: StoreSettings) -> PageKey:
 
 def attach_page_store(st, cfg: StoreSettings) -> PageStoreBridge | None:
     """Called by backend.server.build_state: add the page store extension per the CLI flags."""
-    from edgeinfer.cache_store.node_auth import NodeRecordKey
-    from edgeinfer.cache_store.store import HostPageStore
-    from edgeinfer.cache_store.wiring import wire_redis
-
     tier, url = cfg.store_tier, cfg.redis_url
     if tier == "none":
         return None

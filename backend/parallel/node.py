@@ -28,11 +28,16 @@ from pathlib import Path
 
 import torch
 
+from edgeinfer.backend.engine.engine import LLMEngine
+from edgeinfer.backend.engine.kv_pool import lazy_zeros
+from edgeinfer.backend.engine.loading import model_fingerprint
 from edgeinfer.backend.model.batch import AttentionMetadata, LayerKV, PageIO
+from edgeinfer.backend.model.config import ModelConfig
 from edgeinfer.backend.model.decoder import LlamaModel
 from edgeinfer.backend.model.loader import load_model
 from edgeinfer.backend.parallel.comm import Comm
-from edgeinfer.backend.parallel.shard import shard_model
+from edgeinfer.backend.parallel.shard import local_config, shard_model
+from edgeinfer.protocol.tokenizer import Tokenizer
 
 log = logging.getLogger("edgeinfer.parallel")
 
@@ -113,8 +118,6 @@ class NodePageIO(PageIO):
 
 def worker_loop(shard: LlamaModel, comm: Comm) -> None:
     """Ranks 1..N-1: mirror rank 0's calls until it says stop (or the group fails)."""
-    from edgeinfer.backend.engine.kv_pool import lazy_zeros
-
     kv: list[LayerKV] = []
     device = shard.device
     with torch.inference_mode():
@@ -268,10 +271,6 @@ class Node:
 def load_parallel_engine(model_dir: str | Path, cfg, world: int, expert_parallel: bool, dtype: str = "float32",
                          model_name: str | None = None):
     """The engine of a tensor-parallel node (rank 0), and the node's handle."""
-    from edgeinfer.backend.engine.engine import LLMEngine
-    from edgeinfer.backend.engine.loading import model_fingerprint
-    from edgeinfer.protocol.tokenizer import Tokenizer
-
     model_dir = Path(model_dir)
     model, node = start_node(model_dir, world, expert_parallel, dtype)
     tok = Tokenizer.from_dir(model_dir, model_vocab_size=model.cfg.vocab_size)
@@ -283,9 +282,6 @@ def load_parallel_engine(model_dir: str | Path, cfg, world: int, expert_parallel
 def start_node(model_dir: str | Path, world: int, expert_parallel: bool, dtype: str = "float32",
                timeout_s: float = 120.0) -> tuple[TensorParallelModel, Node]:
     """Rank 0: start ranks 1..world-1, join the group, load this rank's shard."""
-    from edgeinfer.backend.model.config import ModelConfig
-    from edgeinfer.backend.parallel.shard import local_config
-
     local_config(ModelConfig.from_dir(model_dir), world, expert_parallel)   # a size that does not split: one clear
     # error, no rank started
     port = free_port()

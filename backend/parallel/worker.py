@@ -9,6 +9,9 @@ import sys
 
 import torch
 
+from edgeinfer.backend.parallel.comm import Comm
+from edgeinfer.backend.parallel.node import load_shard, worker_loop
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
@@ -21,8 +24,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--expert-parallel", action="store_true")
     a = ap.parse_args(argv)
     logging.basicConfig(level="WARNING", stream=sys.stderr)
-    from edgeinfer.backend.parallel.comm import Comm
-    from edgeinfer.backend.parallel.node import load_shard, worker_loop
 
     comm = Comm.init(a.rank, a.world, master_port=a.master_port, timeout_s=a.timeout)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[a.dtype]

@@ -27,7 +27,10 @@ from edgeinfer.backend.model.mla import MLAAttention
 from edgeinfer.backend.model.moe import DenseExperts, SparseMoE
 from edgeinfer.backend.model.packing import effective_group_size, group_quantize_tensor
 from edgeinfer.backend.model.quant_format import SCHEMES, edgeinfer_config
+from edgeinfer.backend.quant.awq import GRID, apply_awq, collect_stats
+from edgeinfer.backend.quant.calib import calibration_sources, interleaved_chunks
 from edgeinfer.backend.quant.gptq import gptq_quantize
+from edgeinfer.protocol.tokenizer import Tokenizer
 
 log = logging.getLogger("edgeinfer.quant")
 METHODS = ("rtn", "awq", "gptq", "awq-gptq")
@@ -145,9 +148,6 @@ def quantized_tensors(model: LlamaModel, group_size: int, clips: dict[str, torch
 
 
 def calibration_chunks(src: Path, num: int, length: int, which: str = "mix") -> tuple[list[list[int]], str]:
-    from edgeinfer.backend.quant.calib import calibration_sources, interleaved_chunks
-    from edgeinfer.protocol.tokenizer import Tokenizer
-
     tok = Tokenizer.from_dir(src)
     try:
         sources = calibration_sources(which)
@@ -181,14 +181,10 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, scheme: str = "w4a16-g
     extra: dict = {"scheme": scheme}
     clips = hessians = None
     if method != "rtn":
-        from edgeinfer.backend.quant.awq import apply_awq, collect_stats
-
         chunks, calib_name = calibration_chunks(src, calib_chunks, calib_len, calibration)
         t0 = time.time()
         stats = collect_stats(model, chunks, skip_first=skip_first)
         if method in ("awq", "awq-gptq"):
-            from edgeinfer.backend.quant.awq import GRID
-
             clips = apply_awq(model, stats, group_size, grid=awq_grid or GRID)   # also rescales each H to the folded weights
         if method in ("gptq", "awq-gptq"):
             hessians = {f"{i}.{n}": s.h for i, st in enumerate(stats) for n, s in st.inputs.items()}

@@ -35,12 +35,14 @@ logged warning; ext requires them (an error naming the reason); torch never buil
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import logging
 import os
 import platform
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -113,8 +115,6 @@ def _ops():
 def build_extension(name: str, source: Path) -> None:
     """torch's JIT build of one C++ source (cached in torch's extensions dir), with a line before and after:
     the first build takes about a minute on 2 cores and would otherwise be silence."""
-    import time
-
     from torch.utils.cpp_extension import _get_build_directory, load
 
     build_dir = Path(_get_build_directory(name, verbose=False))
@@ -137,8 +137,6 @@ def _build_lock(build_dir: Path):
     is left behind when a build is killed (Ctrl-C during the first start), and the next build then waits on
     it forever; an flock dies with its holder. So, holding ours, a `lock` file found is stale: removed, with
     one line naming it. Another live process building the same extension is waited for, with one line."""
-    import fcntl
-
     build_dir.mkdir(parents=True, exist_ok=True)
     with open(build_dir / "edgeinfer.flock", "a+") as f:
         try:
