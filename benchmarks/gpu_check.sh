@@ -13,7 +13,7 @@
 #   bench_engine   engine decode tok/s at 1/8/32 sequences, CUDA graphs on vs off           -> engine.vs_transformers.json
 #   parity         SmolLM2 on CUDA (fp32, Triton attention) vs transformers (needs the real weights)
 #   batch16        16 sequences together decode what each decodes alone (needs the real weights)
-#   cuda_path      tests/backend/test_cuda_path.py: graphs vs eager, fp8 KV, native INT4 on CUDA
+#   cuda_path      tests/backend/model/test_cuda_path.py: graphs vs eager, fp8 KV, native INT4 on CUDA
 #   bench_int4     the served model (native INT4, fp8 KV), graphs on vs off -> bench_engine_int4_fp8.json
 #   tp             with 2+ GPUs: the tensor/expert-parallel tests and bench_parallel (the node runs its ranks on
 #                  gloo over the CPU today: CUDA ranks over NCCL are not built; this step records what exists)
@@ -193,30 +193,30 @@ elif [[ $MODE == gpu ]]; then
   run_step bench_engine 120 "$PY" -m benchmarks.engine.vs_transformers --device cuda --graphs both --no-hf \
     --concurrency 1,8,32 --new-tokens 64 "${ENGINE_MODEL[@]}" --out "$OUT/engine.vs_transformers.json"
   if [[ $MODEL == real ]]; then
-    run_step parity 120 env EDGEINFER_TEST_DEVICE=cuda "${PYTEST[@]}" tests/backend/test_model_parity.py -k smollm2
-    run_step batch16 120 env EDGEINFER_TEST_DEVICE=cuda "${PYTEST[@]}" tests/backend/test_engine.py -k 16_concurrent
-    run_step cuda_path 120 "${PYTEST[@]}" -s tests/backend/test_cuda_path.py
+    run_step parity 120 env EDGEINFER_TEST_DEVICE=cuda "${PYTEST[@]}" tests/backend/model/test_model_parity.py -k smollm2
+    run_step batch16 120 env EDGEINFER_TEST_DEVICE=cuda "${PYTEST[@]}" tests/backend/engine/test_engine.py -k 16_concurrent
+    run_step cuda_path 120 "${PYTEST[@]}" -s tests/backend/model/test_cuda_path.py
     run_step bench_int4 90 "$PY" -m benchmarks.engine.vs_transformers --device cuda --graphs both --no-hf --native-int4 \
       --kv-dtype fp8_e4m3 --skip-ttft --concurrency 1,8,32 --new-tokens 64 --out "$OUT/bench_engine_int4_fp8.json"
   else
     for s in parity batch16 cuda_path bench_int4; do skip_step $s "no SmolLM2 weights on this machine"; done
   fi
   if [[ $(nvidia-smi -L 2>/dev/null | wc -l) -ge 2 ]]; then
-    run_step tp 240 "${PYTEST[@]}" tests/backend/test_tensor_parallel.py
+    run_step tp 240 "${PYTEST[@]}" tests/backend/parallel/test_tensor_parallel.py
   else
     skip_step tp "one GPU: a tensor-parallel run needs 2+"
   fi
 else   # dry run: every step's plumbing on CPU, small
-  run_step kernel_tests 150 env TRITON_INTERPRET=1 "${PYTEST[@]}" tests/kernels/test_w4a16_gemm.py -k "mins or config"
+  run_step kernel_tests 150 env TRITON_INTERPRET=1 "${PYTEST[@]}" tests/kernels/triton/test_w4a16_gemm.py -k "mins or config"
   run_step bench_kernels 150 env TRITON_INTERPRET=1 "$PY" -m benchmarks.kernels.gpu --cpu-dry-run \
     --out "$OUT/kernels.gpu.json"
   run_step bench_engine 150 "$PY" -m benchmarks.engine.vs_transformers --device cpu --graphs both --no-hf --skip-ttft \
     --concurrency 1,4 --new-tokens 6 --prompt-len 16 "${ENGINE_MODEL[@]}" --out "$OUT/engine.vs_transformers.json"
-  run_step parity 150 "${PYTEST[@]}" tests/backend/test_model_parity.py -k gqa
-  run_step batch16 150 "${PYTEST[@]}" tests/backend/test_cuda_graphs.py -k "replays or prefill"
-  run_step cuda_path 60 "${PYTEST[@]}" tests/backend/test_cuda_path.py
+  run_step parity 150 "${PYTEST[@]}" tests/backend/model/test_model_parity.py -k gqa
+  run_step batch16 150 "${PYTEST[@]}" tests/backend/engine/test_cuda_graphs.py -k "replays or prefill"
+  run_step cuda_path 60 "${PYTEST[@]}" tests/backend/model/test_cuda_path.py
   skip_step bench_int4 "dry run"
-  run_step tp 240 "${PYTEST[@]}" tests/backend/test_tensor_parallel.py -k "llama"
+  run_step tp 240 "${PYTEST[@]}" tests/backend/parallel/test_tensor_parallel.py -k "llama"
 fi
 
 # ---- summary

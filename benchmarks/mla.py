@@ -84,7 +84,7 @@ def kv_bytes(model_dir: Path) -> dict:
 
 def decode_and_prefill(model_dir: Path, levels: list[int], context: int, prefill: int, steps: int) -> dict:
     from edgeinfer.backend.model.loader import load_model
-    from tests.backend.dense import decode_batch, prefill_batch
+    from tests.support.dense import decode_batch, prefill_batch
 
     model = load_model(model_dir)
     out: dict = {"decode_ms": {}, "prefill_ms": {}}
@@ -122,7 +122,7 @@ def decode_and_prefill(model_dir: Path, levels: list[int], context: int, prefill
 def fp8_agreement(model_dir: Path, chunks: list[list[int]]) -> dict:
     from edgeinfer.backend.model.batch import LayerKV
     from edgeinfer.backend.model.loader import load_model
-    from tests.backend.dense import fresh_kv, prefill_logits
+    from tests.support.dense import fresh_kv, prefill_logits
 
     model = load_model(model_dir)
     kls, agree, n = 0.0, 0.0, 0

@@ -119,7 +119,7 @@ import json, sys, time, torch
 sys.path.insert(0, {str(ROOT)!r})
 torch.set_num_threads({threads})
 from edgeinfer.backend.model.loader import load_model
-from tests.backend.dense import decode_batch
+from tests.support.dense import decode_batch
 m = load_model({str(model_dir)!r})
 out = {{}}
 for b in {levels!r}:

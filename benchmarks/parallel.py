@@ -53,7 +53,7 @@ def build(out: Path) -> None:
 
 def measure(model, levels: list[int], context: int, prefill: int, steps: int, comm=None) -> dict:
     """Decode ms per step per level and one prefill, with the collectives' bytes and seconds of each phase."""
-    from tests.backend.dense import decode_batch, prefill_batch
+    from tests.support.dense import decode_batch, prefill_batch
 
     out: dict = {"decode": {}, "prefill": {}}
     g = torch.Generator().manual_seed(0)

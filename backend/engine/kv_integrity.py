@@ -22,7 +22,7 @@ the ledger keeps for a sealed page (BlockManager.hash_of_page). Checked:
   free           each page a finishing sequence gives back (a page already freed under it is not freed twice).
 A failure is counted (kv_integrity_failures_total{where}), logged, and the page is dropped: a stale prefix
 entry leaves the cache, a sequence whose table is wrong gives back the pages it still holds and is recomputed
-from its tokens (output so far kept; recompute is exact: tests/backend/test_batch_invariance.py). A request
+from its tokens (output so far kept; recompute is exact: tests/backend/engine/test_batch_invariance.py). A request
 never ends because of it.
 
 Content (KVIntegrity.seal / verify). When a page is sealed, a 64-bit checksum of its bytes in the pool is

@@ -12,7 +12,7 @@ from edgeinfer.backend.engine.engine import LLMEngine
 from edgeinfer.backend.metrics import BackendMetrics
 from edgeinfer.backend.server import BackendState
 from edgeinfer.protocol.wire import StreamChunk
-from tests.backend.inproc import serve
+from tests.support.inproc import serve
 
 OPERATOR_KEY = "op-secret"
 

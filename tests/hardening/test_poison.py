@@ -6,7 +6,7 @@
 - an error the backend pins on one request (error_code 500 in the first chunk) reaches that client as a
   500 and is not replayed on another node, which is not marked down;
 - invalid sampling values are a 400 naming the field even when no backend is routable.
-Engine-level isolation: tests/backend/test_engine_isolation.py; the sampler: tests/backend/test_sampler_safety.py.
+Engine-level isolation: tests/backend/engine/test_engine_isolation.py; the sampler: tests/backend/engine/test_sampler_safety.py.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class Backend(BackendProcess):
         # fp32 KV: these nodes serve the fp32-weight import, whose MKL GEMMs change the last bits of a row with the
         # batch's row count (1-3 vs 4+); fp8 KV would amplify that into other greedy tokens beside the poison
         # requests, which is batch variance, not the poison (docs/QUANTIZATION.md). The served default (native
-        # INT4, row-invariant) keeps its tokens under fp8 (tests/backend/test_fp8_cache_hit_invariance.py).
+        # INT4, row-invariant) keeps its tokens under fp8 (tests/backend/engine/test_fp8_cache_hit_invariance.py).
         super().__init__(model_dir, node_id, ["--max-num-seqs", "8", "--kv-cache-bytes", str(64 << 20),
                                               "--kv-dtype", "fp32"], "poison-test-seed")
 

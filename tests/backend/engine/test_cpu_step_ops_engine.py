@@ -13,7 +13,7 @@ import edgeinfer.kernels.cpu.attn as ka
 from edgeinfer.backend.engine.config import EngineConfig
 from edgeinfer.backend.engine.engine import LLMEngine
 from edgeinfer.kernels.cpu import attn_reference
-from tests.backend.engine_steps import generate_together
+from tests.support.engine_steps import generate_together
 
 pytestmark = pytest.mark.slow
 CHATS = ["Name three colors of the rainbow.", "What is 12 times 7?", "Write a haiku about the sea."]

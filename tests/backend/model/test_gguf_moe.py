@@ -15,7 +15,7 @@ from edgeinfer.backend.model.gguf_import import ModelImportError, default_gguf_p
 from edgeinfer.backend.model.loader import load_model
 from edgeinfer.backend.model.moe import Int4Experts
 from tests import moe_checkpoints
-from tests.backend.dense import greedy
+from tests.support.dense import greedy
 
 PROMPT = list(range(200, 240))
 

@@ -18,8 +18,8 @@ from edgeinfer.backend.model.mla import MLAAttention
 from edgeinfer.cache_store.codec import DecodedPage, Miss, MissReason, PageFormat, PageKey, decode, encode
 from edgeinfer.protocol.page_id import PageKeyContext, page_hashes
 from tests import moe_checkpoints
-from tests.backend.dense import fresh_kv, greedy, prefill_logits
-from tests.backend.engine_steps import generate_together
+from tests.support.dense import fresh_kv, greedy, prefill_logits
+from tests.support.engine_steps import generate_together
 
 PROMPT = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(3)).tolist()
 # fp8 latent pages vs fp32 on the sharpened tiny model: mean KL(fp32 || fp8) of the next-token distributions over the
@@ -169,7 +169,7 @@ async def test_corrupted_latent_pages_are_detected_and_recomputed_and_a_second_n
     from edgeinfer.cache_store.index import RedisPageIndex
     from edgeinfer.cache_store.resilience import RedisGuard, redis_client
     from edgeinfer.cache_store.store import RedisPageStore, TieredPageStore
-    from tests.backend.test_page_store_integration import REGIONS, _generate, corrupt
+    from tests.backend.page_store.test_page_store_integration import REGIONS, _generate, corrupt
 
     _, path = dsv3_served
     if valkey.proc is None:

@@ -10,12 +10,12 @@ from pathlib import Path
 
 def run_rank(rank: int, world: int, port: int, model_dir: str, expert_parallel: bool, prompt: list[int], steps: int,
              out: str) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
     import torch
 
     torch.set_num_threads(1)
     from edgeinfer.backend.parallel.node import run_rank as group_rank
-    from tests.backend.dense import greedy
+    from tests.support.dense import greedy
 
     def run(node) -> None:
         logits, tokens = greedy(node, prompt, steps, num_pages=8)

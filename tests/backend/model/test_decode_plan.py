@@ -12,7 +12,7 @@ from edgeinfer import kernels
 from edgeinfer.backend.engine.config import EngineConfig
 from edgeinfer.backend.engine.engine import LLMEngine
 from edgeinfer.backend.model.cpu_decode import DecodePlan
-from tests.backend.engine_steps import generate_together
+from tests.support.engine_steps import generate_together
 
 
 def prompt(seed: int, n: int) -> list[int]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from edgeinfer.backend.model.loader import load_model
-from tests.backend.dense import greedy
+from tests.support.dense import greedy
 
 MEASURED: dict[str, float] = {}
 

@@ -44,8 +44,8 @@ finally:
 @pytest.fixture(autouse=True)
 def _interpreter(monkeypatch):
     if _late:
-        pytest.fail("triton was imported before tests/kernels/conftest.py could set TRITON_INTERPRET=1; "
-                    "run `pytest tests/kernels` in its own process")
+        pytest.fail("triton was imported before tests/kernels/triton/conftest.py could set TRITON_INTERPRET=1; "
+                    "run `pytest tests/kernels/triton` in its own process")
     if not _ON_GPU:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     yield

@@ -11,9 +11,9 @@ import torch.multiprocessing as mp
 from edgeinfer.backend.model.loader import load_model
 from edgeinfer.backend.parallel.shard import ParallelError, local_config
 from tests import moe_checkpoints
-from tests.backend.dense import greedy
-from tests.backend.parallel_ranks import run_rank
+from tests.backend.parallel.parallel_ranks import run_rank
 from tests.redis_server import free_port
+from tests.support.dense import greedy
 
 PROMPT = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(3)).tolist()
 

@@ -8,7 +8,7 @@ page from another request: with a fault of backend/engine/kv_faults.py injected 
 reports a divergence beyond EPS; with the checks on, none.
 
 EPS: the tiny fp32 model's batched and solo logits differ in the last bits (~1e-6, the GEMM blocks by batch
-size: tests/backend/test_batch_invariance.py); a gap under 1e-3 is a tie at that precision. A page of another
+size: tests/backend/engine/test_batch_invariance.py); a gap under 1e-3 is a tie at that precision. A page of another
 request moves logits by whole units."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from edgeinfer.cache_store.codec import PageKey
 from edgeinfer.cache_store.resilience import RedisGuard, redis_client
 from edgeinfer.cache_store.store import HostPageStore, RedisPageStore, TieredPageStore
 from edgeinfer.protocol.wire import GenerateRequest, SamplingParams, TenantSpec
-from tests.backend.tiny import engine, prompt, solo, tiny_llama
+from tests.support.tiny import engine, prompt, solo, tiny_llama
 
 pytestmark = pytest.mark.slow
 EPS = {"fp32": 1e-3, "fp8_e4m3": 0.05}      # near-tie bound on the solo run's top-2 logprob gap, per KV dtype

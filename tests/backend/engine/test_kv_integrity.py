@@ -12,7 +12,7 @@ from edgeinfer.backend.engine.kv_integrity import PageLedger, body_checksums
 from edgeinfer.backend.engine.kv_pool import gather_pages, scatter_pages
 from edgeinfer.backend.model.loader import load_model
 from edgeinfer.protocol.page_id import page_hashes
-from tests.backend.tiny import Stepper, engine, prompt, solo, tiny_llama
+from tests.support.tiny import Stepper, engine, prompt, solo, tiny_llama
 
 NEW = 24
 

@@ -31,7 +31,7 @@ def _count(monkeypatch, module, name: str) -> dict:
 
 
 def test_the_layers_of_a_decode_step_share_one_plan_and_one_keep_mask(smol_model, monkeypatch):
-    from tests.backend.dense import greedy
+    from tests.support.dense import greedy
 
     # the memo serves the dispatching layer loop (CUDA, half dtypes, EDGEINFER_CPU_KERNELS=torch): run that loop
     # (on CPU fp32 the model otherwise takes kernels.cpu.attn's fused step, which has no per-layer plan)

@@ -12,7 +12,7 @@ from edgeinfer.backend.engine.config import EngineConfig
 from edgeinfer.backend.engine.engine import LLMEngine
 from edgeinfer.backend.model.loader import load_model
 from edgeinfer.protocol.wire import GenerateRequest, SamplingParams
-from tests.backend.dense import greedy
+from tests.support.dense import greedy
 
 pytestmark = [pytest.mark.slow, pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

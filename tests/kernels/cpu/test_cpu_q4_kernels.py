@@ -429,7 +429,7 @@ def test_without_a_compiler_auto_falls_back_to_torch_int4_with_one_warning(tmp_p
         "import logging, json, torch\n"
         "logging.basicConfig(level=logging.WARNING)\n"
         "from backend.model.linear import W4A16Linear\n"
-        "from tests.backend.test_cpu_q4_kernels import q4_weight\n"
+        "from tests.kernels.cpu.test_cpu_q4_kernels import q4_weight\n"
         "lins = [W4A16Linear(*q4_weight(16, 64)[:2], None, 32, mins=q4_weight(16, 64)[2]) for _ in range(3)]\n"
         "print(json.dumps([[l.prepack(), l.q4_1x8 is None, l.int4pack is not None] for l in lins]))\n")
     env = {**__import__("os").environ, "CXX": str(tmp_path / "no-such-compiler"), kc.MODE_ENV: "auto"}

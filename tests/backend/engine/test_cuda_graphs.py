@@ -15,7 +15,7 @@ from edgeinfer.backend.engine.config import EngineConfig
 from edgeinfer.backend.engine.engine import LLMEngine
 from edgeinfer.backend.engine.model_runner import ModelRunner
 from edgeinfer.backend.model.loader import load_model
-from tests.backend.engine_steps import generate_together
+from tests.support.engine_steps import generate_together
 
 
 def test_buckets_cover_every_batch_size_up_to_the_limit():

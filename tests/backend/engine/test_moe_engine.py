@@ -10,7 +10,7 @@ from edgeinfer.backend.engine.config import EngineConfig
 from edgeinfer.backend.engine.loading import load_engine
 from edgeinfer.backend.quant.quantize import quantize_checkpoint
 from tests import moe_checkpoints
-from tests.backend.engine_steps import generate_together
+from tests.support.engine_steps import generate_together
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from edgeinfer.backend.engine.engine import LLMEngine
 from edgeinfer.backend.metrics import BackendMetrics
 from edgeinfer.backend.server import BackendState
 from edgeinfer.protocol.wire import GenerateRequest, SamplingParams, StreamChunk
-from tests.backend.inproc import serve
+from tests.support.inproc import serve
 
 PROMPT = list(range(100, 140))
 

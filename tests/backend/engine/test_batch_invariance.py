@@ -26,7 +26,7 @@ from edgeinfer.backend.engine.engine import LLMEngine
 from edgeinfer.kernels.cpu import attn_reference
 from edgeinfer.kernels.paged_decode_attention import paged_decode_attention_reference
 from edgeinfer.protocol.page_id import page_hashes
-from tests.backend.engine_steps import generate_together
+from tests.support.engine_steps import generate_together
 
 pytestmark = pytest.mark.slow
 KV_DTYPES = ["fp32", "fp8_e4m3"]

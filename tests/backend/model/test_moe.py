@@ -17,7 +17,7 @@ from edgeinfer.backend.model.packing import group_dequantize_mins
 from edgeinfer.backend.quant.quantize import QuantizeError, quantize_checkpoint
 from edgeinfer.kernels.cpu import reference as ref
 from tests import moe_checkpoints
-from tests.backend.dense import greedy
+from tests.support.dense import greedy
 
 PROMPT = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(3)).tolist()
 
