@@ -4,7 +4,7 @@ control for (a): alice sent another prompt just before (a request right before, 
 If the cache leaked, (a) would be faster than (d); a request just before costs the probe time whatever it
 held, so (a) is compared with (d), and (b) shows that cost (Mann-Whitney p, median ratios).
 
-Moved here from tests/hardening/test_isolation.py (issue 39): a timing statistic flakes on a loaded machine,
+Moved here from tests/e2e/test_isolation.py (issue 39): a timing statistic flakes on a loaded machine,
 so the test asserts the mechanism (another tenant's request saves bob no prefill work: the namespace salts
 every page key) and this part measures the timing.
 

@@ -1,5 +1,5 @@
 """edgeinfer.backend.engine.step_cost.StepCost: the least-squares model of a step's time the fair scheduler's contended
-cap is derived from (the cap itself: tests/fairness/test_contended_budget.py)."""
+cap is derived from (the cap itself: tests/backend/engine/fair/test_contended_budget.py)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ which the gateway passes on without marking the node down.
 
 Stub backends (tests/gateway/stub_backend.py) pin the gateway's side; real backend.server processes on the real
 SmolLM2-135M model (tests/backend_process.py) behind the real gateway show it end to end. The hung-node case
-(SIGSTOP: no keepalives, probes unanswered) is tests/hardening/test_node_faults.py.
+(SIGSTOP: no keepalives, probes unanswered) is tests/e2e/test_node_faults.py.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from edgeinfer.protocol.wire import TenantSpec
-from tests.fairness.sim import Sim, seq
+from tests.support.fair_sim import Sim, seq
 
 A, B = TenantSpec("a"), TenantSpec("b")
 

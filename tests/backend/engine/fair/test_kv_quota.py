@@ -6,7 +6,7 @@ import pytest
 
 from edgeinfer.backend.engine.block_manager import BlockManager
 from edgeinfer.protocol.wire import TenantSpec
-from tests.fairness.sim import seq
+from tests.support.fair_sim import seq
 
 
 def cache_pages(blocks: BlockManager, tenant: TenantSpec, n: int, first_token: int) -> list[bytes]:

@@ -7,7 +7,7 @@ import pytest
 from edgeinfer.backend.engine.fair import FairScheduler
 from edgeinfer.backend.engine.scheduler import Scheduler
 from edgeinfer.protocol.wire import TenantSpec
-from tests.fairness.sim import Sim, seq
+from tests.support.fair_sim import Sim, seq
 
 A, B = TenantSpec("a"), TenantSpec("b")
 

@@ -1,7 +1,7 @@
 """The contended step budget (backend.engine.fair, contended_step_tokens / contended_window_s): while more than
 one tenant is active a step computes at most contended_step_tokens prefill tokens, so the step another
 tenant's new request waits on stays short; a lone tenant's steps are unchanged. Real BlockManager + scheduler,
-execution simulated (tests.fairness.sim); the greedy-output check on the real model is in test_fair_engine.py."""
+execution simulated (tests.support.fair_sim); the greedy-output check on the real model is in test_fair_engine.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from edgeinfer.backend.engine.config import EngineConfig
 from edgeinfer.backend.engine.fair import CONTENDED_MIN_TOKENS
 from edgeinfer.backend.server import parse_args
 from edgeinfer.protocol.wire import TenantSpec
-from tests.fairness.sim import Sim, seq
+from tests.support.fair_sim import Sim, seq
 from tests.step_costs import measured
 
 A, B = TenantSpec("a"), TenantSpec("b")
