@@ -29,10 +29,10 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from edgeinfer.backend.config import VERSION, BackendConfig, parse_args
 from edgeinfer.backend.engine.engine import LLMEngine, RequestError
 from edgeinfer.backend.engine.kv_faults import refuse_in_production
 from edgeinfer.backend.metrics import BackendMetrics
+from edgeinfer.backend.node_config import VERSION, BackendConfig, parse_args
 from edgeinfer.protocol.wire import AbortRequest, BackendInfo, GenerateRequest, StreamChunk, encode
 
 log = logging.getLogger("edgeinfer.backend")

@@ -257,7 +257,7 @@ def print_report(r: dict) -> None:
 async def bench_ttft(url: str, args) -> dict:
     import torch
 
-    from edgeinfer.backend.engine.config import EngineConfig
+    from edgeinfer.backend.engine.engine_config import EngineConfig
     from edgeinfer.backend.engine.loading import load_engine
     from edgeinfer.backend.model.gguf_import import ensure_default_model
     from edgeinfer.backend.page_store.bridge import PageStoreBridge

@@ -69,7 +69,7 @@ def build(kind: str, out: Path, vocab: int, tokenizer_dir: Path) -> None:
 
 
 def kv_bytes(model_dir: Path) -> dict:
-    from edgeinfer.backend.engine.config import EngineConfig
+    from edgeinfer.backend.engine.engine_config import EngineConfig
     from edgeinfer.backend.engine.model_runner import ModelRunner
     from edgeinfer.backend.model.loader import load_model
 

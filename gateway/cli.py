@@ -22,7 +22,7 @@ import urllib.request
 import msgspec
 
 from edgeinfer.gateway import config as config_mod
-from edgeinfer.gateway.config import GatewayConfig, ModelConfig, NodeConfig
+from edgeinfer.gateway.config import GatewayConfig, NodeConfig, ServedModelConfig
 
 log = logging.getLogger("edgeinfer.gateway")
 
@@ -123,7 +123,7 @@ def override(cfg: GatewayConfig, host: str | None, port: int | None, models: lis
         name, sep, tok = spec.partition("=")
         if not sep:
             raise config_mod.ConfigError(f"--model {spec!r}: expected NAME=TOKENIZER_DIR")
-        extra.append(ModelConfig(name, tok))
+        extra.append(ServedModelConfig(name, tok))
     all_models = [*cfg.models, *extra]
     nodes = list(cfg.nodes)
     for i, url in enumerate(backends):

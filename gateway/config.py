@@ -62,7 +62,7 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     access_log: bool = True
 
 
-class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class ServedModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     name: str
     tokenizer: str                          # checkpoint directory with tokenizer.json
 
@@ -102,7 +102,7 @@ class TenantConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class GatewayConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     server: ServerConfig = ServerConfig()
-    models: list[ModelConfig] = []
+    models: list[ServedModelConfig] = []
     nodes: list[NodeConfig] = []
     tenants: list[TenantConfig] = []
     source: str = ""

@@ -14,7 +14,7 @@ import torch
 
 from edgeinfer.backend.engine.backlog import Backlog
 from edgeinfer.backend.engine.block_manager import BlockManager
-from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.engine_config import EngineConfig
 from edgeinfer.backend.engine.fair import make_scheduler
 from edgeinfer.backend.engine.grammar import GrammarCompiler, GrammarError
 from edgeinfer.backend.engine.isolation import isolate

@@ -63,7 +63,7 @@ import time
 from collections import Counter
 
 from edgeinfer.backend.engine.block_manager import BlockManager
-from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.engine_config import EngineConfig
 from edgeinfer.backend.engine.scheduler import ScheduledBatch, Scheduler
 from edgeinfer.backend.engine.sequence import Sequence
 from edgeinfer.backend.engine.step_cost import StepCost

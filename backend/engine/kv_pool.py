@@ -17,7 +17,7 @@ import torch
 from edgeinfer.backend.model.batch import LayerKV
 
 if TYPE_CHECKING:
-    from edgeinfer.backend.model.config import ModelConfig
+    from edgeinfer.backend.model.model_config import ModelConfig
 
 KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn}
 SCALE_DTYPE = torch.bfloat16   # fp8 scales: 2 bytes per token-head (float32 would make fp8 only 1.88x of bf16)

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 import xxhash
 
-from edgeinfer.backend.engine.config import EngineConfig
 from edgeinfer.backend.engine.engine import LLMEngine
+from edgeinfer.backend.engine.engine_config import EngineConfig
 from edgeinfer.backend.model.loader import load_model
 from edgeinfer.protocol.tokenizer import Tokenizer
 

@@ -6,8 +6,8 @@ import numpy as np
 import torch
 
 from edgeinfer.backend.engine.block_table import BlockTables
-from edgeinfer.backend.engine.config import EngineConfig
 from edgeinfer.backend.engine.cuda_graphs import decode_graphs_for
+from edgeinfer.backend.engine.engine_config import EngineConfig
 from edgeinfer.backend.engine.kv_pool import KVFormat, allocate_pool
 from edgeinfer.backend.engine.scheduler import ScheduledBatch
 from edgeinfer.backend.engine.sequence import Sequence

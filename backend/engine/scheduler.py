@@ -7,7 +7,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from edgeinfer.backend.engine.block_manager import BlockManager
-from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.engine_config import EngineConfig
 from edgeinfer.backend.engine.sequence import SeqStatus, Sequence
 
 

@@ -17,7 +17,6 @@ import edgeinfer.backend.model.linear as linear_mod
 import edgeinfer.kernels.cpu as cpu_kernels
 import edgeinfer.kernels.cpu.attn as cpu_step_ops
 from edgeinfer.backend.model.batch import AttentionMetadata, LayerKV, PageIO
-from edgeinfer.backend.model.config import ModelConfig
 from edgeinfer.backend.model.cpu_decode import DecodePlan
 from edgeinfer.backend.model.layers import DecoderLayer, RMSNorm, Rotary
 from edgeinfer.backend.model.linear import (
@@ -26,6 +25,7 @@ from edgeinfer.backend.model.linear import (
     Q8Linear,
     W4A16Linear,
 )
+from edgeinfer.backend.model.model_config import ModelConfig
 from edgeinfer.backend.model.moe import Int4Experts
 
 

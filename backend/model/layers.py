@@ -10,8 +10,8 @@ from torch import nn
 
 from edgeinfer import kernels
 from edgeinfer.backend.model.batch import AttentionMetadata, LayerKV
-from edgeinfer.backend.model.config import ModelConfig, rope_inv_freq
 from edgeinfer.backend.model.mla import MLAAttention
+from edgeinfer.backend.model.model_config import ModelConfig, rope_inv_freq
 from edgeinfer.backend.model.moe import SparseMoE
 from edgeinfer.kernels.cpu.attn_reference import hadamard_heads_
 

@@ -11,7 +11,6 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from edgeinfer.backend.model.config import CheckpointError, ModelConfig
 from edgeinfer.backend.model.decoder import LlamaModel
 from edgeinfer.backend.model.layers import MLP, Attention, DecoderLayer, RMSNorm
 from edgeinfer.backend.model.linear import (
@@ -21,6 +20,7 @@ from edgeinfer.backend.model.linear import (
     cpu_prepack_enabled,
 )
 from edgeinfer.backend.model.mla import MLAAttention, interleave_to_halves
+from edgeinfer.backend.model.model_config import CheckpointError, ModelConfig
 from edgeinfer.backend.model.moe import DenseExperts, Int4Experts, SparseMoE
 from edgeinfer.backend.model.packing import group_dequantize_mins
 from edgeinfer.backend.model.quant_loader import q8_embedding, quantized_linear_factory

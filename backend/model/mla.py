@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from edgeinfer import kernels
-from edgeinfer.backend.model.config import MLAConfig, ModelConfig
+from edgeinfer.backend.model.model_config import MLAConfig, ModelConfig
 from edgeinfer.kernels.paged_mla_attention import gather_latents
 
 

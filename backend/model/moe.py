@@ -21,8 +21,8 @@ from torch import nn
 
 import edgeinfer.kernels.cpu as cpu_kernels
 from edgeinfer import kernels
-from edgeinfer.backend.model.config import MoEConfig
 from edgeinfer.backend.model.linear import kernel_takes, mins_as_zeros
+from edgeinfer.backend.model.model_config import MoEConfig
 from edgeinfer.backend.model.packing import group_dequantize_mins
 from edgeinfer.kernels.w4a16_gemm import group_dequantize_tensor
 

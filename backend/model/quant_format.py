@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from edgeinfer.backend.model.config import CheckpointError
+from edgeinfer.backend.model.model_config import CheckpointError
 
 EDGEINFER_METHOD = "edgeinfer-w4a16"
 PACKING = "uint8-k2-lo-even"           # qweight [N, K//2] uint8, low nibble = even k (kernels' layout)

@@ -13,8 +13,8 @@ from typing import cast
 import torch
 from torch import nn
 
-from edgeinfer.backend.model.config import CheckpointError, ModelConfig
 from edgeinfer.backend.model.linear import DenseLinear, Q8Embedding, W4A16Linear
+from edgeinfer.backend.model.model_config import CheckpointError, ModelConfig
 from edgeinfer.backend.model.packing import (
     effective_group_size,
     from_autoawq_gemm,

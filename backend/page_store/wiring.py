@@ -19,7 +19,7 @@ PAGE_KEY_ENV = "EDGEINFER_PAGE_KEY"
 
 
 class StoreSettings(Protocol):
-    """The backend's flags the page store reads (backend.config.BackendConfig has them)."""
+    """The backend's flags the page store reads (backend.node_config.BackendConfig has them)."""
     @property
     def page_key_file(self) -> str | None: ...
     @property

@@ -32,9 +32,9 @@ from edgeinfer.backend.engine.engine import LLMEngine
 from edgeinfer.backend.engine.kv_pool import lazy_zeros
 from edgeinfer.backend.engine.loading import model_fingerprint
 from edgeinfer.backend.model.batch import AttentionMetadata, LayerKV, PageIO
-from edgeinfer.backend.model.config import ModelConfig
 from edgeinfer.backend.model.decoder import LlamaModel
 from edgeinfer.backend.model.loader import load_model
+from edgeinfer.backend.model.model_config import ModelConfig
 from edgeinfer.backend.parallel.comm import Comm
 from edgeinfer.backend.parallel.shard import local_config, shard_model
 from edgeinfer.protocol.tokenizer import Tokenizer

@@ -22,11 +22,11 @@ import dataclasses
 import torch
 from torch import nn
 
-from edgeinfer.backend.model.config import ModelConfig
 from edgeinfer.backend.model.decoder import LlamaModel
 from edgeinfer.backend.model.layers import MLP, Attention
 from edgeinfer.backend.model.linear import DenseLinear, Q8Embedding, W4A16Linear
 from edgeinfer.backend.model.mla import MLAAttention
+from edgeinfer.backend.model.model_config import ModelConfig
 from edgeinfer.backend.model.moe import DenseExperts, Int4Experts, SparseMoE
 from edgeinfer.backend.parallel.comm import Comm
 

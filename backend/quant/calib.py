@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.engine_config import EngineConfig
 from edgeinfer.backend.engine.model_runner import ModelRunner
 from edgeinfer.backend.model.decoder import LlamaModel
 

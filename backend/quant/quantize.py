@@ -19,11 +19,11 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from edgeinfer.backend.model.atomic_dir import atomic_directory
-from edgeinfer.backend.model.config import CheckpointError, ModelConfig
 from edgeinfer.backend.model.decoder import LlamaModel
 from edgeinfer.backend.model.layers import MLP, Attention
 from edgeinfer.backend.model.loader import dense_weight, load_model
 from edgeinfer.backend.model.mla import MLAAttention
+from edgeinfer.backend.model.model_config import CheckpointError, ModelConfig
 from edgeinfer.backend.model.moe import DenseExperts, SparseMoE
 from edgeinfer.backend.model.packing import effective_group_size, group_quantize_tensor
 from edgeinfer.backend.model.quant_format import SCHEMES, edgeinfer_config

@@ -40,8 +40,8 @@ def decoding_engine(model, batch: int, prompt_len: int, num_pages: int = 2048, m
     edgeinfer, so a worker in another tree (--baseline-tree) can run it; engine.native_int4 uses it too."""
     import torch
 
-    from edgeinfer.backend.engine.config import EngineConfig
     from edgeinfer.backend.engine.engine import LLMEngine
+    from edgeinfer.backend.engine.engine_config import EngineConfig
     from edgeinfer.protocol.wire import GenerateRequest, SamplingParams
 
     eng = LLMEngine(model, None, EngineConfig(max_num_seqs=max(64, batch), max_num_batched_tokens=4096,

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from edgeinfer.backend.engine.config import EngineConfig
 from edgeinfer.backend.engine.engine import LLMEngine
+from edgeinfer.backend.engine.engine_config import EngineConfig
 from edgeinfer.backend.engine.loading import in_fresh_thread
 from edgeinfer.backend.model.gguf_import import ensure_default_model
 from edgeinfer.backend.model.loader import load_model

@@ -83,7 +83,7 @@ def main() -> int:
         p.error("bounded: at most 200 samples per condition, prompts of 2048 tokens")
     from scipy.stats import mannwhitneyu
 
-    from edgeinfer.backend.engine.config import EngineConfig
+    from edgeinfer.backend.engine.engine_config import EngineConfig
     from edgeinfer.backend.engine.loading import load_engine
     from edgeinfer.backend.model.gguf_import import ensure_default_model
 

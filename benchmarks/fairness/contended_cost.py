@@ -87,7 +87,7 @@ def main() -> int:
     args = p.parse_args()
     if args.requests > 128 or args.reps > 5:
         p.error("bounded: at most 128 requests, 5 reps")
-    from edgeinfer.backend.engine.config import EngineConfig
+    from edgeinfer.backend.engine.engine_config import EngineConfig
     from edgeinfer.backend.engine.loading import load_engine
     from edgeinfer.backend.model.gguf_import import ensure_default_model
 

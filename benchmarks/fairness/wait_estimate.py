@@ -97,7 +97,7 @@ def main() -> int:
     args = p.parse_args()
     if args.requests > 128 or args.probes > 20 or args.probe_every > 30:
         p.error("bounded: at most 128 requests, 20 probes, 30 s between probes")
-    from edgeinfer.backend.engine.config import EngineConfig
+    from edgeinfer.backend.engine.engine_config import EngineConfig
     from edgeinfer.backend.engine.loading import load_engine
     from edgeinfer.backend.model.gguf_import import ensure_default_model
 

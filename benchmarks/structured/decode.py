@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from edgeinfer.backend.engine.config import EngineConfig
 from edgeinfer.backend.engine.engine import LLMEngine
+from edgeinfer.backend.engine.engine_config import EngineConfig
 from edgeinfer.backend.engine.grammar import GrammarCompiler, apply_masks
 from edgeinfer.backend.engine.loading import load_engine
 from edgeinfer.backend.model.gguf_import import ensure_default_model

@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from edgeinfer.backend.config import BackendConfig
-from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.engine_config import EngineConfig
+from edgeinfer.backend.node_config import BackendConfig
 from edgeinfer.backend.page_store.wiring import page_key_from_config
 from edgeinfer.backend.server import parse_args
 from edgeinfer.cache_store.codec import PageKey

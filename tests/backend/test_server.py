@@ -7,8 +7,8 @@ import asyncio
 import msgspec
 import pytest
 
-from edgeinfer.backend.engine.config import EngineConfig
 from edgeinfer.backend.engine.engine import LLMEngine
+from edgeinfer.backend.engine.engine_config import EngineConfig
 from edgeinfer.backend.metrics import BackendMetrics
 from edgeinfer.backend.server import BackendState
 from edgeinfer.protocol.wire import StreamChunk

@@ -23,8 +23,8 @@ import requests
 from edgeinfer.cache_store.codec import DecodedPage, decode
 from edgeinfer.protocol.page_id import page_hashes
 from tests.conftest import wait_until
-from tests.gateway.conftest import MODEL, client, tenant
 from tests.e2e.test_isolation import rand_prompt, run, two_nodes  # noqa: F401  (module fixture)
+from tests.gateway.conftest import MODEL, client, tenant
 
 MSGS = [{"role": "user", "content": "hi"}]
 

@@ -15,8 +15,8 @@ import time
 import pytest
 import requests
 
-from edgeinfer.backend.engine.config import EngineConfig
 from edgeinfer.backend.engine.engine import EngineObserver, LLMEngine, RequestError
+from edgeinfer.backend.engine.engine_config import EngineConfig
 from edgeinfer.cache_store.codec import PageKey
 from edgeinfer.gateway import config as config_mod
 from edgeinfer.gateway.state import STATE as GW_STATE

@@ -351,8 +351,8 @@ def test_client_disconnect_mid_stream_logs_one_info_line(harness, caplog, delay_
 async def test_non_utf8_operator_key_at_backend_admin_drain_is_401(smol_model, smol_tokenizer):
     from aiohttp import web
 
-    from edgeinfer.backend.engine.config import EngineConfig
     from edgeinfer.backend.engine.engine import LLMEngine
+    from edgeinfer.backend.engine.engine_config import EngineConfig
     from edgeinfer.backend.metrics import BackendMetrics
     from edgeinfer.backend.server import BackendState, make_app
 

@@ -8,7 +8,7 @@ import itertools
 from collections import Counter
 
 from edgeinfer.backend.engine.block_manager import BlockManager
-from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.engine_config import EngineConfig
 from edgeinfer.backend.engine.fair import make_scheduler
 from edgeinfer.backend.engine.scheduler import Scheduler
 from edgeinfer.backend.engine.sequence import Sequence

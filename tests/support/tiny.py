@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from edgeinfer.backend.engine.config import EngineConfig
 from edgeinfer.backend.engine.engine import LLMEngine
+from edgeinfer.backend.engine.engine_config import EngineConfig
 from edgeinfer.backend.engine.sequence import Sequence
 from edgeinfer.protocol.wire import GenerateRequest, SamplingParams, TenantSpec
 

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from edgeinfer import kernels
-from edgeinfer.backend.engine.config import EngineConfig
 from edgeinfer.backend.engine.engine import LLMEngine
+from edgeinfer.backend.engine.engine_config import EngineConfig
 from edgeinfer.kernels.cpu import attn_reference
 from edgeinfer.kernels.paged_decode_attention import paged_decode_attention_reference
 from edgeinfer.protocol.page_id import page_hashes

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from edgeinfer.backend.engine.block_manager import BlockManager
 from edgeinfer.protocol.wire import TenantSpec
-from tests.support.fair_sim import seq
 from tests.backend.engine.fair.test_kv_quota import cache_pages, evict
+from tests.support.fair_sim import seq
 
 
 def test_evictions_reach_every_subscriber_until_it_unsubscribes():

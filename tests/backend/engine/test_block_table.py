@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from edgeinfer.backend.engine.block_manager import BlockManager
 from edgeinfer.backend.engine.block_table import BlockTables
-from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.engine_config import EngineConfig
 from edgeinfer.backend.engine.scheduler import Scheduler
 from edgeinfer.backend.engine.sequence import Sequence
 from edgeinfer.protocol.page_id import PageKeyContext

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import edgeinfer.kernels.cpu.attn as ka
-from edgeinfer.backend.engine.config import EngineConfig
 from edgeinfer.backend.engine.engine import LLMEngine
+from edgeinfer.backend.engine.engine_config import EngineConfig
 from edgeinfer.kernels.cpu import attn_reference
 from tests.support.engine_steps import generate_together
 

@@ -11,8 +11,8 @@ import torch
 
 from edgeinfer import kernels
 from edgeinfer.backend.engine import cuda_graphs as cg
-from edgeinfer.backend.engine.config import EngineConfig
 from edgeinfer.backend.engine.engine import LLMEngine
+from edgeinfer.backend.engine.engine_config import EngineConfig
 from edgeinfer.backend.engine.model_runner import ModelRunner
 from edgeinfer.backend.model.loader import load_model
 from tests.support.engine_steps import generate_together

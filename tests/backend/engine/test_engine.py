@@ -8,8 +8,8 @@ import itertools
 import pytest
 import torch
 
-from edgeinfer.backend.engine.config import EngineConfig
 from edgeinfer.backend.engine.engine import LLMEngine, RequestError
+from edgeinfer.backend.engine.engine_config import EngineConfig
 from edgeinfer.protocol.wire import GenerateRequest, SamplingParams
 
 _ids = itertools.count()

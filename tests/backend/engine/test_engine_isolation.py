@@ -9,8 +9,8 @@ import itertools
 
 import pytest
 
-from edgeinfer.backend.engine.config import EngineConfig
 from edgeinfer.backend.engine.engine import LLMEngine
+from edgeinfer.backend.engine.engine_config import EngineConfig
 from edgeinfer.protocol.wire import GenerateRequest, SamplingParams
 
 _ids = itertools.count()

@@ -35,7 +35,7 @@ def native_dir():
 
 
 def engine(native_dir, seed: bytes):
-    from edgeinfer.backend.engine.config import EngineConfig
+    from edgeinfer.backend.engine.engine_config import EngineConfig
     from edgeinfer.backend.engine.loading import load_engine
 
     eng = load_engine(native_dir, EngineConfig(kv_dtype="fp8_e4m3", num_pages=300, cache_seed=seed,

@@ -10,8 +10,8 @@ import json
 import jsonschema
 import pytest
 
-from edgeinfer.backend.engine.config import EngineConfig
 from edgeinfer.backend.engine.engine import LLMEngine, RequestError
+from edgeinfer.backend.engine.engine_config import EngineConfig
 from edgeinfer.backend.engine.grammar import GrammarCompiler, GrammarLimits, apply_masks
 from edgeinfer.protocol.wire import Constraint, GenerateRequest, SamplingParams
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.engine_config import EngineConfig
 from edgeinfer.backend.engine.kv_pool import KV_DTYPES, KVFormat
 
 

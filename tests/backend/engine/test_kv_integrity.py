@@ -214,7 +214,7 @@ def test_verify_fraction_zero_skips_the_content_check_only(tiny, clean):
 
 
 def test_bad_settings_and_production_refusal(monkeypatch):
-    from edgeinfer.backend.engine.config import EngineConfig
+    from edgeinfer.backend.engine.engine_config import EngineConfig
 
     with pytest.raises(ValueError, match="kv_verify_fraction=1.5 is invalid"):
         EngineConfig(kv_verify_fraction=1.5)

@@ -3,7 +3,7 @@ the whole budget (1 GiB by default then) resident from start-up."""
 
 from __future__ import annotations
 
-from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.engine_config import EngineConfig
 from edgeinfer.backend.engine.model_runner import ModelRunner
 from edgeinfer.backend.server import parse_args
 

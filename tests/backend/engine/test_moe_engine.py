@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.engine_config import EngineConfig
 from edgeinfer.backend.engine.loading import load_engine
 from edgeinfer.backend.quant.quantize import quantize_checkpoint
 from tests import moe_checkpoints

@@ -33,7 +33,7 @@ async def generate(engine, bridge, ids: list[int], ns: str, tenant: TenantSpec):
 
 @pytest.fixture
 async def stack(smol_dir, valkey):
-    from edgeinfer.backend.engine.config import EngineConfig
+    from edgeinfer.backend.engine.engine_config import EngineConfig
     from edgeinfer.backend.engine.loading import load_engine
     from edgeinfer.backend.page_store.bridge import PageStoreBridge
     from edgeinfer.cache_store.codec import PageKey

@@ -8,8 +8,8 @@ import asyncio
 import pytest
 import torch
 
-from edgeinfer.backend.engine.config import EngineConfig
 from edgeinfer.backend.engine.engine import LLMEngine
+from edgeinfer.backend.engine.engine_config import EngineConfig
 from edgeinfer.backend.model.loader import load_model
 from edgeinfer.protocol.wire import GenerateRequest, SamplingParams
 from tests.support.dense import greedy

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from edgeinfer import kernels
-from edgeinfer.backend.engine.config import EngineConfig
 from edgeinfer.backend.engine.engine import LLMEngine
+from edgeinfer.backend.engine.engine_config import EngineConfig
 from edgeinfer.backend.model.cpu_decode import DecodePlan
 from tests.support.engine_steps import generate_together
 

@@ -15,7 +15,6 @@ import torch
 from safetensors.torch import load_file
 
 from edgeinfer.backend.model import gguf_blocks
-from edgeinfer.backend.model.config import CheckpointError
 from edgeinfer.backend.model.gguf_import import (
     ModelImportError,
     default_gguf_path,
@@ -24,6 +23,7 @@ from edgeinfer.backend.model.gguf_import import (
 )
 from edgeinfer.backend.model.linear import Q8Embedding, W4A16Linear
 from edgeinfer.backend.model.loader import load_model
+from edgeinfer.backend.model.model_config import CheckpointError
 from edgeinfer.backend.model.packing import group_dequantize_mins, group_dequantize_tensor
 from edgeinfer.backend.model.quant_format import QuantConfig
 from edgeinfer.backend.quant.calib import paged_prefill

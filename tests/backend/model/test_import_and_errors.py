@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from edgeinfer.backend.model.config import CheckpointError, ModelConfig
 from edgeinfer.backend.model.gguf_import import ModelImportError, default_gguf_path, import_gguf
 from edgeinfer.backend.model.loader import load_model
+from edgeinfer.backend.model.model_config import CheckpointError, ModelConfig
 from edgeinfer.protocol.tokenizer import Tokenizer, TokenizerError
 
 

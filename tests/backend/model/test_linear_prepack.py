@@ -8,8 +8,8 @@ import asyncio
 import pytest
 import torch
 
-from edgeinfer.backend.engine.config import EngineConfig
 from edgeinfer.backend.engine.engine import LLMEngine
+from edgeinfer.backend.engine.engine_config import EngineConfig
 from edgeinfer.backend.engine.loading import in_fresh_thread
 from edgeinfer.backend.model.linear import DenseLinear, can_prepack, cpu_prepack_enabled
 from edgeinfer.protocol.wire import GenerateRequest, SamplingParams
@@ -86,8 +86,8 @@ def test_untied_lm_head_is_held_once_when_prepacked(smol_dir):
     twice, and the logits match the plain layout."""
     import dataclasses
 
-    from edgeinfer.backend.model.config import ModelConfig
     from edgeinfer.backend.model.loader import build_model, read_tensors
+    from edgeinfer.backend.model.model_config import ModelConfig
 
     cfg = dataclasses.replace(ModelConfig.from_dir(smol_dir), tie_word_embeddings=False)
     tensors = read_tensors(smol_dir)

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.engine_config import EngineConfig
 from edgeinfer.backend.engine.loading import load_engine
 from edgeinfer.backend.model.loader import load_model
 from edgeinfer.backend.model.mla import MLAAttention

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import edgeinfer.kernels.cpu as kc
-from edgeinfer.backend.model.config import CheckpointError, ModelConfig
 from edgeinfer.backend.model.loader import load_model
+from edgeinfer.backend.model.model_config import CheckpointError, ModelConfig
 from edgeinfer.backend.model.moe import ExpertOrder, Int4Experts, route
 from edgeinfer.backend.model.packing import group_dequantize_mins
 from edgeinfer.backend.quant.quantize import QuantizeError, quantize_checkpoint

@@ -228,7 +228,7 @@ async def _generate(engine, bridge, prompt, namespace, max_tokens=8):
 
 
 async def test_corrupted_pages_in_host_and_redis_are_all_detected_and_never_used(smol_dir, valkey, caplog):
-    from edgeinfer.backend.engine.config import EngineConfig
+    from edgeinfer.backend.engine.engine_config import EngineConfig
     from edgeinfer.backend.engine.kv_pool import gather_pages
     from edgeinfer.backend.engine.loading import load_engine
     from edgeinfer.backend.metrics import BackendMetrics
@@ -350,7 +350,7 @@ async def test_corrupted_pages_in_host_and_redis_are_all_detected_and_never_used
 async def test_pages_the_engine_evicts_leave_the_index(smol_dir, valkey):
     """The gateway routes a prefix to the nodes the index lists; once this node's engine evicts those pages
     it must stop being listed (not wait for the index TTL), and a page cached again must stay listed."""
-    from edgeinfer.backend.engine.config import EngineConfig
+    from edgeinfer.backend.engine.engine_config import EngineConfig
     from edgeinfer.backend.engine.loading import load_engine
     from edgeinfer.backend.page_store.bridge import PageStoreBridge
     from edgeinfer.cache_store.index import RedisPageIndex

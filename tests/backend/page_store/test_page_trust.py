@@ -51,7 +51,7 @@ def parts(blob: bytes) -> tuple[bytes, bytes, bytes]:
 
 @pytest.fixture(scope="module")
 def engine(smol_dir):
-    from edgeinfer.backend.engine.config import EngineConfig
+    from edgeinfer.backend.engine.engine_config import EngineConfig
     from edgeinfer.backend.engine.loading import load_engine
 
     eng = load_engine(smol_dir, EngineConfig(num_pages=120, cache_seed=b"trust-test-seed"))

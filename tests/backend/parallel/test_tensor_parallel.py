@@ -72,7 +72,7 @@ def test_int4_experts_split_by_expert_stay_int4_and_agree(tmp_path):
 
 
 def test_sizes_that_do_not_split_are_refused_by_name():
-    from edgeinfer.backend.model.config import ModelConfig
+    from edgeinfer.backend.model.model_config import ModelConfig
 
     raw = moe_checkpoints.config("glm4_moe").to_dict() | {"architectures": ["Glm4MoeForCausalLM"]}
     cfg = ModelConfig.from_dict(raw)

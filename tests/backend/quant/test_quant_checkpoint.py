@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.engine_config import EngineConfig
 from edgeinfer.backend.engine.loading import load_engine
-from edgeinfer.backend.model.config import CheckpointError
 from edgeinfer.backend.model.linear import W4A16Linear
 from edgeinfer.backend.model.loader import load_model
+from edgeinfer.backend.model.model_config import CheckpointError
 from edgeinfer.backend.model.packing import group_dequantize_tensor, to_autoawq_gemm, to_gptq
 from edgeinfer.backend.quant.calib import paged_prefill
 from edgeinfer.backend.quant.quantize import quantize_checkpoint

@@ -505,8 +505,8 @@ def test_served_head_keeps_its_outlier_channels_exact_and_moves_nearer_the_oracl
 
 @pytest.mark.slow
 def test_greedy_with_the_kernels_equals_the_reference_ops(native_served, smol_tokenizer, monkeypatch):
-    from edgeinfer.backend.engine.config import EngineConfig
     from edgeinfer.backend.engine.engine import LLMEngine
+    from edgeinfer.backend.engine.engine_config import EngineConfig
     from edgeinfer.protocol.wire import GenerateRequest, SamplingParams
 
     _, model = native_served

@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 
 from edgeinfer.backend.engine.backlog import Backlog
-from edgeinfer.backend.engine.config import EngineConfig
+from edgeinfer.backend.engine.engine_config import EngineConfig
 from edgeinfer.backend.engine.fair import CONTENDED_MIN_TOKENS
 from edgeinfer.backend.server import parse_args
 from edgeinfer.protocol.wire import TenantSpec
-from tests.support.fair_sim import Sim, seq
 from tests.step_costs import measured
+from tests.support.fair_sim import Sim, seq
 
 A, B = TenantSpec("a"), TenantSpec("b")
 BUDGET, CAP = 512, 64

@@ -9,8 +9,8 @@ from collections import Counter
 import pytest
 import torch
 
-from edgeinfer.backend.engine.config import EngineConfig
 from edgeinfer.backend.engine.engine import EngineObserver, LLMEngine, RequestError
+from edgeinfer.backend.engine.engine_config import EngineConfig
 from edgeinfer.protocol.wire import GenerateRequest, SamplingParams, TenantSpec
 
 _ids = itertools.count()
