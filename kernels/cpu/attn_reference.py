@@ -1,5 +1,5 @@
 """Pure-torch references of kernels.cpu.attn's ops, same signatures (the fallback where the extension is
-unavailable, and the oracle of tests/kernels/cpu/test_cpu_attn_ops.py). They are the model's own torch path:
+unavailable, and the oracle of tests/kernels/cpu/test_attn.py). They are the model's own torch path:
 kernels.paged_decode_attention_reference, x * cos + rotate_half(x) * sin, kernels.kv_store, F.rms_norm, silu."""
 
 from __future__ import annotations

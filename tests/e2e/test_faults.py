@@ -4,7 +4,7 @@ resumes), pages corrupted in Redis while several requests fetch them concurrentl
 identical to cold).
 
 Covered elsewhere, not duplicated here (see docs/RELIABILITY.md):
-- Redis killed mid-load under two backend processes, caching resumes: tests/backend/page_store/test_page_store_integration.py
+- Redis killed mid-load under two backend processes, caching resumes: tests/backend/page_store/test_bridge.py
 - a backend SIGKILLed mid-stream (SSE error event + [DONE], rerouting within one heartbeat): tests/ops/test_rollout.py
 """
 

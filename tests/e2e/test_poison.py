@@ -6,7 +6,7 @@
 - an error the backend pins on one request (error_code 500 in the first chunk) reaches that client as a
   500 and is not replayed on another node, which is not marked down;
 - invalid sampling values are a 400 naming the field even when no backend is routable.
-Engine-level isolation: tests/backend/engine/test_engine_isolation.py; the sampler: tests/backend/engine/test_sampler_safety.py.
+Engine-level isolation: tests/backend/engine/test_engine_isolation.py; the sampler: tests/backend/engine/test_sampler.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import requests
 
 from tests.backend_process import INTERNAL_AUTH, INTERNAL_SECRET, BackendProcess
 from tests.gateway.conftest import DEMO_KEY, MODEL, client, parsed, tenant
-from tests.gateway.test_routing_and_resilience import session_for
+from tests.gateway.test_routing import session_for
 
 POISON = [{"top_p": 1e-46}, {"temperature": 1e-40}, {"repetition_penalty": 1e-40}]
 MSGS = [{"role": "user", "content": "hi"}]

@@ -169,7 +169,7 @@ async def test_corrupted_latent_pages_are_detected_and_recomputed_and_a_second_n
     from edgeinfer.cache_store.index import RedisPageIndex
     from edgeinfer.cache_store.resilience import RedisGuard, redis_client
     from edgeinfer.cache_store.store import RedisPageStore, TieredPageStore
-    from tests.backend.page_store.test_page_store_integration import REGIONS, _generate, corrupt
+    from tests.backend.page_store.test_bridge import REGIONS, _generate, corrupt
 
     _, path = dsv3_served
     if valkey.proc is None:

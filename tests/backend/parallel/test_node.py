@@ -12,7 +12,7 @@ import pytest
 import requests
 
 from tests import moe_checkpoints
-from tests.backend.page_store.test_page_store_integration import SEED, Backend, random_prompt
+from tests.backend.page_store.test_bridge import SEED, Backend, random_prompt
 from tests.backend_process import BackendProcess
 from tests.conftest import wait_until
 
