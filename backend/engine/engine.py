@@ -280,8 +280,32 @@ class LLMEngine:
                 self._flush()
             except Exception as e:  # a failed step must not hang clients, nor fail the sequences it did not cause
                 log.exception("engine step failed")
-                isolate(self, e)
+                try:
+                    isolate(self, e)
+                except Exception:  # the recovery failed too: end every request (503) rather than hang them all
+                    log.exception("isolating the failed step failed: ending every request with 503")
+                    self._fail_all("the engine failed and could not isolate the cause; retry elsewhere")
                 self._flush()
+
+    def _fail_all(self, msg: str) -> None:
+        """End every admitted and queued request with a 503 error chunk, even where giving back its pages fails
+        (their bookkeeping is what broke); the loop then goes on with an empty batch."""
+        seqs = list(self.scheduler.running) + list(self.scheduler.waiting) + list(self._seqs.values())
+        self.scheduler.running.clear()
+        self.scheduler.waiting.clear()
+        for seq in dict.fromkeys(seqs):
+            if seq.status == SeqStatus.FINISHED:
+                continue
+            try:
+                self.blocks.free(seq)
+            except Exception:  # noqa: BLE001 - pages lost with the broken bookkeeping
+                log.exception("request %s: its pages could not be given back", seq.request_id)
+            seq.status = SeqStatus.FINISHED
+            seq.finish_reason = "error"
+            self._seqs.pop(seq.request_id, None)
+            seq.emit(seq, [], None, "", "error", msg, 503)
+            for o in self.observers:
+                o.on_finish(seq)
 
     def _flush(self) -> None:
         """Hand this step's chunks to their event loops: one wake-up per loop, not one per chunk

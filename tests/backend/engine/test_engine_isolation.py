@@ -144,3 +144,32 @@ async def test_a_forward_that_fails_for_everyone_is_a_node_fault(smol_model, smo
         assert eng.blocks.num_used == 0
     finally:
         eng.stop()
+
+
+async def test_a_failure_while_isolating_ends_every_request_instead_of_hanging(smol_model, smol_tokenizer,
+                                                                             monkeypatch):
+    """The recovery itself fails (here: giving back pages raises, as a corrupted reference count does): every
+    request ends with a 503 error chunk within the timeout, none hangs, and the engine thread serves on."""
+    from edgeinfer.backend.engine import engine as engine_mod
+
+    eng = make_engine(smol_model, smol_tokenizer)
+
+    def execute(batch):
+        raise RuntimeError("device lost")
+
+    def isolate(engine, error):
+        raise RuntimeError("page 3 released more often than acquired")
+
+    monkeypatch.setattr(eng.runner, "execute", execute)
+    monkeypatch.setattr(engine_mod, "isolate", isolate)
+    try:
+        async with asyncio.timeout(60):
+            res = await asyncio.gather(*(run(eng, p, **greedy(p)) for p in VICTIMS[:2]))
+        assert all(r[1].finish_reason == "error" and r[1].error_code == 503 and "retry elsewhere" in r[1].error
+                   for r in res)
+        monkeypatch.undo()
+        async with asyncio.timeout(60):
+            again, end = await run(eng, VICTIMS[0], **greedy(VICTIMS[0]))
+        assert end.finish_reason == "length" and len(again) == 12
+    finally:
+        eng.stop()
