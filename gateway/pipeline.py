@@ -10,6 +10,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from typing import Any
 
 import msgspec
 from aiohttp import web
@@ -37,7 +38,7 @@ from edgeinfer.gateway.schemas import (
     top_p_of,
 )
 from edgeinfer.gateway.served_model import ServedModel
-from edgeinfer.gateway.state import GatewayState
+from edgeinfer.gateway.state import STATE, GatewayState
 from edgeinfer.gateway.structured import SchemaLimits, check_depth
 from edgeinfer.gateway.tools import ToolPlan, ToolStream, split_output
 from edgeinfer.gateway.upstream import GRAMMAR_FAILED, UpstreamBroken, error_code_name
@@ -70,6 +71,17 @@ async def read_body(request: web.Request, st: GatewayState) -> bytes:
     except TimeoutError as e:
         raise APIError(408, f"request body not received within {st.cfg.server.body_read_timeout_s}s",
                        code="timeout") from e
+
+
+async def read_request(request: web.Request,
+                       decoder: msgspec.json.Decoder) -> tuple[GatewayState, TenantConfig, Any]:
+    """Every generating endpoint's first steps, in this order: the tenant authenticated, the body read under the
+    gateway's limits and decoded, its model named for the access log. -> (state, tenant, request struct)."""
+    st = request.app[STATE]
+    tenant = st.authenticate(request)
+    req = decode(decoder, await read_body(request, st))
+    request["model"] = req.model
+    return st, tenant, req
 
 
 def decode(decoder: msgspec.json.Decoder, body: bytes):

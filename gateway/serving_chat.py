@@ -11,9 +11,8 @@ from edgeinfer.gateway.pipeline import (
     check_bias_ids,
     check_nesting,
     constraint_field,
-    decode,
     execute,
-    read_body,
+    read_request,
     sampling_params,
     served_model,
     session_key,
@@ -23,17 +22,13 @@ from edgeinfer.gateway.schemas import (
     check_chat,
     message_dicts,
 )
-from edgeinfer.gateway.state import STATE
 from edgeinfer.gateway.structured import Pending, constraint_for, guided_constraint
 from edgeinfer.gateway.tools import plan_tools, render_messages
 from edgeinfer.protocol.wire import SamplingParams
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    st = request.app[STATE]
-    tenant = st.authenticate(request)
-    req = decode(chat_decoder, await read_body(request, st))
-    request["model"] = req.model
+    st, tenant, req = await read_request(request, chat_decoder)
     check_chat(req, st.cfg.server.max_n)
     model = served_model(st, tenant, req.model)
     check_bias_ids(model, req.logit_bias)

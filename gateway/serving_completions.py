@@ -13,9 +13,8 @@ from edgeinfer.gateway.pipeline import (
     check_bias_ids,
     check_nesting,
     constraint_field,
-    decode,
     execute,
-    read_body,
+    read_request,
     sampling_params,
     served_model,
     session_key,
@@ -24,16 +23,12 @@ from edgeinfer.gateway.schemas import (
     check_completion,
     completion_decoder,
 )
-from edgeinfer.gateway.state import STATE
 from edgeinfer.gateway.structured import Pending, constraint_for, guided_constraint
 from edgeinfer.protocol.wire import SamplingParams
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    st = request.app[STATE]
-    tenant = st.authenticate(request)
-    req = decode(completion_decoder, await read_body(request, st))
-    request["model"] = req.model
+    st, tenant, req = await read_request(request, completion_decoder)
     check_completion(req, st.cfg.server.max_n)
     model = served_model(st, tenant, req.model)
     check_bias_ids(model, req.logit_bias)

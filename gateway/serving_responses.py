@@ -28,7 +28,6 @@ from edgeinfer.gateway.schemas import (
     temperature_of,
     top_p_of,
 )
-from edgeinfer.gateway.state import STATE
 from edgeinfer.gateway.structured import Pending, constraint_for
 from edgeinfer.gateway.tools import ToolStream, plan_tools, render_messages, split_output
 from edgeinfer.gateway.upstream import UpstreamBroken
@@ -224,7 +223,6 @@ class ResponseBuilder:
 
 
 async def collect(job, runs, tally, builder: ResponseBuilder) -> web.Response:
-
     parts: list[str] = []
     reason = None
     try:
@@ -243,7 +241,6 @@ async def collect(job, runs, tally, builder: ResponseBuilder) -> web.Response:
 
 
 async def stream(job, runs, tally, builder: ResponseBuilder) -> web.StreamResponse:
-
     resp = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache",
                                        "x-accel-buffering": "no", **job.headers, "x-request-id": job.rid})
     await resp.prepare(job.request)
@@ -306,11 +303,7 @@ async def stream(job, runs, tally, builder: ResponseBuilder) -> web.StreamRespon
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
-
-    st = request.app[STATE]
-    tenant = st.authenticate(request)
-    req = pipeline.decode(responses_decoder, await pipeline.read_body(request, st))
-    request["model"] = req.model
+    st, tenant, req = await pipeline.read_request(request, responses_decoder)
     check(req)
     model = pipeline.served_model(st, tenant, req.model)
     limits, pending = st.schema_limits, Pending()

@@ -11,7 +11,6 @@ from aiohttp import web
 from edgeinfer.gateway import pipeline
 from edgeinfer.gateway.errors import bad_value, from_validation_error
 from edgeinfer.gateway.schemas import ChatMessage, message_dicts
-from edgeinfer.gateway.state import STATE
 
 
 class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -33,11 +32,7 @@ _detokenize_decoder = msgspec.json.Decoder(DetokenizeRequest)
 
 
 async def tokenize(request: web.Request) -> web.Response:
-
-    st = request.app[STATE]
-    tenant = st.authenticate(request)
-    req = pipeline.decode(_tokenize_decoder, await pipeline.read_body(request, st))
-    request["model"] = req.model
+    st, tenant, req = await pipeline.read_request(request, _tokenize_decoder)
     model = pipeline.served_model(st, tenant, req.model)
     if (req.prompt is None) == (req.messages is None):
         raise bad_value("prompt", "give exactly one of prompt (text) or messages (a chat)")
@@ -70,11 +65,7 @@ async def tokenize(request: web.Request) -> web.Response:
 
 
 async def detokenize(request: web.Request) -> web.Response:
-
-    st = request.app[STATE]
-    tenant = st.authenticate(request)
-    req = pipeline.decode(_detokenize_decoder, await pipeline.read_body(request, st))
-    request["model"] = req.model
+    st, tenant, req = await pipeline.read_request(request, _detokenize_decoder)
     model = pipeline.served_model(st, tenant, req.model)
     model.check_ids(req.tokens)
     job = pipeline.Job(request, st, tenant, model, "detokenize")

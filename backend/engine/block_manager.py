@@ -91,7 +91,7 @@ class BlockManager:
         n = self.cached_prefix_len(hashes, seq.all_ids, seq.key_ctx.root) if self.enable_prefix_cache else 0
         if not self.check_identity:
             return PrefixMatch([self.cache[h].page for h in hashes[:n]], hashes[:n])
-        where = "resume" if seq.admitted_once else "prefix_hit"
+        where = self._hit_where(seq)
         pages: list[int] = []
         for h in hashes[:n]:
             entry = self.cache[h]
@@ -107,8 +107,12 @@ class BlockManager:
         one changed since it was sealed (it is dropped from the cache: match again)."""
         if not pages or self.verify_content is None or not self.check_identity:
             return True
-        where = "resume" if seq.admitted_once else "prefix_hit"
-        return self.verify_content(pages, hashes, where) == len(pages)
+        return self.verify_content(pages, hashes, self._hit_where(seq)) == len(pages)
+
+    @staticmethod
+    def _hit_where(seq: Sequence) -> str:
+        """The integrity label of seq taking cached pages: its first admission, or a resume after preemption."""
+        return "resume" if seq.admitted_once else "prefix_hit"
 
     def _drop_stale(self, h: bytes, entry: CachedPage, where: str) -> None:
         """A prefix-cache entry whose page was freed or taken since it was sealed: out of the cache (the page's

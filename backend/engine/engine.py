@@ -55,11 +55,9 @@ class LLMEngine:
                                  model.cfg.max_position_embeddings)
         self.blocks = BlockManager(self.runner.num_pages, self.cfg.page_size, self.cfg.enable_prefix_cache,
                                    tables=self.runner.tables, eviction=self.cfg.cache_eviction)
-        self.blocks.check_identity = self.cfg.kv_integrity
-        self.integrity = KVIntegrity(self.runner, self.blocks, self.cfg.kv_verify_fraction) \
-            if self.cfg.kv_integrity else None
-        if self.integrity is not None and self.cfg.kv_verify_fraction > 0:
-            self.blocks.verify_content = self.integrity.verify
+        self._integrity = KVIntegrity(self.runner, self.blocks, self.cfg.kv_verify_fraction)
+        self.integrity: KVIntegrity | None = None
+        self.set_kv_integrity(self.cfg.kv_integrity)
         self.kv_port = EngineKVPort(self)           # what the page store may do with this engine's KV
         self.step_cost = StepCost()                # what steps cost here (the fair scheduler's contended cap)
         self.scheduler = make_scheduler(self.cfg, self.blocks, self.step_cost)
@@ -93,6 +91,13 @@ class LLMEngine:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+
+    def set_kv_integrity(self, on: bool) -> None:
+        """The live pool's checks on or off (EngineConfig.kv_integrity at start; benchmarks toggle it on the engine
+        thread): identity before each step and at hits and frees, checksums at seal and reuse."""
+        self.integrity = self._integrity if on else None
+        self.blocks.check_identity = on
+        self.blocks.verify_content = self._integrity.verify if on and self.cfg.kv_verify_fraction > 0 else None
 
     # ------------------------------------------------------------ public API (any thread / asyncio)
     def key_context(self, namespace: str) -> PageKeyContext:
@@ -240,10 +245,15 @@ class LLMEngine:
         if seq.status == SeqStatus.FINISHED:
             return
         self.scheduler.remove(seq)
+        self._close(seq, reason, ids, lps, text)
+
+    def _close(self, seq: Sequence, reason: str, ids: list[int] | None = None, lps=None, text: str = "",
+               error: str | None = None, code: int = 500) -> None:
+        """seq is over (its pages already given back): its last chunk out, the observers told."""
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         self._seqs.pop(seq.request_id, None)
-        seq.emit(seq, ids or [], lps, text, reason)
+        seq.emit(seq, ids or [], lps, text, reason, error, code)
         for o in self.observers:
             o.on_finish(seq)
 
@@ -300,12 +310,7 @@ class LLMEngine:
                 self.blocks.free(seq)
             except Exception:  # noqa: BLE001 - pages lost with the broken bookkeeping
                 log.exception("request %s: its pages could not be given back", seq.request_id)
-            seq.status = SeqStatus.FINISHED
-            seq.finish_reason = "error"
-            self._seqs.pop(seq.request_id, None)
-            seq.emit(seq, [], None, "", "error", msg, 503)
-            for o in self.observers:
-                o.on_finish(seq)
+            self._close(seq, "error", error=msg, code=503)
 
     def _flush(self) -> None:
         """Hand this step's chunks to their event loops: one wake-up per loop, not one per chunk
@@ -328,12 +333,7 @@ class LLMEngine:
         if seq.status == SeqStatus.FINISHED:
             return
         self.scheduler.remove(seq)
-        seq.status = SeqStatus.FINISHED
-        seq.finish_reason = "error"
-        self._seqs.pop(seq.request_id, None)
-        seq.emit(seq, [], None, "", "error", msg, code)
-        for o in self.observers:
-            o.on_finish(seq)
+        self._close(seq, "error", error=msg, code=code)
 
     def step(self) -> None:
         t0 = time.monotonic()

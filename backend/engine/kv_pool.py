@@ -3,7 +3,8 @@ named as it travels (`KVFormat.ident`: `BackendInfo.kv_format`, page identity, t
 allocation (allocate_pool, called by model_runner.ModelRunner): per layer k, v `[num_pages, page_size, kv_heads,
 head_dim]` and, for fp8 only, k_scale, v_scale `[num_pages, page_size, kv_heads]` in SCALE_DTYPE; for an MLA model
 (`latent`) one tensor per layer, k = the latent rows `[num_pages, page_size, 1, kv_lora_rank + qk_rope_head_dim]`
-(v None) and for fp8 one scale per token row; and the page bodies' bytes."""
+(v None) and for fp8 one scale per token row. Page bodies move in and out of the pool through the model's
+PageIO (backend/model/batch.py; `ModelRunner.page_io`)."""
 
 from __future__ import annotations
 
@@ -110,25 +111,3 @@ def allocate_pool(fmt: KVFormat, num_pages: int, page_size: int, model_cfg: Mode
                 for _ in range(model_cfg.num_layers)]
     return [LayerKV(lazy_zeros(shape, fmt.dtype, device), lazy_zeros(shape, fmt.dtype, device), scales(), scales(),
                     hadamard=fmt.hadamard) for _ in range(model_cfg.num_layers)]
-
-
-# ---- page bodies: the bytes of one page of every layer (k, v, then the fp8 scales), through the runner's PageIO
-def pool_parts(runner) -> list[torch.Tensor]:
-    """The KV pool tensors in body order, viewed as uint8 ([num_pages, ..., bytes]) (this process's pool)."""
-    return runner.page_io.parts()
-
-
-def gather_pages(runner, pages: list[int]) -> torch.Tensor:
-    """Host uint8 [len(pages), page body bytes]: each row is one page body (backend/page_store/bridge.py names its
-    layout); a tensor-parallel node's rows hold every rank's share. Engine thread only."""
-    return runner.page_io.read(pages)
-
-
-def gather_pages_on_device(runner, pages: list[int]) -> torch.Tensor:
-    """uint8 [len(pages), page_bytes] on the pool's device (one process's pool): the page bodies."""
-    return runner.page_io.read_on_device(pages)
-
-
-def scatter_pages(runner, pages: list[int], buf: torch.Tensor) -> None:
-    """Write host rows buf[i] (page bodies) into KV pool pages[i]. Engine thread only."""
-    runner.page_io.write(pages, buf)

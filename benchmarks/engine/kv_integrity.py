@@ -13,7 +13,7 @@ Parts, at each B: the per-step identity check and the checksum of one page, time
 step they make (check + checksum x B / page_size pages sealed per step, over the step time with the checks off):
 the cost without the A/B's noise (single rounds move a few % on this shared VM).
 
-  python -m benchmarks engine.kv_integrity [--levels 1,8,32] [--steps 32] [--rounds 6] [--prompt-len 256]
+  python -m benchmarks engine.kv_integrity [--levels 1,8,32] [--steps 32] [--rounds 10] [--prompt-len 256]
                                            [--hit-len 2048] [--out F]
 Writes benchmarks/results/engine.kv_integrity.json.
 """
@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from benchmarks.engine.step import submit_greedy
 from benchmarks.harness.results import ROOT, interleaved, run_stamp, write_result
 
 OUT = ROOT / "benchmarks" / "results" / "engine.kv_integrity.json"
@@ -41,22 +42,6 @@ def served_config(num_pages: int, max_num_seqs: int):
     return dataclasses.replace(cfg, num_pages=num_pages, max_num_seqs=max_num_seqs, adaptive_threads=False)
 
 
-def set_checks(eng, integrity, on: bool) -> None:
-    eng.integrity = integrity if on else None
-    eng.blocks.check_identity = on
-    eng.blocks.verify_content = integrity.verify if on else None
-
-
-def add(eng, rid: str, ids: list[int], max_tokens: int):
-    from edgeinfer.protocol.wire import GenerateRequest, SamplingParams
-
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    seq = eng._make_seq(GenerateRequest(rid, ids, sp, "bench"), lambda chunk: None)
-    eng._seqs[rid] = seq
-    eng.scheduler.add(seq)
-    return seq
-
-
 def decode_level(model, batch: int, args) -> dict:
     from edgeinfer.backend.engine.engine import LLMEngine
 
@@ -66,19 +51,19 @@ def decode_level(model, batch: int, args) -> dict:
     integrity = eng.integrity
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
-        add(eng, f"b{i}", torch.randint(100, 49000, (args.prompt_len,), generator=g).tolist(), 100_000)
+        submit_greedy(eng, f"b{i}", torch.randint(100, 49000, (args.prompt_len,), generator=g).tolist(), 100_000)
     while any(s.is_prefilling for s in eng.scheduler.running) or eng.scheduler.waiting:
         eng.step()
     for _ in range(4):
         eng.step()
     times: dict[str, list[float]] = {"on": [], "off": []}
     for _, side in interleaved(["on", "off"], args.rounds):
-        set_checks(eng, integrity, side == "on")
+        eng.set_kv_integrity(side == "on")
         t0 = time.perf_counter()
         for _ in range(args.steps):
             eng.step()
         times[side].append(time.perf_counter() - t0)
-    set_checks(eng, integrity, True)
+    eng.set_kv_integrity(True)
     seqs = list(eng.scheduler.running)          # the parts alone: what the checks add to a step, without its noise
     t0 = time.perf_counter()
     for _ in range(200):
@@ -112,19 +97,19 @@ def prefix_hit(model, args) -> dict:
     eng = LLMEngine(model, None, served_config(-(-args.hit_len // 16) * 3 + 16, 8))
     integrity = eng.integrity
     ids = torch.randint(100, 49000, (args.hit_len,), generator=torch.Generator().manual_seed(7)).tolist()
-    seq = add(eng, "cold", ids, 1)
+    seq = submit_greedy(eng, "cold", ids, 1)
     while eng.scheduler.has_work:
         eng.step()
     ttft: dict[str, list[float]] = {"on": [], "off": []}
     for rnd, side in interleaved(["on", "off"], max(args.rounds, 2)):
-        set_checks(eng, integrity, side == "on")
+        eng.set_kv_integrity(side == "on")
         t0 = time.perf_counter()
-        seq = add(eng, f"hit-{rnd}-{side}", ids, 1)
+        seq = submit_greedy(eng, f"hit-{rnd}-{side}", ids, 1)
         while eng.scheduler.has_work:
             eng.step()
         ttft[side].append(time.perf_counter() - t0)
         assert seq.num_cached_prompt_tokens > 0
-    set_checks(eng, integrity, True)
+    eng.set_kv_integrity(True)
     hashes = page_hashes(eng.key_context("bench"), ids)
     pages = [eng.blocks.cache[h].page for h in hashes if h in eng.blocks.cache]
     t0 = time.perf_counter()

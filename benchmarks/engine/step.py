@@ -33,6 +33,18 @@ HERE = Path(__file__).resolve()
 
 # ---------------------------------------------------------------- worker (runs inside the tree measured)
 
+def submit_greedy(eng, rid: str, ids: list[int], max_tokens: int):
+    """A greedy request (EOS ignored, output dropped) straight into eng's scheduler; the engine is stepped by the
+    caller's thread. Returns its Sequence."""
+    from edgeinfer.protocol.wire import GenerateRequest, SamplingParams
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    seq = eng._make_seq(GenerateRequest(rid, ids, sp, "bench"), lambda chunk: None)
+    eng._seqs[seq.request_id] = seq
+    eng.scheduler.add(seq)
+    return seq
+
+
 def decoding_engine(model, batch: int, prompt_len: int, num_pages: int = 2048, max_tokens: int = 10_000,
                     warmup: int = 3):
     """An engine on the caller's thread with `batch` sequences of random prompts (seeded by batch) prefilled in
@@ -42,17 +54,12 @@ def decoding_engine(model, batch: int, prompt_len: int, num_pages: int = 2048, m
 
     from edgeinfer.backend.engine.engine import LLMEngine
     from edgeinfer.backend.engine.engine_config import EngineConfig
-    from edgeinfer.protocol.wire import GenerateRequest, SamplingParams
 
     eng = LLMEngine(model, None, EngineConfig(max_num_seqs=max(64, batch), max_num_batched_tokens=4096,
                                               num_pages=num_pages))
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
-        prompt = torch.randint(100, 49000, (prompt_len,), generator=g).tolist()
-        sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        seq = eng._make_seq(GenerateRequest(f"b{i}", prompt, sp, "bench"), lambda chunk: None)
-        eng._seqs[seq.request_id] = seq
-        eng.scheduler.add(seq)
+        submit_greedy(eng, f"b{i}", torch.randint(100, 49000, (prompt_len,), generator=g).tolist(), max_tokens)
     eng.step()                       # prefill
     for _ in range(warmup):          # warm-up decodes
         eng.step()
