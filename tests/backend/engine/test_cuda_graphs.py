@@ -16,6 +16,7 @@ from edgeinfer.backend.engine.engine_config import EngineConfig
 from edgeinfer.backend.engine.model_runner import ModelRunner
 from edgeinfer.backend.model.loader import load_model
 from tests.support.engine_steps import generate_together
+from tests.support.tiny import tiny_llama
 
 
 def test_buckets_cover_every_batch_size_up_to_the_limit():
@@ -62,18 +63,7 @@ def test_graphs_are_off_on_cpu(tiny_model):
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny")
-    hf = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=8, num_key_value_heads=2, vocab_size=300,
-                                      max_position_embeddings=256, tie_word_embeddings=False)).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.mul_(3.0) if p.dim() == 2 else None
-    hf.save_pretrained(path, safe_serialization=True)
-    return load_model(path)
+    return load_model(tiny_llama(tmp_path_factory.mktemp("tiny"), max_position=256))
 
 
 def _generate(eng: LLMEngine, lengths: list[int], max_tokens: list[int]) -> list[tuple[list[int], list[float]]]:

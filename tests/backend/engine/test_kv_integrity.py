@@ -9,10 +9,10 @@ import pytest
 
 from edgeinfer.backend.engine.kv_faults import ENV, KVFaults, refuse_in_production
 from edgeinfer.backend.engine.kv_integrity import PageLedger, body_checksums
-from edgeinfer.backend.engine.kv_pool import gather_pages, scatter_pages
 from edgeinfer.backend.model.loader import load_model
 from edgeinfer.protocol.page_id import page_hashes
-from tests.support.tiny import Stepper, engine, prompt, solo, tiny_llama
+from tests.support.engine_steps import Stepper, engine, solo
+from tests.support.tiny import prompt, tiny_llama
 
 NEW = 24
 
@@ -184,16 +184,16 @@ def test_pool_checksums_are_the_page_bodies_checksums(tiny):
     s.add("a", prompt(30, 50), 4)
     s.run()
     pages = [0, 1, 2, 3]
-    body = gather_pages(eng.runner, pages)
+    body = eng.runner.page_io.read(pages)
     integ = eng.integrity
     assert integ.checksums(pages) == body_checksums(body)
     hashes = [bytes([i]) * 16 for i in range(4)]
     assert integ.received([4, 5, 6, 7], hashes, body, ["store_receive"] * 4) == 0   # pages 4..7 hold other bytes
-    scatter_pages(eng.runner, [4, 5, 6, 7], body)
+    eng.runner.page_io.write([4, 5, 6, 7], body)
     assert integ.received([4, 5, 6, 7], hashes, body, ["swap_in"] * 4) == 4
     wrong = body.clone()
     wrong[2, 100] ^= 1
-    scatter_pages(eng.runner, [4, 5, 6, 7], body)
+    eng.runner.page_io.write([4, 5, 6, 7], body)
     before = eng.blocks.ledger.failures["store_receive"]
     assert integ.received([4, 5, 6, 7], hashes, wrong, ["store_receive"] * 4) == 2
     assert eng.blocks.ledger.failures["store_receive"] == before + 1

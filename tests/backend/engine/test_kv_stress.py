@@ -1,7 +1,9 @@
 """The concurrency stress suite of KV integrity (backend/engine/kv_integrity.py): many seeds, each a random mix
 served at once on one engine (its own thread) behind the page store (host tier + Redis tier on a real
-valkey-server): preemption and evictions (a small pool), prefix hits across tenants of one cache group and
-none across groups, aborts mid-stream, host-tier swap-ins and Redis fetches before requests. Every greedy
+valkey-server), in two halves: preemption and evictions (a small pool), prefix hits across tenants of one cache
+group and none across groups, aborts mid-stream; between the halves the local cache is dropped and every other
+published page leaves the host tier, so the second half swaps pages in from the host tier and fetches others
+from Redis. Every greedy
 output that was not aborted must equal the same request served alone on a fresh engine; where one differs,
 the first differing token must be a near-tie in the solo run (top-2 logprob gap < EPS). The suite must catch a
 page from another request: with a fault of backend/engine/kv_faults.py injected mid-run and the checks off it
@@ -26,7 +28,8 @@ from edgeinfer.cache_store.codec import PageKey
 from edgeinfer.cache_store.resilience import RedisGuard, redis_client
 from edgeinfer.cache_store.store import HostPageStore, RedisPageStore, TieredPageStore
 from edgeinfer.protocol.wire import GenerateRequest, SamplingParams, TenantSpec
-from tests.support.tiny import engine, prompt, solo, tiny_llama
+from tests.support.engine_steps import engine, solo
+from tests.support.tiny import prompt, tiny_llama
 
 pytestmark = pytest.mark.slow
 EPS = {"fp32": 1e-3, "fp8_e4m3": 0.05}      # near-tie bound on the solo run's top-2 logprob gap, per KV dtype
@@ -173,12 +176,23 @@ def stack(tiny, valkey):
         eng.stop()
 
 
+async def both_tiers(eng, bridge) -> None:
+    """Between the halves: the local prefix cache dropped and every other published page taken out of the host
+    tier, so the second half's prompts fetch pages from the host tier and from Redis whatever the timing left in
+    the pool and in the host tier's LRU (under load the mix alone had left one or the other unused)."""
+    blocks = eng.blocks
+    await eng.call_in_engine(lambda: [blocks.drop_cached(h) for h, _ in blocks.cached_pages()])
+    assert bridge.store is not None
+    await bridge.store.delete_from("host", bridge.publisher.published.hashes()[1::2])
+
+
 async def run_seed(make, seed: int, fault=None, jobs: list[Job] | None = None, **cfg):
     eng, bridge = await make(**cfg)
     jobs = workload(seed) if jobs is None else jobs
     try:
         await serve(eng, bridge, jobs[: len(jobs) // 2])
         await bridge.flush(10)
+        await both_tiers(eng, bridge)
         await serve(eng, bridge, jobs[len(jobs) // 2:], fault)      # the second half meets cached and stored pages
         await eng.call_in_engine(lambda: None)                       # the aborts queued before it are handled
     finally:

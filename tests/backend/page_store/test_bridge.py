@@ -229,7 +229,6 @@ async def _generate(engine, bridge, prompt, namespace, max_tokens=8):
 
 async def test_corrupted_pages_in_host_and_redis_are_all_detected_and_never_used(smol_dir, valkey, caplog):
     from edgeinfer.backend.engine.engine_config import EngineConfig
-    from edgeinfer.backend.engine.kv_pool import gather_pages
     from edgeinfer.backend.engine.loading import load_engine
     from edgeinfer.backend.metrics import BackendMetrics
     from edgeinfer.backend.page_store.bridge import PageStoreBridge
@@ -316,7 +315,7 @@ async def test_corrupted_pages_in_host_and_redis_are_all_detected_and_never_used
         # what reached the KV pool is exactly the pristine pages
         await engine.call_in_engine(lambda: None)
         pages = [blocks.cache[h].page for h in hashes[: n - 1]]
-        rows = await engine.call_in_engine(gather_pages, engine.runner, pages)
+        rows = await engine.call_in_engine(engine.runner.page_io.read, pages)
         for h, row in zip(hashes, rows, strict=False):
             body = decode(pristine[h], bridge.format.expect(h, blocks.cache[h].parent, list(blocks.cache[h].tokens)),
                           bridge.page_key)
@@ -340,7 +339,7 @@ async def test_corrupted_pages_in_host_and_redis_are_all_detected_and_never_used
 
         page = blocks.cache[hashes[0]].page
         parts = await engine.call_in_engine(engine.runner.read_page, page)
-        row = (await engine.call_in_engine(gather_pages, engine.runner, [page]))[0]
+        row = (await engine.call_in_engine(engine.runner.page_io.read, [page]))[0]
         assert torch.equal(row, torch.cat([t.reshape(-1).view(torch.uint8) for t in parts]))
     finally:
         await bridge.stop()

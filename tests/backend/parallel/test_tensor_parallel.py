@@ -14,6 +14,7 @@ from tests import moe_checkpoints
 from tests.backend.parallel.parallel_ranks import run_rank
 from tests.redis_server import free_port
 from tests.support.dense import greedy
+from tests.support.tiny import tiny_llama
 
 PROMPT = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(3)).tolist()
 
@@ -25,24 +26,11 @@ def run_parallel(model_dir, world: int, expert_parallel: bool, steps: int, tmp_p
     return torch.load(out)
 
 
-def tiny_llama(path):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    m = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-                                     num_key_value_heads=2, vocab_size=300, max_position_embeddings=256,
-                                     tie_word_embeddings=False)).eval()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.mul_(3.0) if p.dim() == 2 else None
-    m.save_pretrained(path)
-
-
 @pytest.mark.parametrize("kind,expert_parallel", [("llama", False), ("glm4_moe", False), ("glm4_moe", True)],
                          ids=["llama-tp2", "glm-tp2", "glm-ep2"])
 def test_two_ranks_give_the_single_process_tokens_and_logits(tmp_path, kind, expert_parallel):
     if kind == "llama":
-        tiny_llama(tmp_path / "m")
+        tiny_llama(tmp_path / "m", max_position=256)
     else:
         moe_checkpoints.build(kind, tmp_path / "m")
     want, want_tokens = greedy(load_model(tmp_path / "m"), PROMPT, 24, num_pages=8)
