@@ -10,6 +10,7 @@ from pathlib import Path
 
 from edgeinfer.backend.engine.engine_config import EngineConfig
 from edgeinfer.protocol.defaults import CACHE_SEED, CACHE_SEED_ENV, KEY_PREFIX, PAGE_SIZE
+from edgeinfer.protocol.wire import ROLES
 
 VERSION = os.environ.get("EDGEINFER_VERSION", "0.1.0")
 INTERNAL_SECRET_ENV = "EDGEINFER_INTERNAL_SECRET"
@@ -67,6 +68,8 @@ class BackendConfig:
     version: str
     heartbeat: float
     log_level: str
+    role: str                 # prefill | decode | both (prefill/decode disaggregation, docs/DISAGGREGATION.md)
+    handoff_timeout: float    # seconds a decode node spends pulling a prompt's pages from its prefill node
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> BackendConfig:
@@ -182,8 +185,17 @@ def parse_args(argv: list[str] | None) -> BackendConfig:
     p.add_argument("--version", default=VERSION)
     p.add_argument("--heartbeat", type=float, default=2.0)
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--role", default="both", choices=list(ROLES),
+                   help="prefill/decode disaggregation (docs/DISAGGREGATION.md): a prefill node computes prompts' KV "
+                        "and hands the pages to a decode node, which verifies them and decodes; both: every request "
+                        "start to end (the gateway routes by this role)")
+    p.add_argument("--handoff-timeout", type=float, default=5.0,
+                   help="seconds a decode node may spend pulling a prompt's pages from the prefill node named in "
+                        "the request before it computes the rest itself")
     args = p.parse_args(argv)
     args.internal_secret = None if args.insecure_no_internal_auth else _internal_secret(p, args)
+    if not (0 < args.handoff_timeout < float("inf")):
+        p.error(f"--handoff-timeout {args.handoff_timeout!r}: expected a finite number of seconds > 0")
     for name in ("max_queue_wait_s", "keepalive_s"):
         v = getattr(args, name)
         if not (v >= 0 and v != float("inf")):

@@ -33,7 +33,16 @@ from edgeinfer.backend.engine.engine import LLMEngine, RequestError
 from edgeinfer.backend.engine.kv_faults import refuse_in_production
 from edgeinfer.backend.metrics import BackendMetrics
 from edgeinfer.backend.node_config import VERSION, BackendConfig, parse_args
-from edgeinfer.protocol.wire import AbortRequest, BackendInfo, GenerateRequest, StreamChunk, encode
+from edgeinfer.protocol.page_id import HASH_BYTES
+from edgeinfer.protocol.wire import (
+    AbortRequest,
+    BackendInfo,
+    GenerateRequest,
+    SamplingParams,
+    StreamChunk,
+    encode,
+    pages_request_decoder,
+)
 
 log = logging.getLogger("edgeinfer.backend")
 
@@ -54,12 +63,14 @@ class BackendState:
     max_queue_wait_s: float | None = None  # None: no bound on the estimated queue wait
     extensions: list = field(default_factory=list)     # objects with async start(app)/stop(app)
     parallel_node: object | None = None   # backend.parallel.node.Node of a --tensor-parallel node (rank 0)
+    role: str = "both"                    # --role: prefill | decode | both (docs/DISAGGREGATION.md)
 
 
 STATE = web.AppKey("state", BackendState)
 
 
 KEEPALIVE = b"\n"
+MAX_PAGES_PER_REQUEST = 4096      # one /internal/kv/pages request (a decode node asks in chunks of ~8 MiB)
 encode_lines = msgspec.json.Encoder().encode_lines     # one NDJSON line per chunk, each ending in b"\n"
 
 
@@ -103,6 +114,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return _error(e.code, str(e))
     if (refused := _overloaded(st, req)) is not None:
         return refused
+    if req.prefill_only:    # the first hop of a disaggregated request: the prompt's KV, one chunk, no token
+        req = msgspec.structs.replace(req, sampling=SamplingParams(max_tokens=1, temperature=0.0), constraint=None,
+                                      kv_source=None)
     st.in_flight.add(req.request_id)   # counted from admission, so a drain never sees it as idle
     try:
         for ext in st.extensions:      # e.g. the page store: fetch + verify + upload pages beyond the local cache
@@ -117,6 +131,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
         gen = engine.stream_batches(req, st.keepalive_s)
         try:
             async for batch in gen:       # every chunk the engine delivered so far: one write
+                if batch is not None and req.prefill_only:
+                    batch = _prefilled(batch)
+                    if not batch:
+                        continue
                 await resp.write(KEEPALIVE if batch is None else encode_lines(batch))
         except RequestError as e:
             await resp.write(encode(StreamChunk(req.request_id, finish_reason="error", error=str(e),
@@ -132,6 +150,36 @@ async def generate(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+def _prefilled(batch: list[StreamChunk]) -> list[StreamChunk]:
+    """A prefill-only request's chunks as its caller gets them: nothing but the last (finish_reason "prefilled",
+    the usage) or an error."""
+    out = []
+    for c in batch:
+        if c.error is not None:
+            out.append(c)
+        elif c.finish_reason is not None:
+            out.append(StreamChunk(c.request_id, finish_reason="prefilled" if c.finish_reason != "abort" else "abort",
+                                   usage=c.usage))
+    return out
+
+
+async def kv_pages(request: web.Request) -> web.Response:
+    """The sealed pages of a chain this node holds, for a decode node (backend/page_store/handoff.py)."""
+    st = request.app[STATE]
+    try:
+        req = pages_request_decoder.decode(await request.read())
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        return _error(400, f"invalid page request: {e}")
+    if len(req.hashes) > MAX_PAGES_PER_REQUEST or any(len(h) != HASH_BYTES for h in req.hashes):
+        return _error(400, f"invalid page request: expected at most {MAX_PAGES_PER_REQUEST} page hashes of {HASH_BYTES} bytes "
+                           f"each, got {len(req.hashes)}")
+    handoff = next((ext.handoff for ext in st.extensions if hasattr(ext, "handoff")), None)
+    if handoff is None:
+        return _error(404, f"node {st.node_id} has no page hand-off (no page store and --role both)")
+    body = await handoff.send(req.hashes)
+    return web.Response(body=body, content_type="application/octet-stream")
+
+
 async def abort(request: web.Request) -> web.Response:
     try:
         req = msgspec.json.decode(await request.read(), type=AbortRequest)
@@ -144,7 +192,7 @@ def backend_info(st: BackendState) -> BackendInfo:
     e = st.engine
     return BackendInfo(node_id=st.node_id, model=e.model_name, model_fingerprint=e.fingerprint,
                        kv_format=e.kv_format, page_size=e.cfg.page_size, max_model_len=e.max_model_len,
-                       version=st.version, state=st.state)
+                       version=st.version, state=st.state, role=st.role)
 
 
 async def info(request: web.Request) -> web.Response:
@@ -161,6 +209,7 @@ def load_report(st: BackendState) -> dict:
     return {"node_id": st.node_id, "state": st.state, "version": st.version, "model": e.model_name,
             "running": e.num_running, "waiting": e.num_waiting, "in_flight": len(st.in_flight),
             "kv_pages_used": b.num_used, "kv_pages_total": b.num_pages, "queue_wait_s": _rounded(e.backlog.wait_s(0)),
+            "prefill_tokens_queued": e.backlog.queued(), "role": st.role,
             "prefix_cache_hit_rate": b.hits / max(b.queries, 1)}
 
 
@@ -254,6 +303,7 @@ def make_app(state: BackendState) -> web.Application:
     app.add_routes([
         web.post("/internal/generate", generate),
         web.post("/internal/abort", abort),
+        web.post("/internal/kv/pages", kv_pages),
         web.get("/internal/info", info),
         web.get("/health", health),
         web.get("/ready", ready),
@@ -310,7 +360,7 @@ def build_state(cfg: BackendConfig) -> BackendState:
                       operator_key=cfg.operator_key, internal_secret=cfg.internal_secret,
                       url=f"http://{cfg.host}:{cfg.port}",
                       keepalive_s=cfg.keepalive_s or None, max_queue_wait_s=cfg.max_queue_wait_s or None,
-                      state="draining" if cfg.start_drained else "active")
+                      state="draining" if cfg.start_drained else "active", role=cfg.role)
     log.info(json.dumps({"event": "memory", "model": engine.model_name, "weight_bytes": engine.model.weight_bytes(),
                          "prepacked_copy_bytes": engine.model.prepacked_copy_bytes(),
                          "kv_dtype": engine.kv_format, "kv_bytes_per_token": engine.runner.bytes_per_token,

@@ -26,8 +26,11 @@ _encoder = msgspec.json.Encoder()
 
 
 def _canonical(r: NodeRecord) -> bytes:
-    return _encoder.encode([_FORMAT, r.node_id, r.url, r.model, r.version, r.state, r.running, r.waiting,
-                            r.kv_usage, r.cache_hit_rate, r.started_at, r.updated_at, r.expires_at])
+    fields = [_FORMAT, r.node_id, r.url, r.model, r.version, r.state, r.running, r.waiting,
+              r.kv_usage, r.cache_hit_rate, r.started_at, r.updated_at, r.expires_at]
+    if r.role != "both":    # appended only when set, so a record of a node without --role signs as before
+        fields.append(r.role)
+    return _encoder.encode(fields)
 
 
 class NodeRecordKey:

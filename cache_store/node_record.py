@@ -24,3 +24,4 @@ class NodeRecord(msgspec.Struct, frozen=True):
     updated_at: float = 0.0  # unix seconds of the heartbeat that wrote this record
     expires_at: float = 0.0  # unix seconds after which a signed record is refused (cache_store.node_auth)
     sig: str = ""  # hex HMAC over the other fields (cache_store.node_auth); empty without an internal secret
+    role: str = "both"  # prefill | decode | both (backend --role); signed when not "both"

@@ -50,6 +50,10 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     index_fill: str = "auto"                # "gateway" | "backends" | "auto" (gateway iff no redis)
     route_load_cost_tokens: int = 32        # one in-flight request costs as much as this many cached tokens
     route_affinity_tokens: int = 256        # bonus of the x-session-affinity node, in cached tokens
+    route_kv_cost_tokens: int = 256         # a node's full KV pool costs as much as this many cached tokens
+    # prefill/decode disaggregation (docs/DISAGGREGATION.md), on when the pool has --role prefill nodes
+    disagg_min_prefill_tokens: int = 256    # prompt tokens the decode node would compute below which it prefills itself
+    disagg_prefill_timeout_s: float = 60.0  # the prefill hop, start to "prefilled"; over it the decode node computes
     stream_lease_ttl_s: float = 30.0        # with redis: a dead gateway's share of max_concurrent_streams frees after this
     tokenizer_workers: int = 2              # processes tokenizing long prompts off the event loop (0: a thread)
     schema_workers: int = 1                 # processes checking JSON schemas off the event loop (0: a thread)
@@ -148,10 +152,13 @@ def _check(cfg: GatewayConfig) -> GatewayConfig:
         raise ConfigError(f"server.tokenizer_workers={s.tokenizer_workers} must be >= 0 (0: tokenize in a thread)")
     for name in ("body_read_timeout_s", "connect_timeout_s", "first_byte_timeout_s", "chunk_timeout_s",
                  "keepalive_timeout_s", "shutdown_grace_s", "health_interval_s", "stream_lease_ttl_s",
-                 "schema_check_timeout_s"):
+                 "schema_check_timeout_s", "disagg_prefill_timeout_s"):
         v = getattr(s, name)
         if not math.isfinite(v) or v <= 0:
             raise ConfigError(f"server.{name}={v!r} is invalid: expected a finite number of seconds > 0")
+    for name in ("disagg_min_prefill_tokens", "route_kv_cost_tokens"):
+        if getattr(s, name) < 0:
+            raise ConfigError(f"server.{name}={getattr(s, name)} must be >= 0")
     if s.health_stale_intervals < 2:
         raise ConfigError(f"server.health_stale_intervals={s.health_stale_intervals} must be >= 2: a node is "
                           "unhealthy once its probes have gone unanswered for that many health_interval_s, "

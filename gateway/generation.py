@@ -4,11 +4,22 @@ merging the n streams, abort on exit.
 A Run is one choice (one backend request). `start_all` routes and opens every run, retrying each on
 another node while nothing was received; once a run has its first chunk it is pinned to its node.
 Leaving `runs_open` for any reason (client gone, error, shutdown) aborts every run not finished.
+
+Prefill/decode disaggregation (docs/DISAGGREGATION.md): when the model's pool has `--role prefill` nodes, a run
+is two hops. The decode node is ranked first (prefix hits, load, KV occupancy, session affinity: routing.Router.
+rank over the decode/both nodes). If it would compute fewer than `disagg_min_prefill_tokens` prompt tokens (a short
+or mostly cached prompt), or the tenant's pages are never cached (retain = false), it prefills itself. Otherwise
+the prefill node ranked best by tokens (Router.rank_prefill) gets a `prefill_only` request and answers one
+"prefilled" chunk once the prompt's KV is in its pool; the decode request then names it (`kv_source`) and the
+decode node pulls and verifies the pages before it schedules the request. The prefill hop is bounded by
+`disagg_prefill_timeout_s`; a failed, refused or timed-out hop is counted and the run goes on without it (the
+decode node computes what it did not get). The client sees one stream; its cached_tokens are the prefill side's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,7 +29,16 @@ from edgeinfer.gateway.errors import APIError
 from edgeinfer.gateway.nodes import Node
 from edgeinfer.gateway.routing import Choice
 from edgeinfer.gateway.upstream import BackendRejected, Overloaded, Retryable, UpstreamBroken, UpstreamStream
-from edgeinfer.protocol.wire import Constraint, GenerateRequest, SamplingParams, StreamChunk, TenantSpec
+from edgeinfer.protocol.wire import (
+    Constraint,
+    GenerateRequest,
+    KVSource,
+    SamplingParams,
+    StreamChunk,
+    TenantSpec,
+)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -34,6 +54,14 @@ class Run:
     tried: list[str] = field(default_factory=list)
     constraint: Constraint | None = None      # response_format / tool_choice grammar (gateway/structured.py)
     constraint_param: str | None = None       # the request field it came from: named in a 400 when it fails
+    handoff: Handoff | None = None            # the prefill hop, when disaggregated (decided once per run)
+
+
+@dataclass
+class Handoff:
+    outcome: str                  # handed_off | skipped_short | skipped_no_retain | prefill_failed | prefill_timeout
+    source: KVSource | None = None    # the prefill node holding the KV (handed_off only)
+    cached_tokens: int = 0        # the prefill side's prefix hits: what the client's usage reports
 
 
 @dataclass
@@ -51,11 +79,14 @@ async def start(st, target: Target, run: Run) -> None:
     greq = GenerateRequest(run.request_id, run.prompt_ids, run.sampling, target.namespace, target.model,
                            target.tenant, constraint=run.constraint)
     for _ in range(cfg.max_attempts):
-        nodes = [n for n in st.pool.for_model(target.model) if n.node_id not in run.tried]
+        nodes = [n for n in st.pool.for_model(target.model) if n.node_id not in run.tried and n.role != "prefill"]
         if not nodes:
             break
         choice = (await st.router.rank(target.model, target.namespace, run.prompt_ids, nodes, target.session))[0]
         node = choice.node
+        if run.handoff is None:
+            run.handoff = await prefill_hop(st, target, run, choice)
+        greq.kv_source = run.handoff.source if run.handoff is not None else None
         run.tried.append(node.node_id)
         node.inflight += 1
         try:
@@ -88,6 +119,63 @@ async def start(st, target: Target, run: Run) -> None:
     detail = f": last error: {last}" if last else ""
     raise APIError(503, f"no healthy backend for model {target.model!r} (tried {len(run.tried)} "
                         f"node(s){detail})", code="backend_unavailable", headers={"retry-after": "1"})
+
+
+async def prefill_hop(st, target: Target, run: Run, decode: Choice) -> Handoff | None:
+    """The first hop of a disaggregated run (see the module docstring); None when the pool has no prefill node
+    for the decode node's page format (colocated: nothing counted)."""
+    cfg = st.cfg.server
+    info = decode.node.info
+    assert info is not None   # routable nodes have info
+    fmt = (info.model_fingerprint, info.kv_format, info.page_size)
+    prefill = [n for n in st.pool.for_model(target.model) if n.role == "prefill" and n.info is not None
+               and (n.info.model_fingerprint, n.info.kv_format, n.info.page_size) == fmt]
+    if not prefill:
+        return None
+    uncached = len(run.prompt_ids) - decode.cached_pages * info.page_size
+    if target.tenant is not None and not target.tenant.retain:
+        return _counted(st, target, Handoff("skipped_no_retain"))
+    if uncached < cfg.disagg_min_prefill_tokens:
+        return _counted(st, target, Handoff("skipped_short"))
+    choice = (await st.router.rank_prefill(target.model, target.namespace, run.prompt_ids, prefill))[0]
+    node = choice.node
+    preq = GenerateRequest(f"{run.request_id}-prefill", run.prompt_ids, SamplingParams(max_tokens=1, temperature=0.0),
+                           target.namespace, target.model, target.tenant, prefill_only=True)
+    pending = len(run.prompt_ids) - choice.cached_pages * info.page_size
+    node.prefill_pending += pending
+    node.inflight += 1
+    stream: UpstreamStream | None = None
+    try:
+        async with asyncio.timeout(cfg.disagg_prefill_timeout_s):
+            stream, chunk = await st.upstream.open(node, preq)
+            while chunk is not None and chunk.finish_reason is None and chunk.error is None:
+                chunk = await stream.next()
+    except TimeoutError:
+        return _counted(st, target, Handoff("prefill_timeout"), node, "timed out")
+    except (Retryable, UpstreamBroken) as e:
+        if not isinstance(e, Overloaded):
+            node.mark_failed()
+        return _counted(st, target, Handoff("prefill_failed"), node, str(e))
+    except BackendRejected as e:
+        return _counted(st, target, Handoff("prefill_failed"), node, str(e))
+    finally:
+        node.prefill_pending -= pending
+        node.inflight -= 1
+        if stream is not None:
+            stream.close()     # aborts on the prefill node unless it finished (client gone, timeout, error)
+    if chunk is None or chunk.finish_reason != "prefilled":
+        why = chunk.error if chunk is not None and chunk.error else f"it ended with {chunk!r}"
+        return _counted(st, target, Handoff("prefill_failed"), node, why)
+    cached = chunk.usage.cached_tokens if chunk.usage is not None else 0
+    return _counted(st, target, Handoff("handed_off", KVSource(node.node_id, node.url), cached))
+
+
+def _counted(st, target: Target, h: Handoff, node: Node | None = None, why: str = "") -> Handoff:
+    st.metrics.disaggregated.labels(target.model, h.outcome).inc()
+    if node is not None and why:
+        log.warning("prefill hop on node %s: %s (%s); the decode node computes the prompt", node.node_id, h.outcome,
+                    why)
+    return h
 
 
 def finish(st, run: Run) -> None:

@@ -47,6 +47,10 @@ class Metrics:
                                     ["tenant", "limit"], registry=t)
         self.routing = Counter(p + "routing_decisions_total", "node choice: prefix hit, affinity or load fallback",
                                ["model", "decision"], registry=r)
+        self.disaggregated = Counter(p + "disaggregated_requests_total",
+                                     "runs of a pool with prefill nodes, by what their prefill hop did: handed_off, "
+                                     "skipped_short, skipped_no_retain, prefill_failed, prefill_timeout",
+                                     ["model", "outcome"], registry=r)
         self.retries = Counter(p + "upstream_retries_total", "node failed before the first byte; tried another",
                                ["model", "node"], registry=r)
         self.aborts = Counter(p + "client_aborts_total", "client went away; backend request aborted",

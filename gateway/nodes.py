@@ -92,6 +92,9 @@ class Node:
     info: BackendInfo | None = None
     inflight: int = 0              # requests this gateway has open on the node
     reported_load: int = 0         # running + waiting from the registry heartbeat
+    kv_usage: float = 0.0          # KV pages in use / pages, from the last /ready answer
+    prefill_queued: int = 0        # prompt tokens waiting to be prefilled, from the last /ready answer
+    prefill_pending: int = 0       # prompt tokens this gateway has sent it to prefill and not yet had answered
     down_until: float = 0.0        # passive health: set when a request failed
     static: bool = True
     version: str = ""
@@ -124,6 +127,11 @@ class Node:
                 and self.down_until <= time.monotonic() and self.answering)
 
     @property
+    def role(self) -> str:
+        """prefill | decode | both (the backend's --role, from /internal/info)."""
+        return self.info.role if self.info is not None else "both"
+
+    @property
     def load(self) -> int:
         return self.inflight + self.reported_load
 
@@ -139,6 +147,24 @@ class Node:
             if not w.expired():
                 w.reschedule(now)
         return len(waits)
+
+
+_load_decoder = msgspec.json.Decoder(dict)
+
+
+def _read_load(node: Node, body: bytes) -> None:
+    """KV occupancy and queued prefill tokens from a /ready answer (backend.server.load_report); a body without
+    them (an older backend) leaves the last values."""
+    try:
+        report = _load_decoder.decode(body)
+        used, total = report.get("kv_pages_used"), report.get("kv_pages_total")
+        if isinstance(used, int) and isinstance(total, int) and total > 0:
+            node.kv_usage = min(1.0, max(0.0, used / total))
+        queued = report.get("prefill_tokens_queued")
+        if isinstance(queued, int) and queued >= 0:
+            node.prefill_queued = queued
+    except msgspec.DecodeError:
+        pass
 
 
 class NodePool:
@@ -221,6 +247,8 @@ class NodePool:
         try:
             async with session.get(node.url + "/ready", timeout=timeout) as r:
                 ready = r.status == 200
+                if ready:
+                    _read_load(node, await r.read())
             node.answered_at = self.clock.now()
             if ready and node.info is None:  # /ready answers 503 while draining; info is fixed per version
                 async with session.get(node.url + "/internal/info", timeout=timeout) as r:

@@ -269,7 +269,8 @@ class Tally:
         self.completion += u.completion_tokens
         if run.index % self.n == 0:  # prompt counted once per prompt, as OpenAI does
             self.prompt += u.prompt_tokens
-            self.cached += u.cached_tokens
+            h = run.handoff     # disaggregated: the decode node's hits include the pages handed to it
+            self.cached += h.cached_tokens if h is not None and h.source is not None else u.cached_tokens
 
     def usage(self) -> UsageInfo:
         return UsageInfo(self.prompt, self.completion, self.prompt + self.completion,
@@ -301,6 +302,8 @@ async def execute(job: Job, runs: list[Run], n: int, stream: bool, include_usage
                 for r in runs:
                     if r.choice is not None and r.choice.hashes:
                         await st.index.publish(model.name, r.choice.node.node_id, r.choice.hashes)
+                        if r.handoff is not None and r.handoff.source is not None:   # the prefill node holds them too
+                            await st.index.publish(model.name, r.handoff.source.node_id, r.choice.hashes)
             return resp
     finally:
         usage = tally.usage()

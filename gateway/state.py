@@ -141,7 +141,7 @@ def build_state(cfg: GatewayConfig, models: dict[str, ServedModel] | None = None
                     refused=metrics.node_records_refused)
     if index is None:
         index = InMemoryPageIndex()
-    router = Router(index, cfg.seed, s.route_load_cost_tokens, s.route_affinity_tokens)
+    router = Router(index, cfg.seed, s.route_load_cost_tokens, s.route_affinity_tokens, s.route_kv_cost_tokens)
     upstream = Upstream(s.connect_timeout_s, s.first_byte_timeout_s, s.chunk_timeout_s, cfg.internal_auth)
     admission = (RedisAdmission(redis_client, s.key_prefix, s.stream_lease_ttl_s) if redis_client is not None
                  else Admission())

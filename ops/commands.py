@@ -144,8 +144,8 @@ def status(args: argparse.Namespace) -> int:
         print(json.dumps([{**msgspec.to_builtins(r), "load": r.running + r.waiting,
                            "heartbeat_age_s": round(now - r.updated_at, 3)} for r in records], indent=2))
         return 0
-    head = ("NODE", "MODEL", "VERSION", "STATE", "LOAD", "KV USE", "CACHE HIT", "HEARTBEAT", "URL")
-    rows = [head] + [(r.node_id, r.model, r.version, r.state, f"{r.running}+{r.waiting}", f"{r.kv_usage:.0%}",
+    head = ("NODE", "ROLE", "MODEL", "VERSION", "STATE", "LOAD", "KV USE", "CACHE HIT", "HEARTBEAT", "URL")
+    rows = [head] + [(r.node_id, r.role, r.model, r.version, r.state, f"{r.running}+{r.waiting}", f"{r.kv_usage:.0%}",
                       f"{r.cache_hit_rate:.0%}", f"{now - r.updated_at:.1f}s ago", r.url) for r in records]
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     for row in rows:

@@ -2,6 +2,10 @@
 registry), one backend on the default model (or --model DIR) and the gateway in this process.
 
   edgeinfer serve [--port P] [--model DIR] [--config FILE] [--redis-url URL | --no-page-store]
+                  [--prefill-nodes N --decode-nodes M]
+
+With --prefill-nodes N --decode-nodes M it starts N backends with --role prefill and M with --role decode (prefill/
+decode disaggregation, docs/DISAGGREGATION.md) instead of one with --role both; the gateway routes in two hops.
 
 Order: the gateway's port is checked before anything loads (a port in use is one line, exit 2); valkey
 starts; the default model is imported on the first run (a progress bar); the backend starts (the first
@@ -48,6 +52,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backend-arg", action="append", default=[],
                    help="extra flag for the backend (edgeinfer backend --help; repeatable)")
     p.add_argument("--ready-timeout", type=float, default=900.0)
+    p.add_argument("--prefill-nodes", type=int, default=0,
+                   help="disaggregated: this many backends with --role prefill (needs --decode-nodes; "
+                        "docs/DISAGGREGATION.md)")
+    p.add_argument("--decode-nodes", type=int, default=0,
+                   help="disaggregated: this many backends with --role decode (needs --prefill-nodes)")
     store = p.add_mutually_exclusive_group()
     store.add_argument("--redis-url", default=None,
                        help="use this Redis/valkey for the page store, index and registry instead of the embedded one")
@@ -109,7 +118,13 @@ def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
 
 def main(argv: list[str]) -> int:
     refuse_in_production()
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if (args.prefill_nodes > 0) != (args.decode_nodes > 0) or min(args.prefill_nodes, args.decode_nodes) < 0:
+        p.error(f"--prefill-nodes {args.prefill_nodes} --decode-nodes {args.decode_nodes}: expected both >= 1 "
+                "(a disaggregated deployment) or neither")
+    if args.prefill_nodes and args.backend_port:
+        p.error("--backend-port names one backend's port; a disaggregated deployment picks free ports for each")
     from edgeinfer.gateway import cli as gateway_cli
     from edgeinfer.gateway import config as config_mod
 
@@ -179,8 +194,6 @@ def _start(args: argparse.Namespace, cfg, children: Children) -> int:
     if not env.get(secret_env):   # the backend reads only the env var; a fresh one unless the config has one
         env[secret_env] = cfg.server.internal_secret or secrets.token_hex(32)
         os.environ[secret_env] = env[secret_env]
-    bport = args.backend_port or gateway_cli.free_port()
-    url = f"http://127.0.0.1:{bport}"
     if redis_url:   # in the environment, not argv: the URL holds valkey's password and argv is in `ps`
         env[REDIS_URL_ENV] = redis_url
     else:
@@ -189,15 +202,23 @@ def _start(args: argparse.Namespace, cfg, children: Children) -> int:
     # backend's own KV pool and valkey (over loopback) already hold (measured: +290 MB of the backend's peak
     # under bench_peers' load); an operator's --backend-arg=--host-store-bytes=N comes later and wins
     store_args = ["--host-store-bytes", "0"] if redis_url else ["--store-tier", "none"]
-    cmd = [sys.executable, "-m", "edgeinfer.backend.server", "--model", str(model_dir), "--host", "127.0.0.1",
-           "--port", str(bport), "--node-id", "local-0", *store_args, *args.backend_arg]
-    say(f"starting the backend: {' '.join(cmd)}")
-    proc = children.start("backend", cmd, env=env)
-    wait_ready(proc, url, args.ready_timeout)
-    info = gateway_cli.backend_info(url, timeout_s=10, headers=cfg.internal_auth)
+    roles = (["prefill"] * args.prefill_nodes + ["decode"] * args.decode_nodes) if args.prefill_nodes else ["both"]
+    started = []
+    for i, role in enumerate(roles):
+        bport = args.backend_port or gateway_cli.free_port()
+        node_id = "local-0" if role == "both" else f"local-{role}-{sum(r == role for r in roles[:i])}"
+        cmd = [sys.executable, "-m", "edgeinfer.backend.server", "--model", str(model_dir), "--host", "127.0.0.1",
+               "--port", str(bport), "--node-id", node_id, *store_args, *(["--role", role] if role != "both" else []),
+               *args.backend_arg]
+        say(f"starting the backend{'' if role == 'both' else f' {node_id}'}: {' '.join(cmd)}")
+        started.append((node_id, f"http://127.0.0.1:{bport}", children.start(node_id, cmd, env=env)))
+    for _, url, proc in started:
+        wait_ready(proc, url, args.ready_timeout)
+    first_url = started[0][1]
+    info = gateway_cli.backend_info(first_url, timeout_s=10, headers=cfg.internal_auth)
     cfg = gateway_cli.override(cfg, args.host, args.port, [f"{info['model']}={model_dir}"], [])
     data = msgspec.to_builtins(cfg)
-    data["nodes"] = [{"id": info.get("node_id") or "local-0", "url": url, "model": info["model"]}]
+    data["nodes"] = [{"id": node_id, "url": url, "model": info["model"]} for node_id, url, _ in started]
     if redis_url:
         data["server"]["redis_url"] = redis_url
     cfg = config_mod.parse(data, cfg.source)

@@ -4,6 +4,9 @@ POST /internal/generate   body: GenerateRequest (JSON)  -> 200, application/x-nd
                           one StreamChunk per line; the last chunk has finish_reason set
                           (or error set) and usage.
 POST /internal/abort      body: AbortRequest            -> 200 {"aborted": bool}
+POST /internal/kv/pages   body: KVPagesRequest          -> 200, application/octet-stream: the sealed pages this
+                          node holds of the requested chain, in order, up to the first it does not hold; each
+                          framed as a 4-byte little-endian length + the page's codec blob (cache_store.codec)
 GET  /internal/info       -> BackendInfo
 GET  /health              -> 200 when the process is up
 GET  /ready               -> 200 when it accepts new requests (503 while draining/loading)
@@ -97,6 +100,16 @@ class Constraint(msgspec.Struct, forbid_unknown_fields=True):
     spec: str
 
 
+class KVSource(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The prefill node that computed a request's prompt KV (prefill/decode disaggregation): the decode node pulls
+    the prompt's pages from it over /internal/kv/pages before it schedules the request."""
+    node_id: str
+    url: str
+
+
+ROLES = ("prefill", "decode", "both")    # a backend's --role
+
+
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     request_id: str
     prompt_token_ids: list[int]
@@ -105,6 +118,16 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     model: str = ""
     tenant: TenantSpec | None = None   # None: the namespace is the tenant, weight 1, priority 0, retained
     constraint: Constraint | None = None
+    # prefill/decode disaggregation (docs/DISAGGREGATION.md): the first hop computes the prompt's KV and answers one
+    # chunk, finish_reason "prefilled", usage (cached_tokens: the prefill side's hits) and no token; the second hop
+    # names the node that holds the KV
+    prefill_only: bool = False
+    kv_source: KVSource | None = None
+
+
+class KVPagesRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """Pages of one chain by hash, in chain order (the decode node computed them with the tenant's namespace)."""
+    hashes: list[bytes]
 
 
 class Usage(msgspec.Struct):
@@ -124,7 +147,7 @@ class StreamChunk(msgspec.Struct, omit_defaults=True):
     token_ids: list[int] = []
     text: str = ""
     logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None   # "stop" | "length" | "abort" | "error"
+    finish_reason: str | None = None   # "stop" | "length" | "abort" | "error" | "prefilled" (prefill_only)
     usage: Usage | None = None
     error: str | None = None
     error_code: int | None = None      # HTTP-like status of an error: 4xx the request is invalid, 500 this
@@ -145,9 +168,11 @@ class BackendInfo(msgspec.Struct):
     max_model_len: int
     version: str
     state: str                         # "active" | "draining"
+    role: str = "both"                 # "prefill" | "decode" | "both" (ROLES)
 
 
 encode = msgspec.json.encode
 chunk_decoder = msgspec.json.Decoder(StreamChunk)
 request_decoder = msgspec.json.Decoder(GenerateRequest)
 info_decoder = msgspec.json.Decoder(BackendInfo)
+pages_request_decoder = msgspec.json.Decoder(KVPagesRequest)

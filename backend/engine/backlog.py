@@ -73,6 +73,11 @@ class Backlog:
         prefill_share = max(1, self.budget - self.decoding) / self.budget
         return self._ahead(prompt_tokens) / (self.tok_s * prefill_share)
 
+    def queued(self) -> int:
+        """Prompt tokens waiting to be prefilled (queued in the scheduler or handed to it): what a token-aware router
+        weighs a prefill node by."""
+        return self._ahead(0)
+
     def _ahead(self, prompt_tokens: int) -> int:
         return self.queued_tokens + max(0, self.submitted - self.handled) + prompt_tokens
 

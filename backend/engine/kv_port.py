@@ -43,6 +43,9 @@ class NodeLoad:
     cache_hit_rate: float    # prompt tokens served from the prefix cache / looked up
 
 
+RECEIVED_AS = {"host": "swap_in", "peer": "handoff_receive"}   # a page's source -> its kv_integrity `where`
+
+
 @dataclass(frozen=True)
 class ExternalPage:
     """A verified page body from the store, to be written into the pool: hash, parent, tokens, the tier it came
@@ -66,6 +69,7 @@ class KVPort(Protocol):
     def cached_pages(self) -> list[tuple[bytes, int]]: ...
     def subscribe_evictions(self, fn: Callable[[bytes], None]) -> Callable[[], None]: ...
     def read_pages(self, pages: list[int]) -> torch.Tensor: ...
+    def read_sealed(self, hashes: list[bytes]) -> tuple[list[tuple[bytes, CachedPage]], torch.Tensor | None]: ...
     def write_pages(self, pages: list[ExternalPage], buf: torch.Tensor, root: bytes) -> int: ...
     async def call_in_engine(self, fn: Callable[..., Any], *args: Any) -> Any: ...
     def observe(self, observer: EngineObserver) -> None: ...
@@ -115,6 +119,27 @@ class EngineKVPort:
     def read_pages(self, pages: list[int]) -> torch.Tensor:
         return self.engine.runner.page_io.read(pages)
 
+    def read_sealed(self, hashes: list[bytes]) -> tuple[list[tuple[bytes, CachedPage]], torch.Tensor | None]:
+        """The leading pages of a chain this pool holds sealed, and their bodies (host uint8, one row each), for a
+        hand-off to another node. With KV integrity on each page's bytes are checked against its sealed checksum
+        first (where "handoff_send"): a page that changed since it was sealed leaves the cache and ends the run,
+        so a corrupt page is never sent. (None, []) when the chain's first page is not held."""
+        blocks = self.engine.blocks
+        held: list[tuple[bytes, CachedPage]] = []
+        for h in hashes:
+            hit = blocks.lookup(h)
+            if hit is None:
+                break
+            held.append((h, hit))
+        integrity = self.engine.integrity
+        if held and integrity is not None:
+            pages = [hit.page for _, hit in held]
+            integrity.ledger.checks["handoff_send"] += len(pages)
+            held = held[:integrity.verify(pages, [h for h, _ in held], "handoff_send")]
+        if not held:
+            return [], None
+        return held, self.engine.runner.page_io.read([hit.page for _, hit in held])
+
     def write_pages(self, pages: list[ExternalPage], buf: torch.Tensor, root: bytes) -> int:
         """Verified pages into the KV pool and the prefix cache, chain order; returns how many leading ones landed.
         With KV integrity on, each page's bytes in the pool are read back against its body (kv_integrity
@@ -149,7 +174,7 @@ class EngineKVPort:
         good = len(taken)
         integrity = self.engine.integrity
         if integrity is not None:
-            where = ["swap_in" if pages[r].source == "host" else "store_receive" for r in rows]
+            where = [RECEIVED_AS.get(pages[r].source, "store_receive") for r in rows]
             good = integrity.received(taken, hs, body, where)
             for h in hs[good:]:
                 blocks.drop_cached(h)

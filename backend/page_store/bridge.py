@@ -5,6 +5,7 @@ appends a PageStoreBridge to st.extensions and st.engine.observers. The parts:
   backend/page_store/publish.py       PagePublisher: filled pages -> host copy -> encode -> tiers -> index; evicted
                                  pages out of the index
   backend/page_store/prefetch.py      PagePrefetcher: a prompt's pages beyond the local cache -> verify -> KV pool
+  backend/page_store/handoff.py       KVHandoff: prefill/decode disaggregation, pages sent node to node
   backend/page_store/registration.py  NodeRegistration: the node record, register / heartbeat / deregister
   backend/page_store/context.py       StoreContext, shared by both: StoreCounters (BridgeStats and Prometheus, one
                                  counter path) and PublishedPages
@@ -34,6 +35,7 @@ from typing import Protocol
 from edgeinfer.backend.engine.kv_port import KVPort
 from edgeinfer.backend.engine.observer import EngineObserver
 from edgeinfer.backend.page_store.context import BridgeStats, PublishedPages, StoreContext, StoreCounters
+from edgeinfer.backend.page_store.handoff import KVHandoff
 from edgeinfer.backend.page_store.prefetch import PagePrefetcher
 from edgeinfer.backend.page_store.publish import PagePublisher
 from edgeinfer.backend.page_store.registration import NodeRegistration
@@ -67,7 +69,8 @@ class PageStoreBridge(EngineObserver):
                  fetch_timeout_s: float = 1.0,
                  fetch_chunk_bytes: int = 96 << 20, max_pending_bytes: int = 256 << 20,
                  publish_batch_bytes: int = 16 << 20, published_memory: int = 1 << 16,
-                 unindex_interval_s: float = 0.5) -> None:
+                 unindex_interval_s: float = 0.5, handoff_timeout_s: float = 5.0,
+                 internal_secret: str | None = None, role: str = "both") -> None:
         self.port = port = engine.kv_port
         self.node_id = node_id
         self.store = store
@@ -82,8 +85,11 @@ class PageStoreBridge(EngineObserver):
         self.publisher = PagePublisher(ctx, max_pending_bytes=max_pending_bytes, publish_batch_bytes=publish_batch_bytes,
                                        unindex_interval_s=unindex_interval_s)
         self.prefetcher = PagePrefetcher(ctx, fetch_timeout_s=fetch_timeout_s, fetch_chunk_bytes=fetch_chunk_bytes)
+        self.handoff = KVHandoff(ctx, self.prefetcher, timeout_s=handoff_timeout_s, internal_secret=internal_secret,
+                                 metrics=metrics)
         self.registration = None if registry is None else NodeRegistration(
-            port, registry, node_id=node_id, url=url, version=version, state_fn=state_fn or (lambda: "active"))
+            port, registry, node_id=node_id, url=url, version=version, state_fn=state_fn or (lambda: "active"),
+            role=role)
         self._tasks: list[asyncio.Task] = []
 
     @property
@@ -99,6 +105,7 @@ class PageStoreBridge(EngineObserver):
                     await self.redis_client.initialize()
             except Exception as e:  # noqa: BLE001
                 log.warning("redis cluster not reachable at start: %s", e)
+        await self.handoff.start()
         self._tasks += self.publisher.start()
         if self.registration is not None:
             self._tasks.append(await self.registration.start())
@@ -118,6 +125,7 @@ class PageStoreBridge(EngineObserver):
         if self.registration is not None:
             await self.registration.stop()
         await self.publisher.withdraw()
+        await self.handoff.stop()
         if self.redis_client is not None:
             try:
                 await self.redis_client.aclose()
@@ -150,6 +158,9 @@ class PageStoreBridge(EngineObserver):
         return await self.publisher.unindex_evicted()
 
     async def before_generate(self, app, req) -> None:
+        """The prompt's pages beyond the local cache: from its prefill node first (disaggregation), then the tiers."""
+        if req.kv_source is not None:
+            await self.handoff.receive(req)
         await self.prefetcher.prefetch(req)
 
     async def prefetch(self, req) -> int:

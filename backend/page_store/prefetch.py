@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -26,6 +28,16 @@ from edgeinfer.cache_store.codec import DecodedPage, decode
 from edgeinfer.protocol.page_id import page_hashes
 
 log = logging.getLogger("edgeinfer.store_bridge")
+
+
+class PageSource(Protocol):
+    """Where pages are fetched from: the tiers (cache_store.store.TieredPageStore) or a prefill node
+    (backend/page_store/handoff.py PeerPages). Per key: (blob, tier name) or None."""
+
+    async def get_many_sourced(self, keys: Sequence[bytes],
+                               timeout_s: float | None = None) -> list[tuple[bytes, str] | None]: ...
+
+    async def delete_from(self, name: str, keys: Sequence[bytes]) -> None: ...
 
 
 class PagePrefetcher(StorePart):
@@ -41,15 +53,19 @@ class PagePrefetcher(StorePart):
             return 0    # a no-retain tenant's prompts neither fetch nor (through the fetch) index anything
         t0 = time.monotonic()
         try:
-            return await self._prefetch(req, t0 + self.fetch_timeout_s)
+            uploaded = await self.fetch_into_pool(req, self.store, t0 + self.fetch_timeout_s, self.fetch_chunk_pages)
         except Exception:  # noqa: BLE001 - the store never fails a request
             self.counters.count("errors")
             log.exception("page fetch failed for request %s; computing it instead", req.request_id)
             return 0
         finally:
             self.counters.fetch_took(time.monotonic() - t0)
+        return uploaded
 
-    async def _prefetch(self, req, deadline: float) -> int:
+    async def fetch_into_pool(self, req, source: PageSource, deadline: float, chunk_pages: int) -> int:
+        """The prompt's pages beyond the local cache from `source` (the tiers, or a prefill node's hand-off:
+        backend/page_store/handoff.py), verified and written into the pool, chain order, up to the first miss or
+        bad page. Returns pages uploaded; raises what the source raises."""
         ctx = self.port.key_context(req.cache_namespace)
         tokens = req.prompt_token_ids
         p = ctx.page_size
@@ -61,7 +77,8 @@ class PagePrefetcher(StorePart):
         first = self.port.cached_prefix_len(hashes, tokens, root)   # a hint: the upload re-checks
         if first >= usable:
             return 0
-        self.counters.count("fetch_requests")
+        if source is self.store:
+            self.counters.count("fetch_requests")
         uploads: list[asyncio.Future] = []
         i = first
         done = False
@@ -70,8 +87,8 @@ class PagePrefetcher(StorePart):
             if left <= 0:
                 self.counters.count("fetch_timeouts")
                 break
-            keys = hashes[i:min(usable, i + self.fetch_chunk_pages)]
-            good, bodies = await self._fetch_chunk(keys, hashes, tokens, i, root, left)
+            keys = hashes[i:min(usable, i + chunk_pages)]
+            good, bodies = await self._fetch_chunk(source, keys, hashes, tokens, i, root, left)
             if good:
                 buf = np.empty((len(good), self.page_bytes), dtype=np.uint8)
                 for r, body in enumerate(bodies):
@@ -84,16 +101,15 @@ class PagePrefetcher(StorePart):
             if len(good) < len(keys):
                 done = True
         uploaded = await self._await_uploads(uploads, deadline)
-        if uploaded:
+        if uploaded and source is self.store:
             self._held(hashes[first:first + uploaded], uploaded)
         return uploaded
 
-    async def _fetch_chunk(self, keys: list[bytes], hashes: list[bytes], tokens: list[int], i: int, root: bytes,
-                           left: float) -> tuple[list[ExternalPage], list[memoryview]]:
+    async def _fetch_chunk(self, source: PageSource, keys: list[bytes], hashes: list[bytes], tokens: list[int], i: int,
+                           root: bytes, left: float) -> tuple[list[ExternalPage], list[memoryview]]:
         """The verified leading pages of one chunk (pages i, i+1, ...), up to the first miss or bad page."""
         p = self.format.page_size
-        assert self.store is not None   # checked by prefetch()
-        sourced = await self.store.get_many_sourced(keys, timeout_s=left)
+        sourced = await source.get_many_sourced(keys, timeout_s=left)
         good: list[ExternalPage] = []
         bodies: list[memoryview] = []
         for j, got in enumerate(sourced):
@@ -101,20 +117,20 @@ class PagePrefetcher(StorePart):
             h = hashes[k]
             if got is None:
                 break
-            blob, source = got
+            blob, tier = got
             parent = hashes[k - 1] if k else root
             page_tokens = tokens[k * p:(k + 1) * p]
             res = decode(blob, self.format.expect(h, parent, page_tokens), self.page_key)
             if not isinstance(res, DecodedPage):
                 self.published.forget(h)   # the store's copy is not ours: publish ours again once computed
                 if res.integrity_failure:
-                    await self._integrity_failure(h, source, res)
+                    await self._integrity_failure(source, h, tier, res)
                 else:
                     self.counters.count("incompatible")
-                    log.info("page %s from the %s tier is not usable here: %s (%s)", h.hex(), source,
+                    log.info("page %s from the %s tier is not usable here: %s (%s)", h.hex(), tier,
                              res.reason.label, res.detail)
                 break
-            good.append(ExternalPage(h, parent, tuple(page_tokens), source))
+            good.append(ExternalPage(h, parent, tuple(page_tokens), tier))
             bodies.append(res.body)
         return good, bodies
 
@@ -141,12 +157,11 @@ class PagePrefetcher(StorePart):
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
-    async def _integrity_failure(self, h: bytes, source: str, miss) -> None:
-        self.counters.count("integrity_failures", source=source)
+    async def _integrity_failure(self, source: PageSource, h: bytes, tier: str, miss) -> None:
+        self.counters.count("integrity_failures", source=tier)
         log.warning("integrity failure: page %s from the %s tier: %s (%s); deleted from %s, recomputing",
-                    h.hex(), source, miss.reason.label, miss.detail, source)
+                    h.hex(), tier, miss.reason.label, miss.detail, tier)
         try:
-            assert self.store is not None   # pages are fetched only with a store
-            await self.store.delete_from(source, [h])
+            await source.delete_from(tier, [h])
         except Exception:  # noqa: BLE001
-            log.exception("could not delete corrupt page %s from %s", h.hex(), source)
+            log.exception("could not delete corrupt page %s from %s", h.hex(), tier)

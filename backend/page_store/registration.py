@@ -19,13 +19,15 @@ class NodeRegistration:
     url: str
     version: str
     state_fn: Callable[[], NodeState]
+    role: str = "both"
     started_at: float = field(default_factory=time.time)
 
     def record(self) -> NodeRecord:
         load = self.port.load()
         return NodeRecord(node_id=self.node_id, url=self.url, model=self.port.model_name, version=self.version,
                           state=self.state_fn(), running=load.running, waiting=load.waiting,
-                          kv_usage=load.kv_usage, cache_hit_rate=load.cache_hit_rate, started_at=self.started_at)
+                          kv_usage=load.kv_usage, cache_hit_rate=load.cache_hit_rate, started_at=self.started_at,
+                          role=self.role)
 
     async def start(self) -> asyncio.Task:
         """Register now; returns the heartbeat task."""

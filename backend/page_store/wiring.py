@@ -40,6 +40,10 @@ class StoreSettings(Protocol):
     def heartbeat(self) -> float: ...
     @property
     def store_fetch_timeout(self) -> float: ...
+    @property
+    def role(self) -> str: ...
+    @property
+    def handoff_timeout(self) -> float: ...
 
 
 def page_key_from_config(cfg: StoreSettings) -> PageKey:
@@ -57,15 +61,17 @@ def page_key_from_config(cfg: StoreSettings) -> PageKey:
 
 
 def attach_page_store(st, cfg: StoreSettings) -> PageStoreBridge | None:
-    """Called by backend.server.build_state: add the page store extension per the CLI flags."""
+    """Called by backend.server.build_state: add the page store extension per the CLI flags. A prefill or decode
+    node (--role) always gets one: its hand-off to the other side (backend/page_store/handoff.py) needs no tier."""
     tier, url = cfg.store_tier, cfg.redis_url
-    if tier == "none":
+    disaggregated = cfg.role != "both"
+    if tier == "none" and not disaggregated:
         return None
-    if tier == "redis" and not url:
+    if tier == "redis" and not url and not disaggregated:
         log.info("page store off: --store-tier redis without --redis-url")
         return None
     tiers: list[tuple[str, PageStore]] = []
-    if cfg.host_store_bytes > 0:
+    if cfg.host_store_bytes > 0 and tier != "none":
         tiers.append(("host", HostPageStore(cfg.host_store_bytes)))
     client = index = registry = None
     if url:
@@ -77,14 +83,15 @@ def attach_page_store(st, cfg: StoreSettings) -> PageStoreBridge | None:
         secret = cfg.internal_secret   # None: --insecure-no-internal-auth, records unsigned
         registry = redis.registry(heartbeat_s=cfg.heartbeat,
                                   signer=NodeRecordKey(secret) if secret else None)
-    if not tiers:
+    if not tiers and not disaggregated:
         log.info("page store off: no tier (host store of 0 bytes and no redis tier)")
         return None
-    bridge = PageStoreBridge(st.engine, node_id=st.node_id, store=TieredPageStore(tiers), page_key=page_key_from_config(cfg),
-                             index=index,
+    bridge = PageStoreBridge(st.engine, node_id=st.node_id, store=TieredPageStore(tiers) if tiers else None,
+                             page_key=page_key_from_config(cfg), index=index,
                              registry=registry, metrics=st.metrics, url=st.url, version=st.version,
                              state_fn=lambda: st.state, redis_client=client,
-                             fetch_timeout_s=cfg.store_fetch_timeout)
+                             fetch_timeout_s=cfg.store_fetch_timeout, handoff_timeout_s=cfg.handoff_timeout,
+                             internal_secret=cfg.internal_secret, role=cfg.role)
     st.engine.observers.append(bridge)
     st.extensions.append(bridge)
     log.info("page store on: tiers %s, index %s, node %s", [n for n, _ in tiers],
