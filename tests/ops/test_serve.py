@@ -164,3 +164,49 @@ def test_a_stop_signal_during_the_first_start_stops_every_child(tmp_path, sig):
     assert rc == 128 + sig, "".join(serve.lines)[-2000:]
     assert "stopped by" in "".join(serve.lines)
     assert not any(alive(p) for p in kids), kids
+
+
+LONG = [{"role": "user", "content": "Here is a ship's log. " + "Day 3: wind from the north, we sailed past two "
+         "islands and counted forty gulls; the cook burned the bread again and the captain laughed. " * 14
+         + "On which day was the log written? Answer in a few words."}]
+
+
+def _ask(serve: Serve, messages: list[dict]) -> dict:
+    r = requests.post(f"http://127.0.0.1:{serve.port}/v1/chat/completions", timeout=180,
+                      headers={"authorization": f"Bearer {DEMO_KEY}"},
+                      json={"model": "SmolLM2-135M-Instruct", "temperature": 0, "max_tokens": 16, "messages": messages})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_a_disaggregated_serve_answers_as_a_colocated_one(tmp_path_factory, tmp_path):
+    """`edgeinfer serve --prefill-nodes 1 --decode-nodes 1`: the README's question (short: the decode node prefills
+    it itself) and a ~500-token prompt (two hops: prefilled on the prefill node, its pages handed to the decode
+    node) give the colocated deployment's greedy answers; `ops status` shows each node's role."""
+    answers = {}
+    colocated = Serve(tmp_path_factory.mktemp("home-colocated"), tmp_path)
+    try:
+        colocated.wait_for("ready:")
+        answers["colocated"] = [_ask(colocated, m)["choices"][0]["message"]["content"] for m in (QUESTION, LONG)]
+    finally:
+        assert colocated.stop() == 0
+    split = Serve(tmp_path_factory.mktemp("home-split"), tmp_path, "--prefill-nodes", "1", "--decode-nodes", "1")
+    try:
+        split.wait_for("ready:")
+        got = [_ask(split, m) for m in (QUESTION, LONG)]
+        answers["disaggregated"] = [g["choices"][0]["message"]["content"] for g in got]
+        assert got[1]["usage"]["prompt_tokens"] > 400
+        metrics = requests.get(f"http://127.0.0.1:{split.port}/metrics", timeout=10).text
+        assert 'edgeinfer_gateway_disaggregated_requests_total{model="SmolLM2-135M-Instruct",outcome="handed_off"} ' \
+               '1.0' in metrics
+        assert 'outcome="skipped_short"} 1.0' in metrics
+        status = subprocess.run([str(EDGEINFER), "ops", "status", "--json"], cwd=tmp_path, env=split.env,
+                                capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0, status.stderr
+        roles = {n["node_id"]: n["role"] for n in json.loads(status.stdout)}
+        assert roles == {"local-prefill-0": "prefill", "local-decode-0": "decode"}
+        assert len(children_of(split.proc.pid)) == 3     # valkey, the prefill node, the decode node
+    finally:
+        assert split.stop() == 0, "".join(split.lines)[-3000:]
+    assert answers["disaggregated"] == answers["colocated"]
+    assert "Paris" in answers["colocated"][0]
