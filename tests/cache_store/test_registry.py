@@ -138,7 +138,7 @@ async def test_signed_heartbeat_is_verified_and_every_field_is_covered(redis, gu
     assert key.refusal(msgspec.structs.replace(n1, sig="")) == "unsigned"
     changes = {"node_id": "n2", "url": "http://10.6.6.6:8000", "model": "other", "version": "9", "state": "draining",
                "running": 0, "waiting": 5, "kv_usage": 0.9, "cache_hit_rate": 0.5, "started_at": 1.0,
-               "updated_at": n1.updated_at + 3600, "expires_at": n1.expires_at + 3600}
+               "updated_at": n1.updated_at + 3600, "expires_at": n1.expires_at + 3600, "role": "prefill"}
     assert set(changes) | {"sig"} == set(NodeRecord.__struct_fields__)
     for name, value in changes.items():
         assert key.refusal(msgspec.structs.replace(n1, **{name: value})) == "bad_signature", name
@@ -152,3 +152,16 @@ async def test_unsigned_registry_writes_unsigned_records(redis, guard):
     await reg.register(record("n1"))
     (n1,) = await reg.list_nodes()
     assert (n1.sig, n1.expires_at) == ("", 0.0)
+
+
+def test_a_nodes_role_is_signed_and_a_record_without_one_signs_as_before():
+    from edgeinfer.cache_store.node_auth import NodeRecordKey, _canonical
+    from edgeinfer.cache_store.registry import NodeRecord
+
+    key = NodeRecordKey("registry-role-test-secret-0123456789")
+    plain = NodeRecord("n1", "http://127.0.0.1:1", "m", "1", updated_at=time.time())
+    assert b'"both"' not in _canonical(plain)     # the canonical form of a --role both node is the old one
+    signed = key.sign(msgspec.structs.replace(plain, role="prefill"), ttl_s=60)
+    assert key.refusal(signed) is None
+    assert key.refusal(msgspec.structs.replace(signed, role="decode")) == "bad_signature"
+    assert key.refusal(msgspec.structs.replace(signed, role="both")) == "bad_signature"

@@ -243,3 +243,60 @@ def test_tenants_config_errors_are_clear(tokenizer_dir):
         parsed({"server": {"prot": 1}})
     with pytest.raises(config_mod.ConfigError, match="share an API key"):
         parsed(gateway_config(tokenizer_dir, [], [tenant(), tenant(id="t2")]))
+
+
+# ---- prefill/decode disaggregation: what the two hops are ranked by (gateway/routing.py)
+def _info_node(node_id: str, role: str = "both", **kw) -> Node:
+    from edgeinfer.protocol.wire import BackendInfo
+
+    n = Node(node_id, "http://x", MODEL, **kw)
+    n.info = BackendInfo(node_id, MODEL, "fp-1", "fp8_e4m3", 16, 4096, "1", "active", role=role)
+    return n
+
+
+async def test_the_prefill_node_is_chosen_by_tokens_not_requests():
+    from edgeinfer.cache_store.index import InMemoryPageIndex
+    from edgeinfer.gateway.routing import Router
+
+    index = InMemoryPageIndex()
+    router = Router(index, b"seed")
+    busy = _info_node("busy", "prefill", inflight=5)          # five short prompts in flight: 300 tokens
+    long = _info_node("long", "prefill", inflight=1)          # one long prompt: 3,000 tokens
+    busy.prefill_pending, long.prefill_pending = 300, 3000
+    tokens = list(range(1000))
+    ranked = await router.rank_prefill(MODEL, "ns", tokens, [long, busy])
+    assert [c.node.node_id for c in ranked] == ["busy", "long"] and ranked[0].decision == "prefill"
+    long.prefill_pending, busy.prefill_queued = 0, 500          # its reported queue counts too
+    assert (await router.rank_prefill(MODEL, "ns", tokens, [long, busy]))[0].node is long
+    # the pages it holds are tokens it would not compute: 40 cached pages (640 tokens) outweigh 500 queued
+    await index.publish(MODEL, "busy", router.hashes_for("ns", busy, tokens)[:40])
+    long.prefill_pending = 200
+    assert (await router.rank_prefill(MODEL, "ns", tokens, [long, busy]))[0].node is busy
+
+
+async def test_the_decode_node_weighs_kv_occupancy():
+    from edgeinfer.cache_store.index import InMemoryPageIndex
+    from edgeinfer.gateway.routing import Router
+
+    router = Router(InMemoryPageIndex(), b"seed", load_cost_tokens=32, kv_cost_tokens=256)
+    full, empty = _info_node("full", "decode"), _info_node("empty", "decode", inflight=2)
+    full.kv_usage, empty.kv_usage = 0.95, 0.05              # 243 tokens vs 13 + 64 of load
+    assert (await router.rank(MODEL, "ns", list(range(100)), [full, empty]))[0].node is empty
+
+
+def test_ready_answers_feed_kv_occupancy_and_queued_prefill_tokens():
+    from edgeinfer.gateway.nodes import _read_load
+
+    n = _info_node("n")
+    _read_load(n, b'{"kv_pages_used": 30, "kv_pages_total": 120, "prefill_tokens_queued": 777}')
+    assert n.kv_usage == 0.25 and n.prefill_queued == 777
+    _read_load(n, b'{"status": "ready"}')                   # an older backend: the last values stay
+    _read_load(n, b"not json")
+    assert n.kv_usage == 0.25 and n.prefill_queued == 777 and n.role == "both"
+
+
+@pytest.mark.parametrize("field,value", [("disagg_prefill_timeout_s", 0), ("disagg_prefill_timeout_s", float("inf")),
+                                         ("disagg_min_prefill_tokens", -1), ("route_kv_cost_tokens", -5)])
+def test_disaggregation_settings_are_checked(tokenizer_dir, field, value):
+    with pytest.raises(config_mod.ConfigError, match=field):
+        parsed(gateway_config(tokenizer_dir, [], **{field: value}))
