@@ -233,6 +233,18 @@ SUITES: list[Suite] = [
                    ("edgeinfer / llama.cpp beside the hog, batch 1", "edgeinfer_over_llamacpp_hogged.1"),
                    ("edgeinfer / llama.cpp beside the hog, 8 sequences", "edgeinfer_over_llamacpp_hogged.8"))),
     ]),
+    Suite("disagg", "Do decoding streams keep their pace while long prompts arrive, colocated vs prefill/decode "
+                    "disaggregated?", [
+        Part("disagg", "`serve --nodes 2` vs `serve --prefill-nodes 1 --decode-nodes 1`: decode ITL, long-prompt "
+                       "TTFT and throughput under one workload, same cores",
+             ["--streams", "1", "--stream-tokens", "8", "--long", "1", "--long-tokens", "300", "--gap-s", "0.1",
+              "--rounds", "1"],
+             _keys(("ITL p50 disaggregated / colocated", "disaggregated_over_colocated.itl_ms_p50"),
+                   ("ITL p99 disaggregated / colocated", "disaggregated_over_colocated.itl_ms_p99"),
+                   ("long-prompt TTFT p50 disaggregated / colocated", "disaggregated_over_colocated.long_ttft_s_p50"),
+                   ("throughput disaggregated / colocated", "disaggregated_over_colocated.tokens_per_s")),
+             smoke_timeout_s=400),
+    ]),
     Suite("cache", "What does the shared prefix cache cost and save?", [
         Part("cache", "page MAC tag+verify vs memcpy, index lookups over valkey, TTFT cold vs a cross-node hit",
              ["--quick", "--skip-ttft"],

@@ -2,7 +2,7 @@
 registry), one backend on the default model (or --model DIR) and the gateway in this process.
 
   edgeinfer serve [--port P] [--model DIR] [--config FILE] [--redis-url URL | --no-page-store]
-                  [--prefill-nodes N --decode-nodes M]
+                  [--nodes N | --prefill-nodes N --decode-nodes M]
 
 With --prefill-nodes N --decode-nodes M it starts N backends with --role prefill and M with --role decode (prefill/
 decode disaggregation, docs/DISAGGREGATION.md) instead of one with --role both; the gateway routes in two hops.
@@ -52,6 +52,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backend-arg", action="append", default=[],
                    help="extra flag for the backend (edgeinfer backend --help; repeatable)")
     p.add_argument("--ready-timeout", type=float, default=900.0)
+    p.add_argument("--nodes", type=int, default=1,
+                   help="colocated: this many backends with --role both (each prefills and decodes its own requests)")
     p.add_argument("--prefill-nodes", type=int, default=0,
                    help="disaggregated: this many backends with --role prefill (needs --decode-nodes; "
                         "docs/DISAGGREGATION.md)")
@@ -123,8 +125,12 @@ def main(argv: list[str]) -> int:
     if (args.prefill_nodes > 0) != (args.decode_nodes > 0) or min(args.prefill_nodes, args.decode_nodes) < 0:
         p.error(f"--prefill-nodes {args.prefill_nodes} --decode-nodes {args.decode_nodes}: expected both >= 1 "
                 "(a disaggregated deployment) or neither")
-    if args.prefill_nodes and args.backend_port:
-        p.error("--backend-port names one backend's port; a disaggregated deployment picks free ports for each")
+    if args.nodes < 1:
+        p.error(f"--nodes {args.nodes}: expected >= 1")
+    if args.prefill_nodes and args.nodes != 1:
+        p.error("--nodes (colocated backends) and --prefill-nodes/--decode-nodes (disaggregated) exclude each other")
+    if (args.prefill_nodes or args.nodes > 1) and args.backend_port:
+        p.error("--backend-port names one backend's port; with several backends each gets a free port")
     from edgeinfer.gateway import cli as gateway_cli
     from edgeinfer.gateway import config as config_mod
 
@@ -202,15 +208,16 @@ def _start(args: argparse.Namespace, cfg, children: Children) -> int:
     # backend's own KV pool and valkey (over loopback) already hold (measured: +290 MB of the backend's peak
     # under bench_peers' load); an operator's --backend-arg=--host-store-bytes=N comes later and wins
     store_args = ["--host-store-bytes", "0"] if redis_url else ["--store-tier", "none"]
-    roles = (["prefill"] * args.prefill_nodes + ["decode"] * args.decode_nodes) if args.prefill_nodes else ["both"]
+    roles = (["prefill"] * args.prefill_nodes + ["decode"] * args.decode_nodes) if args.prefill_nodes else \
+        ["both"] * args.nodes
     started = []
     for i, role in enumerate(roles):
         bport = args.backend_port or gateway_cli.free_port()
-        node_id = "local-0" if role == "both" else f"local-{role}-{sum(r == role for r in roles[:i])}"
+        node_id = f"local-{i}" if role == "both" else f"local-{role}-{sum(r == role for r in roles[:i])}"
         cmd = [sys.executable, "-m", "edgeinfer.backend.server", "--model", str(model_dir), "--host", "127.0.0.1",
                "--port", str(bport), "--node-id", node_id, *store_args, *(["--role", role] if role != "both" else []),
                *args.backend_arg]
-        say(f"starting the backend{'' if role == 'both' else f' {node_id}'}: {' '.join(cmd)}")
+        say(f"starting the backend{'' if len(roles) == 1 else f' {node_id}'}: {' '.join(cmd)}")
         started.append((node_id, f"http://127.0.0.1:{bport}", children.start(node_id, cmd, env=env)))
     for _, url, proc in started:
         wait_ready(proc, url, args.ready_timeout)
