@@ -70,7 +70,7 @@ STATE = web.AppKey("state", BackendState)
 
 
 KEEPALIVE = b"\n"
-MAX_PAGES_PER_REQUEST = 4096      # one /internal/kv/pages request (a decode node asks in chunks of ~8 MiB)
+MAX_PAGES_PER_REQUEST = 4096      # one /internal/kv/pages request (a decode node asks in chunks of ~96 MiB)
 encode_lines = msgspec.json.Encoder().encode_lines     # one NDJSON line per chunk, each ending in b"\n"
 
 
@@ -163,7 +163,7 @@ def _prefilled(batch: list[StreamChunk]) -> list[StreamChunk]:
     return out
 
 
-async def kv_pages(request: web.Request) -> web.Response:
+async def kv_pages(request: web.Request) -> web.StreamResponse:
     """The sealed pages of a chain this node holds, for a decode node (backend/page_store/handoff.py)."""
     st = request.app[STATE]
     try:
@@ -176,8 +176,14 @@ async def kv_pages(request: web.Request) -> web.Response:
     handoff = next((ext.handoff for ext in st.extensions if hasattr(ext, "handoff")), None)
     if handoff is None:
         return _error(404, f"node {st.node_id} has no page hand-off (no page store and --role both)")
-    body = await handoff.send(req.hashes)
-    return web.Response(body=body, content_type="application/octet-stream")
+    pieces = await handoff.send(req.hashes)
+    resp = web.StreamResponse(headers={"content-type": "application/octet-stream"})
+    resp.content_length = sum(len(p) for p in pieces)
+    await resp.prepare(request)
+    for piece in pieces:
+        await resp.write(piece)
+    await resp.write_eof()
+    return resp
 
 
 async def abort(request: web.Request) -> web.Response:

@@ -12,6 +12,8 @@ fp32 KV; no page store tier (the hand-off needs none).
 
 from __future__ import annotations
 
+import struct
+
 import msgspec
 import pytest
 
@@ -21,7 +23,7 @@ from edgeinfer.backend.engine.kv_faults import ENV, KVFaults
 from edgeinfer.backend.metrics import BackendMetrics
 from edgeinfer.backend.model.loader import load_model
 from edgeinfer.backend.page_store.bridge import PageStoreBridge
-from edgeinfer.backend.page_store.handoff import frames, unframe
+from edgeinfer.backend.page_store.handoff import unframe
 from edgeinfer.backend.server import BackendState
 from edgeinfer.cache_store.codec import PageKey
 from edgeinfer.protocol.page_id import page_hashes
@@ -121,7 +123,7 @@ async def test_a_node_without_a_handoff_answers_404(tiny):
 
 def test_frames_round_trip_and_a_truncated_frame_is_dropped():
     blobs = [b"a" * 5, b"", b"xyz" * 100]
-    data = frames(blobs)
+    data = b"".join(struct.pack("<I", len(b)) + b for b in blobs)     # what /internal/kv/pages writes
     assert [bytes(b) for b in unframe(data, 10)] == blobs
     assert [bytes(b) for b in unframe(data, 2)] == blobs[:2]
     assert [bytes(b) for b in unframe(data[:-1], 10)] == blobs[:2]
