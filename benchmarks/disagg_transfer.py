@@ -16,6 +16,10 @@ Per round, each with its own random prompt (nothing cached anywhere), the decode
   recompute   nothing anywhere: the decode node prefills the whole prompt.
 For the store path the wait between the prefill's end and its last page acknowledged by valkey is reported too:
 a gateway using the store would have to wait that long before the second hop (or race the publisher).
+
+The skip rule (gateway `disagg_min_prefill_tokens`): for prompts of --skip-lengths tokens, the first token's time
+by two hops (prefill_only on prefill-direct, then the decode node with kv_source) against the decode node alone,
+on idle nodes: below the length where two hops stop costing more, a prompt should not take the prefill hop.
 Writes benchmarks/results/disagg_transfer.json.
 """
 
@@ -78,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt-tokens", type=int, default=2048)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--skip-lengths", default="32,64,128,256,512,1024")
     p.add_argument("--out", type=Path, default=OUT)
     a = p.parse_args(argv)
     t0, load0 = time.monotonic(), os.getloadavg()
@@ -85,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = ensure_native_default_model()
     full = (a.prompt_tokens - 1) // PAGE
+    skip_lengths = [int(x) for x in a.skip_lengths.split(",") if x]
+    skip: dict[int, dict[str, list[float]]] = {n: {"two_hops": [], "alone": []} for n in skip_lengths}
     rows: dict[str, list[float]] = {"direct": [], "store": [], "recompute": [], "store_publish_wait": [],
                                     "prefill_direct": [], "prefill_store": []}
     with tempfile.TemporaryDirectory() as tmp, ValkeyServer() as valkey:
@@ -132,6 +139,13 @@ def main(argv: list[str] | None = None) -> int:
                         raise RuntimeError(f"{method}: the decode node reused {usage.get('cached_tokens')} prompt "
                                            f"tokens, expected {want}")
                     rows[method].append(took)
+                for n in skip_lengths:
+                    ids = [rng.randrange(1000, 40000) for _ in range(n)]
+                    hop1 = generate(pd, ids, f"r{r}-skip{n}", prefill_only=True)[0]
+                    hop2 = generate(d, ids, f"r{r}-skip{n}", kv_source={"node_id": "prefill-direct", "url": pd})[0]
+                    alone = generate(d, [rng.randrange(1000, 40000) for _ in range(n)], f"r{r}-alone{n}")[0]
+                    skip[n]["two_hops"].append(hop1 + hop2)
+                    skip[n]["alone"].append(alone)
                 print(f"  round {r}: decode TTFT direct {rows['direct'][-1] * 1e3:.0f} ms, store "
                       f"{rows['store'][-1] * 1e3:.0f} ms (+ publish wait {rows['store_publish_wait'][-1] * 1e3:.0f} ms)"
                       f", recompute {rows['recompute'][-1] * 1e3:.0f} ms", flush=True)
@@ -146,6 +160,13 @@ def main(argv: list[str] | None = None) -> int:
               "handoff_direct_ms": med["direct"] * 1e3,
               "handoff_store_ms_incl_publish_wait": (med["store"] + med["store_publish_wait"]) * 1e3,
               "store_over_direct_incl_publish_wait": (med["store"] + med["store_publish_wait"]) / med["direct"]}
+    result["skip_rule"] = {str(n): {"two_hops_ms": 1e3 * statistics.median(v["two_hops"]),
+                                    "alone_ms": 1e3 * statistics.median(v["alone"]),
+                                    "two_hops_over_alone": statistics.median(v["two_hops"]) / statistics.median(v["alone"])}
+                           for n, v in skip.items()}
+    for n, row in result["skip_rule"].items():
+        print(f"  {n:>5s} tokens: first token by two hops {row['two_hops_ms']:.0f} ms, decode node alone "
+              f"{row['alone_ms']:.0f} ms ({row['two_hops_over_alone']:.2f}x)")
     result.update(run_stamp(t0, load0))
     write_result(result, a.out)
     return 0

@@ -246,10 +246,12 @@ SUITES: list[Suite] = [
              smoke_timeout_s=400),
         Part("disagg_transfer", "the hand-off of a 2k-token prompt's KV: node to node vs through the page store vs "
                                 "recomputing it on the decode node",
-             ["--prompt-tokens", "64", "--rounds", "1"],
+             ["--prompt-tokens", "64", "--rounds", "1", "--skip-lengths", "32"],
              _keys(("decode TTFT, direct hand-off / recompute", "decode_ttft_direct_over_recompute"),
                    ("decode TTFT, via the store / recompute", "decode_ttft_store_over_recompute"),
-                   ("store (incl. publish wait) / direct", "store_over_direct_incl_publish_wait"))),
+                   ("store (incl. publish wait) / direct", "store_over_direct_incl_publish_wait"),
+                   ("skip rule: 128-token prompt, two hops / alone", "skip_rule.128.two_hops_over_alone"),
+                   ("skip rule: 512-token prompt, two hops / alone", "skip_rule.512.two_hops_over_alone"))),
     ]),
     Suite("cache", "What does the shared prefix cache cost and save?", [
         Part("cache", "page MAC tag+verify vs memcpy, index lookups over valkey, TTFT cold vs a cross-node hit",
