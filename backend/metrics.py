@@ -78,6 +78,15 @@ class BackendMetrics(EngineObserver):
         self.step_cost = Gauge("edgeinfer_backend_step_cost_seconds",
                                "Fitted step time: fixed part, per decoding sequence, per prefill token", L + ["part"],
                                registry=r)
+        self.spec_drafted = Counter("edgeinfer_backend_spec_drafted_tokens",
+                                    "Speculative decoding: draft tokens verified", L, registry=r)
+        self.spec_accepted = Counter("edgeinfer_backend_spec_accepted_tokens",
+                                     "Speculative decoding: draft tokens accepted", L, registry=r)
+        self.spec_acceptance = Gauge("edgeinfer_backend_spec_acceptance_rate",
+                                     "Speculative decoding: accepted / drafted tokens since start", L, registry=r)
+        self.fast_forwarded = Counter("edgeinfer_backend_grammar_fast_forward_tokens",
+                                      "Tokens a grammar forced, emitted without a model step each", L, registry=r)
+        self._spec = (0, 0, 0)
         self._hits = 0
         self._queries = 0
         self._preempt = 0
@@ -110,11 +119,23 @@ class BackendMetrics(EngineObserver):
         if getattr(sched, "contended_cap", 0):                 # also where it is the whole budget (none capped)
             self.contended_cap.labels(m).set(sched.contended_cap)
         self._kv_integrity(engine.blocks.ledger)
+        self._speculative(engine)
         coef = engine.step_cost.coef
         if coef is not None:
             for part, v in zip(("fixed", "decode", "prefill_token"), coef):
                 self.step_cost.labels(m, part).set(v)
         self._tenants(engine, batch)
+
+    def _speculative(self, engine) -> None:
+        now = (engine.spec_drafted, engine.spec_accepted, engine.fast_forwarded)
+        if now != self._spec:
+            m = self.model
+            for counter, a, b in zip((self.spec_drafted, self.spec_accepted, self.fast_forwarded), now, self._spec):
+                if a > b:
+                    counter.labels(m).inc(a - b)
+            if now[0]:
+                self.spec_acceptance.labels(m).set(now[1] / now[0])
+            self._spec = now
 
     def _kv_integrity(self, ledger) -> None:
         for kind, counts, metric in (("checks", ledger.checks, self.kv_checks),

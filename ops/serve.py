@@ -120,17 +120,17 @@ def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
 
 def main(argv: list[str]) -> int:
     refuse_in_production()
-    p = parser()
-    args = p.parse_args(argv)
+    cli = parser()
+    args = cli.parse_args(argv)
     if (args.prefill_nodes > 0) != (args.decode_nodes > 0) or min(args.prefill_nodes, args.decode_nodes) < 0:
-        p.error(f"--prefill-nodes {args.prefill_nodes} --decode-nodes {args.decode_nodes}: expected both >= 1 "
+        cli.error(f"--prefill-nodes {args.prefill_nodes} --decode-nodes {args.decode_nodes}: expected both >= 1 "
                 "(a disaggregated deployment) or neither")
     if args.nodes < 1:
-        p.error(f"--nodes {args.nodes}: expected >= 1")
+        cli.error(f"--nodes {args.nodes}: expected >= 1")
     if args.prefill_nodes and args.nodes != 1:
-        p.error("--nodes (colocated backends) and --prefill-nodes/--decode-nodes (disaggregated) exclude each other")
+        cli.error("--nodes (colocated backends) and --prefill-nodes/--decode-nodes (disaggregated) exclude each other")
     if (args.prefill_nodes or args.nodes > 1) and args.backend_port:
-        p.error("--backend-port names one backend's port; with several backends each gets a free port")
+        cli.error("--backend-port names one backend's port; with several backends each gets a free port")
     from edgeinfer.gateway import cli as gateway_cli
     from edgeinfer.gateway import config as config_mod
 

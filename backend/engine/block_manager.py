@@ -263,14 +263,16 @@ class BlockManager:
         self.allocate(seq, need)
         return True
 
-    def register_full_pages(self, seq: Sequence, new_hashes: list[bytes]) -> list[tuple[bytes, int]]:
-        """Index seq's newly filled pages in the prefix cache; returns (hash, page) pairs newly cached."""
+    def register_full_pages(self, seq: Sequence, new_hashes: list[bytes],
+                            pending: list[int] | None = None) -> list[tuple[bytes, int]]:
+        """Index seq's newly filled pages in the prefix cache; returns (hash, page) pairs newly cached. `pending`: as
+        Sequence.extend_hashes'."""
         out: list[tuple[bytes, int]] = []
         if not self.enable_prefix_cache or not seq.tenant.retain:    # no-retain: never cached nor published
             return out
         self._note_tenant(seq)
         p = self.page_size
-        ids = seq.all_ids
+        ids = seq.all_ids + pending if pending else seq.all_ids
         start = len(seq.page_hashes) - len(new_hashes)
         for j, h in enumerate(new_hashes):
             i = start + j

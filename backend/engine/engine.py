@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from edgeinfer.backend.engine import speculative
 from edgeinfer.backend.engine.backlog import Backlog
 from edgeinfer.backend.engine.block_manager import BlockManager
 from edgeinfer.backend.engine.engine_config import EngineConfig
@@ -75,6 +76,11 @@ class LLMEngine:
         self._stopping = False
         self.steps = 0
         self.backlog = Backlog(self.cfg.max_num_batched_tokens, step_cost=self.step_cost)
+        self.spec = self.cfg.spec_policy()
+        self.spec_drafted = 0          # draft tokens verified (speculative decoding)
+        self.spec_accepted = 0         # of those, accepted
+        self.spec_steps = 0            # verify chunks run
+        self.fast_forwarded = 0        # tokens a grammar forced, emitted without a model step each
         self.threads: ThreadGovernor | None = None   # set on the engine thread (torch's thread count is per thread)
 
     # ------------------------------------------------------------ lifecycle
@@ -341,16 +347,20 @@ class LLMEngine:
         for seq in batch.out_of_room:
             assert seq.stop_checker is not None   # set in _make_seq
             self._finish(seq, "length", text=seq.stop_checker.flush())
+        if self.spec.method != "off" and batch.decodes:
+            self._draft(batch)
         if self.integrity is not None and not batch.empty:
             self._check_pages(batch)
         if batch.empty:
             return
         seqs, logits = self.runner.execute(batch)
+        verified = [self._verify(s, d, rows) for (s, d), rows in zip(batch.verifies, self.runner.verify_logits)]
+        pending = {id(s): d[:s.num_computed_tokens - s.num_tokens] for (s, d) in batch.verifies}   # accepted drafts
         sealed: list[int] = []
-        for s in [*batch.decodes, *(s for s, _ in batch.prefills)]:
-            new = s.extend_hashes()
+        for s in [*batch.decodes, *(s for s, _ in batch.prefills), *(s for s, _ in batch.verifies)]:
+            new = s.extend_hashes(pending.get(id(s)))
             if new:
-                cached = self.blocks.register_full_pages(s, new)
+                cached = self.blocks.register_full_pages(s, new, pending.get(id(s)))
                 if cached:
                     sealed += [page for _, page in cached]
                     for o in self.observers:
@@ -361,20 +371,63 @@ class LLMEngine:
         if seqs:
             for seq, got in zip(seqs, sample(seqs, logits, self.grammars)):
                 self._take(seq, got, now)
+        for (seq, _), toks in zip(batch.verifies, verified):
+            if isinstance(toks, SamplingError):
+                self._take(seq, toks, now)
+                continue
+            for tok in toks:
+                if seq.status == SeqStatus.FINISHED:
+                    break
+                self._take(seq, (tok, None), now)
         self.steps += 1
         dt = time.monotonic() - t0
-        prefill = sum(n for _, n in batch.prefills)
-        self.backlog.on_step(self.scheduler, len(batch.decodes) + prefill, dt)
-        self.step_cost.observe(len(batch.decodes), prefill, dt)
+        prefill = sum(n for _, n in batch.prefills) + sum(len(d) for _, d in batch.verifies)
+        decodes = len(batch.decodes) + len(batch.verifies)
+        self.backlog.on_step(self.scheduler, decodes + prefill, dt)
+        self.step_cost.observe(decodes, prefill, dt)
         for o in self.observers:
             o.on_step(self, batch, dt)
+
+    def _draft(self, batch) -> None:
+        """Speculative decoding (backend/engine/speculative.py): decodes with an n-gram draft become verify chunks,
+        while the step's decoding sequences are at most spec.max_batch and the draft's pages fit (no preemption
+        for a draft: a sequence that cannot grow decodes one token as usual). The drafts' extra tokens come out of
+        what is left of the step's token budget."""
+        if len(batch.decodes) > self.spec.max_batch:
+            return
+        room = self.cfg.max_num_batched_tokens - len(batch.decodes) - sum(n for _, n in batch.prefills)
+        keep: list[Sequence] = []
+        for seq in batch.decodes:
+            draft = speculative.draft_for(seq, self.spec, self.steps) if speculative.eligible(seq) else []
+            draft = draft[:max(0, room)]
+            if draft and self.blocks.ensure_capacity(seq, seq.num_computed_tokens + 1 + len(draft)):
+                batch.verifies.append((seq, draft))
+                room -= len(draft)
+            else:
+                keep.append(seq)
+        batch.decodes = keep
+
+    def _verify(self, seq: Sequence, draft: list[int], rows) -> list[int] | SamplingError:
+        """The tokens a verify chunk emits; its KV counts up to the last accepted draft token."""
+        try:
+            out, accepted = speculative.verify(seq, draft, rows)
+        except SamplingError as e:
+            seq.num_computed_tokens += 1
+            return e
+        seq.num_computed_tokens += 1 + accepted
+        self.spec_steps += 1
+        self.spec_drafted += len(draft)
+        self.spec_accepted += accepted
+        speculative.record(seq, self.spec, len(draft), accepted, self.steps)
+        return out
 
     def _check_pages(self, batch) -> None:
         """Before the forward pass: a scheduled sequence whose table names a page it does not hold gives back the
         pages it does hold (BlockManager.repair finds one its table lost) and waits first in line to be recomputed
         (it reads and writes no page this step)."""
         assert self.integrity is not None
-        bad = self.integrity.check_batch([*batch.decodes, *(s for s, _ in batch.prefills)])
+        bad = self.integrity.check_batch([*batch.decodes, *(s for s, _ in batch.prefills),
+                                          *(s for s, _ in batch.verifies)])
         if not bad:
             return
         out = {id(s) for s, _ in bad}
@@ -384,6 +437,7 @@ class LLMEngine:
             self.scheduler.requeue(seq)
         batch.decodes = [s for s in batch.decodes if id(s) not in out]
         batch.prefills = [(s, n) for s, n in batch.prefills if id(s) not in out]
+        batch.verifies = [(s, d) for s, d in batch.verifies if id(s) not in out]
 
     def _take(self, seq: Sequence, got: tuple[int, TokenLogprob | None] | SamplingError, now: float) -> None:
         """Append a sampled token; a failure (sampling, stop check, detokenizing) ends this sequence only."""

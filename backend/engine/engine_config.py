@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from edgeinfer.backend.engine.kv_pool import KVFormat
+from edgeinfer.backend.engine.speculative import SpecPolicy
 from edgeinfer.protocol.defaults import CACHE_SEED, PAGE_SIZE
 
 
@@ -39,6 +40,11 @@ class EngineConfig:
                                             # and frees; sealed pages checksummed (backend/engine/kv_integrity.py)
     kv_verify_fraction: float = 1.0         # of the sealed pages a prefix hit takes, the fraction whose checksum is
                                             # verified (0: none; needs kv_integrity)
+    speculative: str = "ngram"              # ngram (prompt lookup drafts, adaptive) | off (backend/engine/speculative.py)
+    spec_tokens: int = 4                    # draft tokens per verify step
+    spec_max_batch: int = 8                 # no drafts in a step with more decoding sequences than this
+    spec_min_acceptance: float = 0.25       # a sequence whose recent acceptance falls below this pauses drafting
+    grammar_fast_forward: bool = True       # tokens a grammar forces are emitted without a model step each
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -65,8 +71,12 @@ class EngineConfig:
             raise ValueError(f"contended_window_s={self.contended_window_s!r} is invalid: expected a finite number >= 0")
         if not 0.0 <= self.kv_verify_fraction <= 1.0:
             raise ValueError(f"kv_verify_fraction={self.kv_verify_fraction!r} is invalid: expected 0 <= fraction <= 1")
+        self.spec_policy()                  # raises naming a bad speculative setting
         if self.priority_aging_steps < 1:
             raise ValueError(f"priority_aging_steps={self.priority_aging_steps!r} is invalid: expected >= 1")
+
+    def spec_policy(self) -> SpecPolicy:
+        return SpecPolicy(self.speculative, self.spec_tokens, self.spec_max_batch, self.spec_min_acceptance)
 
     def resolve_kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         return KVFormat.resolve(self.kv_dtype, model_dtype).dtype

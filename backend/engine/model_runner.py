@@ -36,7 +36,8 @@ class ModelRunner:
         reused buffer), prefill cu_seqlens, and the decode/prefill block tables gathered from `tables`."""
         p = self.cfg.page_size
         nd = len(batch.decodes)
-        t = nd + sum(n for _, n in batch.prefills)
+        chunks = self.chunks(batch)
+        t = nd + sum(n for _, n, _ in chunks)
         if t > self._stage.shape[1]:
             self._stage = np.zeros((4, max(t, 2 * self._stage.shape[1])), dtype=np.int64)
         ids, pos, slots, ctx = self._stage[:, :t]
@@ -48,24 +49,34 @@ class ModelRunner:
             slots[:nd] = [s.block_table[j // p] * p + j % p for s, j in zip(dec, i)]
             ctx[:nd] = pos[:nd] + 1
         cu = [0]
-        for s, n in batch.prefills:
+        for s, n, draft in chunks:
             start, lo = s.num_computed_tokens, nd + cu[-1]
-            ids[lo:lo + n] = s.all_ids[start:start + n]
+            ids[lo:lo + n] = s.all_ids[start:start + n] if draft is None else [s.last_token_id, *draft]
             r = np.arange(start, start + n)
             pos[lo:lo + n] = r
             slots[lo:lo + n] = np.asarray(s.block_table, dtype=np.int64)[r // p] * p + r % p
             cu.append(cu[-1] + n)
         dec_width = -(-int(ctx[:nd].max()) // p) if nd else 0
-        pre_width = max((len(s.block_table) for s, _ in batch.prefills), default=0)
+        pre_width = max((len(s.block_table) for s, _, _ in chunks), default=0)
         return (self._stage[:, :t], cu, self.tables.gather(dec, dec_width),
-                self.tables.gather([s for s, _ in batch.prefills], pre_width))
+                self.tables.gather([s for s, _, _ in chunks], pre_width))
+
+    @staticmethod
+    def chunks(batch: ScheduledBatch) -> list[tuple[Sequence, int, list[int] | None]]:
+        """The step's variable-length chunks: prefill chunks (their tokens are the sequence's), then verify chunks
+        (the last token and a draft: backend/engine/speculative.py)."""
+        return ([(s, n, None) for s, n in batch.prefills]
+                + [(s, len(d) + 1, d) for s, d in batch.verifies])
 
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
-        """Run one step; returns the sequences that need a new token and their logits [n, vocab].
+        """Run one step; returns the sequences that need a new token and their logits [n, vocab]; a verify chunk's
+        logits (one row per position) are left in `self.verify_logits`, one tensor per batch.verifies entry, and its
+        num_computed_tokens is left for the engine to advance by what it accepts.
         Block tables come from self.tables, which the BlockManager keeps in step with every seq.block_table."""
         stage, cu, dec_tables, pre_tables = self._inputs(batch)
         nd = len(batch.decodes)
-        if self.graphs is not None and not batch.prefills:
+        self.verify_logits: list[torch.Tensor] = []
+        if self.graphs is not None and not batch.prefills and not batch.verifies:
             logits = self.graphs.run(stage, dec_tables)
             if logits is not None:
                 for s in batch.decodes:
@@ -85,9 +96,9 @@ class ModelRunner:
             decode_context_lens=ctx[:nd].to(torch.int32),
             prefill_block_tables=to_dev(pre_tables),
             prefill_cu_seqlens_q=to_dev(np.asarray(cu, dtype=np.int32)),
-            prefill_context_lens=to_dev(np.asarray([s.num_computed_tokens + n for s, n in batch.prefills],
+            prefill_context_lens=to_dev(np.asarray([s.num_computed_tokens + n for s, n, _ in self.chunks(batch)],
                                                    dtype=np.int32)),
-            prefill_max_seqlen_q=max((n for _, n in batch.prefills), default=0),
+            prefill_max_seqlen_q=max((n for _, n, _ in self.chunks(batch)), default=0),
         )
         rows: list[int] = list(range(nd))
         need: list[Sequence] = list(batch.decodes)
@@ -95,16 +106,23 @@ class ModelRunner:
             if s.num_computed_tokens + n == s.num_tokens:
                 rows.append(nd + cu[j + 1] - 1)
                 need.append(s)
+        np_ = len(batch.prefills)
+        spans = [(len(rows) + sum(len(d) + 1 for _, d in batch.verifies[:j]), len(d) + 1)
+                 for j, (_, d) in enumerate(batch.verifies)]
+        for j in range(len(batch.verifies)):
+            rows += range(nd + cu[np_ + j], nd + cu[np_ + j + 1])
         hidden = self.model(ids, pos, self.kv, meta)
         for s in batch.decodes:
             s.num_computed_tokens += 1
         for s, n in batch.prefills:
             s.num_computed_tokens += n
-        if not need:
+        if not rows:
             return [], torch.empty(0)
         if len(rows) < hidden.shape[0]:
             hidden = hidden.index_select(0, to_dev(np.asarray(rows, dtype=np.int64)))
-        return need, self.model.compute_logits(hidden).cpu()
+        logits = self.model.compute_logits(hidden).cpu()
+        self.verify_logits = [logits[a:a + n] for a, n in spans]
+        return need, logits[:len(need)]
 
     # ---- page movement (for the page store)
     def read_page(self, page: int) -> list[torch.Tensor]:

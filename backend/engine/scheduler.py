@@ -17,10 +17,11 @@ class ScheduledBatch:
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)   # (seq, tokens this step)
     preempted: list[Sequence] = field(default_factory=list)
     out_of_room: list[Sequence] = field(default_factory=list)           # can't grow even alone -> finish "length"
+    verifies: list[tuple[Sequence, list[int]]] = field(default_factory=list)   # (seq, draft): k+1 tokens, all logits
 
     @property
     def empty(self) -> bool:
-        return not self.decodes and not self.prefills
+        return not self.decodes and not self.prefills and not self.verifies
 
 
 class Scheduler:

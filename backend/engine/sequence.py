@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from edgeinfer.protocol.page_id import PageKeyContext, hash_page, page_hashes
 from edgeinfer.protocol.wire import SamplingParams, TenantSpec
@@ -65,6 +65,7 @@ class Sequence:
         self.generator: torch.Generator | None = None       # for seeded sampling
         self.stop_checker: StopChecker | None = None        # set by the engine (stop strings, detokenizer)
         self.matcher: LLMatcher | None = None               # grammar state of a constrained request
+        self.spec: Any = None                               # speculative.SpecState once it has drafted
 
     @property
     def all_ids(self) -> list[int]:
@@ -86,12 +87,14 @@ class Sequence:
     def is_prefilling(self) -> bool:
         return self.num_uncomputed > 1
 
-    def extend_hashes(self) -> list[bytes]:
-        """Hash newly full pages (of computed tokens); returns the new hashes."""
+    def extend_hashes(self, pending: list[int] | None = None) -> list[bytes]:
+        """Hash newly full pages (of computed tokens); returns the new hashes. `pending`: tokens whose KV is computed
+        but which are not appended yet (a verify step's accepted draft tokens, appended after the pages are
+        sealed)."""
         p = self.key_ctx.page_size
         if (len(self.page_hashes) + 1) * p > self.num_computed_tokens:
             return []
-        ids = self.all_ids
+        ids = self.all_ids + pending if pending else self.all_ids
         new = []
         while (len(self.page_hashes) + 1) * p <= self.num_computed_tokens:
             i = len(self.page_hashes)

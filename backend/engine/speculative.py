@@ -1,0 +1,174 @@
+"""Speculative decoding: n-gram (prompt lookup) drafts verified in one forward pass, inside continuous batching.
+
+A decoding sequence with a draft d1..dk is run as a verify chunk of k+1 tokens [last, d1, .., dk] at positions
+n-1 .. n-1+k over its paged KV (the prefill path: causal inside the chunk, the cached context before it), with
+logits at every position. Then, position by position, the target's token is compared with the draft:
+
+- greedy: t_i = argmax(logits_i); d_{i+1} is accepted while t_i == d_{i+1}; the first mismatch emits t_i instead
+  and ends the run; if every draft token is accepted the last row gives a bonus token. The output is exactly the
+  non-speculative output: each emitted token is the argmax after exactly the tokens before it.
+- sampling (temperature > 0, with top-k / top-p / min-p): rejection sampling (Leviathan et al. 2023, Chen et al.
+  2023) with a deterministic draft (q = one-hot at d): accept d with probability p(d); on rejection sample from
+  p with d removed, renormalized (the residual max(p - q, 0)). Each emitted token is distributed as p exactly.
+
+Only the accepted tokens' KV counts (num_computed_tokens advances by 1 + accepted); the rejected positions' KV
+stays in the slots past it and is overwritten by the next step. Pages are sealed (hashed, cached, published) by
+num_computed_tokens only, so a rejected draft is never sealed into a page.
+
+Drafts: `NgramDrafter` (no extra weights; vLLM's "ngram" / prompt lookup decoding): the longest suffix of the
+sequence (prompt + output) of `max_ngram` .. `min_ngram` tokens that occurred before; the k tokens that followed
+its latest earlier occurrence. Kept per sequence as a dict n-gram -> latest end position, updated as tokens
+arrive, so a proposal costs O(max_ngram) dict lookups.
+
+Where it runs (`SpecPolicy`, decided by benchmarks/speculative.py): a sequence is drafted only with plain sampling
+(no grammar, penalties, logit_bias or logprobs: each would need a per-position state), only while the step's
+decoding sequences are at most `max_batch` (a verify chunk costs k+1 tokens of compute: at a large batch the step
+is compute-bound and drafts that miss slow everyone), and only while the sequence's own recent acceptance is at
+least `min_acceptance` (an exponential average over its verify steps; a sequence that stops copying stops paying).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from edgeinfer.backend.engine.sampler import (
+    GREEDY_BELOW,
+    HOTTEST,
+    SamplingError,
+    _check_row,
+    _filter,
+    is_greedy,
+)
+from edgeinfer.backend.engine.sequence import Sequence
+
+SPECULATIVE = ("ngram", "off")
+
+
+@dataclass(frozen=True)
+class SpecPolicy:
+    method: str = "ngram"          # ngram | off
+    num_tokens: int = 4            # k: draft tokens per verify step
+    max_batch: int = 8             # decoding sequences in a step above which nobody drafts
+    min_acceptance: float = 0.25   # a sequence whose recent acceptance falls below this stops drafting
+    min_ngram: int = 2
+    max_ngram: int = 4
+    retry_every: int = 16          # a sequence stopped for low acceptance drafts again after this many steps
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE:
+            raise ValueError(f"speculative={self.method!r} is invalid: expected one of {', '.join(SPECULATIVE)}")
+        if not 1 <= self.num_tokens <= 16:
+            raise ValueError(f"spec_tokens={self.num_tokens!r} is invalid: expected 1..16")
+        if self.max_batch < 0:
+            raise ValueError(f"spec_max_batch={self.max_batch!r} is invalid: expected >= 0")
+        if not 0.0 <= self.min_acceptance <= 1.0:
+            raise ValueError(f"spec_min_acceptance={self.min_acceptance!r} is invalid: expected 0..1")
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError(f"min_ngram={self.min_ngram!r}, max_ngram={self.max_ngram!r}: expected 1 <= min <= max")
+
+
+class NgramIndex:
+    """One sequence's n-grams (min_ngram..max_ngram) -> the end position of their latest occurrence."""
+
+    def __init__(self, lo: int, hi: int) -> None:
+        self.lo, self.hi = lo, hi
+        self.last: dict[tuple[int, ...], int] = {}
+        self.indexed = 0          # tokens of the sequence seen so far
+
+    def update(self, ids: list[int]) -> None:
+        """Index the n-grams ending at positions indexed..len(ids)-2 (the one ending at the last token is the
+        query, indexed on the next update so that a proposal never matches itself)."""
+        for end in range(max(self.indexed, 1), len(ids)):
+            for n in range(self.lo, self.hi + 1):
+                if end - n >= 0:
+                    self.last[tuple(ids[end - n:end])] = end      # the n-gram ids[end-n:end]; continuation at end
+        self.indexed = len(ids)
+
+    def propose(self, ids: list[int], k: int) -> list[int]:
+        for n in range(self.hi, self.lo - 1, -1):
+            if len(ids) < n:
+                continue
+            end = self.last.get(tuple(ids[len(ids) - n:]))
+            if end is not None:
+                return ids[end:end + k]
+        return []
+
+
+@dataclass
+class SpecState:
+    """A sequence's speculation state (seq.spec)."""
+    index: NgramIndex
+    acceptance: float = 1.0      # exponential average of accepted / drafted over its verify steps
+    paused_until: int = 0        # engine step before which it does not draft (low acceptance)
+
+
+def eligible(seq: Sequence) -> bool:
+    sp = seq.sampling
+    return (seq.matcher is None and not sp.logprobs and not sp.logit_bias and sp.repetition_penalty == 1.0
+            and not sp.presence_penalty and not sp.frequency_penalty)
+
+
+def draft_for(seq: Sequence, policy: SpecPolicy, step: int) -> list[int]:
+    state: SpecState | None = seq.spec
+    if state is None:
+        state = seq.spec = SpecState(NgramIndex(policy.min_ngram, policy.max_ngram))
+    if step < state.paused_until:
+        return []
+    ids = seq.all_ids
+    state.index.update(ids)
+    room = seq.max_new_tokens - len(seq.output_ids) - 1     # the verify step emits up to k+1 tokens
+    if room <= 0:
+        return []
+    return state.index.propose(ids, min(policy.num_tokens, room))
+
+
+def record(seq: Sequence, policy: SpecPolicy, drafted: int, accepted: int, step: int) -> None:
+    state: SpecState = seq.spec
+    state.acceptance = 0.7 * state.acceptance + 0.3 * (accepted / drafted)
+    if state.acceptance < policy.min_acceptance:
+        state.paused_until = step + policy.retry_every
+        state.acceptance = policy.min_acceptance      # on retry it gets one chance before pausing again
+
+
+def verify(seq: Sequence, draft: list[int], rows: torch.Tensor) -> tuple[list[int], int]:
+    """(tokens to emit, how many draft tokens were accepted) from the verify chunk's logits rows [k+1, vocab].
+    Raises SamplingError for a row that cannot be sampled (that sequence alone ends)."""
+    sp = seq.sampling
+    out: list[int] = []
+    if is_greedy(sp):
+        picks = rows.argmax(-1).tolist()
+        for i, d in enumerate(draft):
+            if picks[i] != d:
+                _check_row(rows[i], seq)
+                return [*out, picks[i]], i
+            out.append(d)
+        _check_row(rows[len(draft)], seq)
+        return [*out, picks[len(draft)]], len(draft)
+    for i, d in enumerate(draft):
+        probs = _probs(seq, rows[i])
+        p = float(probs[d])
+        if p > 0 and float(torch.rand((), generator=seq.generator)) < p:
+            out.append(d)
+            continue
+        probs[d] = 0.0
+        total = float(probs.sum())
+        if total <= 0:           # p(d) was 1 up to rounding: d is the only possible token
+            out.append(d)
+            continue
+        return [*out, int(torch.multinomial(probs / total, 1, generator=seq.generator))], i
+    probs = _probs(seq, rows[len(draft)])
+    return [*out, int(torch.multinomial(probs, 1, generator=seq.generator))], len(draft)
+
+
+def _probs(seq: Sequence, raw: torch.Tensor) -> torch.Tensor:
+    """The target distribution sampler._sample_one draws from (no penalties: eligible() excludes them)."""
+    sp = seq.sampling
+    _check_row(raw, seq)
+    assert sp.temperature >= GREEDY_BELOW
+    scaled = (raw - raw.max()) / min(sp.temperature, HOTTEST)
+    probs = _filter(scaled, sp.top_k, sp.top_p, sp.min_p).softmax(-1)
+    if not bool(torch.isfinite(probs).all()):
+        raise SamplingError(f"request {seq.request_id}: probabilities are not finite (temperature={sp.temperature})")
+    return probs.clone()
