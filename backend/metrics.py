@@ -153,6 +153,8 @@ class BackendMetrics(EngineObserver):
             served[s.tenant.id, "decode"] += 1
         for s, n in batch.prefills if batch is not None else ():
             served[s.tenant.id, "prefill"] += n
+        for s, d in batch.verifies if batch is not None else ():     # a verify chunk: the last token and a draft
+            served[s.tenant.id, "decode"] += 1 + len(d)
         for (t, kind), n in served.items():
             self.tenant_served.labels(m, t, kind).inc(n)
         held = {t or "(fetched, unused)": n for t, n in engine.blocks.held.items()}

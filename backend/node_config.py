@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edgeinfer.backend.engine.engine_config import EngineConfig
+from edgeinfer.backend.engine.speculative import SPECULATIVE
 from edgeinfer.protocol.defaults import CACHE_SEED, CACHE_SEED_ENV, KEY_PREFIX, PAGE_SIZE
 from edgeinfer.protocol.wire import ROLES
 
@@ -68,6 +69,10 @@ class BackendConfig:
     version: str
     heartbeat: float
     log_level: str
+    speculative: str          # ngram | off (backend/engine/speculative.py)
+    spec_tokens: int
+    spec_max_batch: int
+    no_grammar_fast_forward: bool
     role: str                 # prefill | decode | both (prefill/decode disaggregation, docs/DISAGGREGATION.md)
     handoff_timeout: float    # seconds a decode node spends pulling a prompt's pages from its prefill node
 
@@ -92,7 +97,9 @@ class BackendConfig:
                             contended_step_ratio=self.contended_step_ratio,
                             contended_window_s=self.contended_window_s, cuda_graphs=not self.no_cuda_graphs,
                             adaptive_threads=not self.fixed_threads, kv_integrity=not self.no_kv_integrity,
-                            kv_verify_fraction=self.kv_verify_fraction)
+                            kv_verify_fraction=self.kv_verify_fraction, speculative=self.speculative,
+                            spec_tokens=self.spec_tokens, spec_max_batch=self.spec_max_batch,
+                            grammar_fast_forward=not self.no_grammar_fast_forward)
 
 
 def parse_args(argv: list[str] | None) -> BackendConfig:
@@ -163,6 +170,15 @@ def parse_args(argv: list[str] | None) -> BackendConfig:
                    help="CPU: keep every step on torch's thread count; by default the engine uses the cores other "
                         "processes leave free (a busy neighbour on one of two cores otherwise stalls every op's "
                         "barrier: batch-1 decode fell from ~155 to 2-68 tok/s, docs/KERNELS.md)")
+    p.add_argument("--speculative", default="ngram", choices=list(SPECULATIVE),
+                   help="speculative decoding: ngram (drafts looked up in the prompt and output so far, verified k "
+                        "at a time; adaptive: only while few sequences decode and a sequence's drafts get accepted) "
+                        "or off; greedy output is the same either way (docs/SPECULATIVE.md)")
+    p.add_argument("--spec-tokens", type=int, default=4, help="draft tokens per verify step (1..16)")
+    p.add_argument("--spec-max-batch", type=int, default=8,
+                   help="no drafts in a step with more decoding sequences than this (a large batch is compute-bound)")
+    p.add_argument("--no-grammar-fast-forward", action="store_true",
+                   help="structured outputs: sample every token, also those the grammar forces")
     p.add_argument("--redis-url", default=os.environ.get("EDGEINFER_REDIS_URL"))
     p.add_argument("--redis-cluster", action="store_true")
     p.add_argument("--store-tier", default="redis", choices=["redis", "host", "none"])
@@ -194,6 +210,10 @@ def parse_args(argv: list[str] | None) -> BackendConfig:
                         "the request before it computes the rest itself")
     args = p.parse_args(argv)
     args.internal_secret = None if args.insecure_no_internal_auth else _internal_secret(p, args)
+    if not 1 <= args.spec_tokens <= 16:
+        p.error(f"--spec-tokens {args.spec_tokens}: expected 1..16")
+    if args.spec_max_batch < 0:
+        p.error(f"--spec-max-batch {args.spec_max_batch}: expected >= 0")
     if not (0 < args.handoff_timeout < float("inf")):
         p.error(f"--handoff-timeout {args.handoff_timeout!r}: expected a finite number of seconds > 0")
     for name in ("max_queue_wait_s", "keepalive_s"):

@@ -52,6 +52,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backend-arg", action="append", default=[],
                    help="extra flag for the backend (edgeinfer backend --help; repeatable)")
     p.add_argument("--ready-timeout", type=float, default=900.0)
+    p.add_argument("--speculative", default=None, choices=["ngram", "off"],
+                   help="speculative decoding on every backend (edgeinfer backend --speculative; default ngram)")
     p.add_argument("--nodes", type=int, default=1,
                    help="colocated: this many backends with --role both (each prefills and decodes its own requests)")
     p.add_argument("--prefill-nodes", type=int, default=0,
@@ -216,7 +218,7 @@ def _start(args: argparse.Namespace, cfg, children: Children) -> int:
         node_id = f"local-{i}" if role == "both" else f"local-{role}-{sum(r == role for r in roles[:i])}"
         cmd = [sys.executable, "-m", "edgeinfer.backend.server", "--model", str(model_dir), "--host", "127.0.0.1",
                "--port", str(bport), "--node-id", node_id, *store_args, *(["--role", role] if role != "both" else []),
-               *args.backend_arg]
+               *(["--speculative", args.speculative] if args.speculative else []), *args.backend_arg]
         say(f"starting the backend{'' if len(roles) == 1 else f' {node_id}'}: {' '.join(cmd)}")
         started.append((node_id, f"http://127.0.0.1:{bport}", children.start(node_id, cmd, env=env)))
     for _, url, proc in started:

@@ -415,6 +415,8 @@ class LLMEngine:
             seq.num_computed_tokens += 1
             return e
         seq.num_computed_tokens += 1 + accepted
+        if accepted:
+            self.scheduler.charge_extra(seq, accepted)
         self.spec_steps += 1
         self.spec_drafted += len(draft)
         self.spec_accepted += accepted
@@ -445,6 +447,9 @@ class LLMEngine:
             if isinstance(got, SamplingError):
                 raise got
             self._append_token(seq, got[0], got[1], now)
+            if seq.matcher is not None and self.cfg.grammar_fast_forward and seq.status != SeqStatus.FINISHED \
+                    and not seq.sampling.logprobs:
+                self._fast_forward(seq, now)
         except Exception as e:
             if isinstance(e, GrammarFailed):
                 log.info("request %s: %s", seq.request_id, e)
@@ -453,6 +458,24 @@ class LLMEngine:
             log.warning("request %s failed: %s: %s", seq.request_id, type(e).__name__, e)
             self._finish_error(seq, f"generation failed: {e}" if isinstance(e, SamplingError)
                                else f"generation failed: {type(e).__name__}: {e}")
+
+    def _fast_forward(self, seq: Sequence, now: float) -> None:
+        """Grammar fast-forward (SGLang's jump-forward): the tokens the grammar allows as the only continuation (a
+        JSON key, punctuation, a tool call's fixed parts: llguidance's compute_ff_tokens) are appended at once, each
+        emitted and consumed like a sampled token; their KV is then computed in one chunk with the next step (the
+        sequence has more than one uncomputed token: it is scheduled as a prefill chunk), whose last logits sample
+        the next free token. No model step per forced token."""
+        m = seq.matcher
+        assert m is not None
+        while seq.status != SeqStatus.FINISHED and not m.is_stopped():
+            forced = m.compute_ff_tokens()
+            if not forced:
+                return
+            for tok in forced:
+                if seq.status == SeqStatus.FINISHED:
+                    return
+                self._append_token(seq, tok, None, now)
+                self.fast_forwarded += 1
 
     def _append_token(self, seq: Sequence, tok: int, lp: TokenLogprob | None, now: float) -> None:
         seq.output_ids.append(tok)

@@ -92,6 +92,9 @@ class FairScheduler(Scheduler):
         t = seq.tenant
         self.counters[t.id] = self.counters.get(t.id, 0.0) + token_weight * tokens / t.weight
 
+    def charge_extra(self, seq: Sequence, tokens: int) -> None:
+        self._charge(seq, tokens, self.cfg.decode_token_weight)
+
     def add(self, seq: Sequence) -> None:
         t = seq.tenant.id
         backlogged = self._tenants()

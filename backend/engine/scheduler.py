@@ -43,6 +43,10 @@ class Scheduler:
         """Prefill tokens a step with `decodes` decoding sequences would compute now (the overload estimate)."""
         return max(1, self.cfg.max_num_batched_tokens - decodes)
 
+    def charge_extra(self, seq: Sequence, tokens: int) -> None:
+        """Decode tokens a verify step emitted beyond the one its decode was charged for (the fair scheduler's
+        counters; FIFO keeps none)."""
+
     def remove(self, seq: Sequence) -> None:
         if seq in self.running:
             self.running.remove(seq)

@@ -124,3 +124,48 @@ def test_mask_rows_only_for_constrained_sequences(smol_tokenizer):
     allowed = torch.isfinite(logits[1]).nonzero().flatten().tolist()
     assert allowed and all(smol_tokenizer.decode([t]) and "yes".startswith(smol_tokenizer.decode([t]))
                            for t in allowed)
+
+
+# ---- grammar fast-forward (engine._fast_forward): forced tokens without a model step each
+TOOL = {"type": "object", "properties": {
+    "function": {"const": "get_weather"},
+    "arguments": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                   "unit": {"enum": ["celsius", "fahrenheit"]}},
+                  "required": ["city", "unit"], "additionalProperties": False}},
+    "required": ["function", "arguments"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("ff", [True, False])
+async def test_fast_forward_emits_forced_tokens_without_a_step_each(smol_model, smol_tokenizer, ff):
+    eng = LLMEngine(smol_model, smol_tokenizer, EngineConfig(max_num_seqs=4, num_pages=128, grammar_fast_forward=ff))
+    eng.start()
+    try:
+        prompt = chat(smol_tokenizer, "Call the weather tool for Paris in celsius, as JSON.")
+        steps0 = eng.steps
+        text, last = await run(eng, prompt, schema(TOOL), max_tokens=80)
+        steps = eng.steps - steps0
+    finally:
+        eng.stop()
+    obj = json.loads(text)
+    jsonschema.validate(obj, TOOL)
+    assert obj["function"] == "get_weather" and last.finish_reason == "stop"
+    n = last.usage.completion_tokens
+    if ff:
+        # the keys, the constant and the punctuation were forced: far fewer steps than tokens
+        assert eng.fast_forwarded >= 8 and steps <= n - eng.fast_forwarded + 2
+    else:
+        assert eng.fast_forwarded == 0 and steps >= n
+
+
+async def test_fast_forward_is_off_for_a_request_that_wants_logprobs(smol_model, smol_tokenizer):
+    eng = LLMEngine(smol_model, smol_tokenizer, EngineConfig(max_num_seqs=4, num_pages=128))
+    eng.start()
+    try:
+        prompt = chat(smol_tokenizer, "Call the weather tool for Paris, as JSON.")
+        req = GenerateRequest("lp-ff", prompt, SamplingParams(temperature=0, max_tokens=80, logprobs=True), "t",
+                              constraint=schema(TOOL))
+        chunks = [c async for c in eng.generate(req)]
+    finally:
+        eng.stop()
+    assert eng.fast_forwarded == 0
+    assert sum(len(c.token_ids) for c in chunks) == sum(len(c.logprobs or []) for c in chunks)   # one each

@@ -80,7 +80,7 @@ class ServedTokens(EngineObserver):
 def saturated_run(model, tok, scheduler: str, steps: int) -> Counter[str]:
     """Two tenants (weights 1 and 2) each keep 4 requests waiting; the engine stepped by hand (no thread)."""
     eng = LLMEngine(model, tok, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, scheduler=scheduler,
-                                             enable_prefix_cache=False))
+                                             enable_prefix_cache=False, speculative="off"))   # one token per decode
     obs = ServedTokens()
     eng.observers.append(obs)
     tenants = [TenantSpec("w1", 1.0), TenantSpec("w2", 2.0)]
