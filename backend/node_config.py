@@ -175,7 +175,7 @@ def parse_args(argv: list[str] | None) -> BackendConfig:
                         "at a time; adaptive: only while few sequences decode and a sequence's drafts get accepted) "
                         "or off; greedy output is the same either way (docs/SPECULATIVE.md)")
     p.add_argument("--spec-tokens", type=int, default=4, help="draft tokens per verify step (1..16)")
-    p.add_argument("--spec-max-batch", type=int, default=8,
+    p.add_argument("--spec-max-batch", type=int, default=64,
                    help="no drafts in a step with more decoding sequences than this (a large batch is compute-bound)")
     p.add_argument("--no-grammar-fast-forward", action="store_true",
                    help="structured outputs: sample every token, also those the grammar forces")

@@ -381,31 +381,36 @@ class LLMEngine:
                 self._take(seq, (tok, None), now)
         self.steps += 1
         dt = time.monotonic() - t0
-        prefill = sum(n for _, n in batch.prefills) + sum(len(d) for _, d in batch.verifies)
-        decodes = len(batch.decodes) + len(batch.verifies)
+        prefill = sum(n for _, n in batch.prefills)
+        decodes = len(batch.decodes) + sum(len(d) + 1 for _, d in batch.verifies)    # a verify: k+1 decode rows
         self.backlog.on_step(self.scheduler, decodes + prefill, dt)
         self.step_cost.observe(decodes, prefill, dt)
         for o in self.observers:
             o.on_step(self, batch, dt)
 
     def _draft(self, batch) -> None:
-        """Speculative decoding (backend/engine/speculative.py): decodes with an n-gram draft become verify chunks,
-        while the step's decoding sequences are at most spec.max_batch and the draft's pages fit (no preemption
-        for a draft: a sequence that cannot grow decodes one token as usual). The drafts' extra tokens come out of
-        what is left of the step's token budget."""
+        """Speculative decoding (backend/engine/speculative.py): decodes with an n-gram draft become verify chunks of
+        the draft tokens that pay (speculative.plan), while the step's decoding sequences are at most
+        spec.max_batch and the draft's pages fit (no preemption for a draft). The drafts' tokens come out of what
+        is left of the step's token budget."""
         if len(batch.decodes) > self.spec.max_batch:
             return
-        room = self.cfg.max_num_batched_tokens - len(batch.decodes) - sum(n for _, n in batch.prefills)
-        keep: list[Sequence] = []
-        for seq in batch.decodes:
-            draft = speculative.draft_for(seq, self.spec, self.steps) if speculative.eligible(seq) else []
-            draft = draft[:max(0, room)]
-            if draft and self.blocks.ensure_capacity(seq, seq.num_computed_tokens + 1 + len(draft)):
-                batch.verifies.append((seq, draft))
-                room -= len(draft)
-            else:
-                keep.append(seq)
-        batch.decodes = keep
+        prefill = sum(n for _, n in batch.prefills)
+        room = self.cfg.max_num_batched_tokens - len(batch.decodes) - prefill
+        drafts = [(seq, d) for seq in batch.decodes if speculative.eligible(seq)
+                  for d in [speculative.draft_for(seq, self.spec)] if d]
+        if not drafts or room <= 0:
+            return
+        ks = speculative.plan(drafts, self.spec, self.steps, len(batch.decodes), prefill, self.step_cost.coef)
+        chosen: dict[int, list[int]] = {}
+        for (seq, d), k in zip(drafts, ks):
+            k = min(k, room)
+            if k > 0 and self.blocks.ensure_capacity(seq, seq.num_computed_tokens + 1 + k):
+                chosen[id(seq)] = d[:k]
+                room -= k
+        if chosen:
+            batch.verifies = [(s, chosen[id(s)]) for s in batch.decodes if id(s) in chosen]
+            batch.decodes = [s for s in batch.decodes if id(s) not in chosen]
 
     def _verify(self, seq: Sequence, draft: list[int], rows) -> list[int] | SamplingError:
         """The tokens a verify chunk emits; its KV counts up to the last accepted draft token."""
@@ -420,7 +425,7 @@ class LLMEngine:
         self.spec_steps += 1
         self.spec_drafted += len(draft)
         self.spec_accepted += accepted
-        speculative.record(seq, self.spec, len(draft), accepted, self.steps)
+        speculative.record(seq, len(draft), accepted, self.steps)
         return out
 
     def _check_pages(self, batch) -> None:

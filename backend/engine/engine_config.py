@@ -41,9 +41,9 @@ class EngineConfig:
     kv_verify_fraction: float = 1.0         # of the sealed pages a prefix hit takes, the fraction whose checksum is
                                             # verified (0: none; needs kv_integrity)
     speculative: str = "ngram"              # ngram (prompt lookup drafts, adaptive) | off (backend/engine/speculative.py)
-    spec_tokens: int = 4                    # draft tokens per verify step
-    spec_max_batch: int = 8                 # no drafts in a step with more decoding sequences than this
-    spec_min_acceptance: float = 0.25       # a sequence whose recent acceptance falls below this pauses drafting
+    spec_tokens: int = 4                    # the most draft tokens of a sequence per verify step
+    spec_max_batch: int = 64                # no drafts in a step with more decoding sequences than this
+    spec_adaptive: bool = True              # draft tokens only where they raise tokens/s (speculative.plan)
     grammar_fast_forward: bool = True       # tokens a grammar forces are emitted without a model step each
 
     def __post_init__(self) -> None:
@@ -76,7 +76,7 @@ class EngineConfig:
             raise ValueError(f"priority_aging_steps={self.priority_aging_steps!r} is invalid: expected >= 1")
 
     def spec_policy(self) -> SpecPolicy:
-        return SpecPolicy(self.speculative, self.spec_tokens, self.spec_max_batch, self.spec_min_acceptance)
+        return SpecPolicy(self.speculative, self.spec_tokens, self.spec_max_batch, self.spec_adaptive)
 
     def resolve_kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         return KVFormat.resolve(self.kv_dtype, model_dtype).dtype

@@ -33,40 +33,48 @@ class ModelRunner:
 
     def _inputs(self, batch: ScheduledBatch) -> tuple[np.ndarray, list[int], np.ndarray, np.ndarray]:
         """-> staging rows [ids, positions, slots, decode context lens] over the step's tokens (views of one
-        reused buffer), prefill cu_seqlens, and the decode/prefill block tables gathered from `tables`."""
+        reused buffer), prefill cu_seqlens, and the decode/prefill block tables gathered from `tables`.
+        The decode rows are the decoding sequences' last tokens, then each verify chunk's k+1 tokens as k+1 decode
+        rows of that sequence (row j at position n-1+j attends to the context up to and including itself: the KV
+        of every row is stored before attention), so a step with drafts keeps the decode path."""
         p = self.cfg.page_size
-        nd = len(batch.decodes)
-        chunks = self.chunks(batch)
-        t = nd + sum(n for _, n, _ in chunks)
+        dseqs, dpos, dids = self.decode_rows(batch)
+        nd = len(dseqs)
+        t = nd + sum(n for _, n in batch.prefills)
         if t > self._stage.shape[1]:
             self._stage = np.zeros((4, max(t, 2 * self._stage.shape[1])), dtype=np.int64)
         ids, pos, slots, ctx = self._stage[:, :t]
-        dec = batch.decodes
         if nd:
-            i = [s.num_computed_tokens for s in dec]
-            ids[:nd] = [s.last_token_id for s in dec]
-            pos[:nd] = i
-            slots[:nd] = [s.block_table[j // p] * p + j % p for s, j in zip(dec, i)]
+            ids[:nd] = dids
+            pos[:nd] = dpos
+            slots[:nd] = [s.block_table[j // p] * p + j % p for s, j in zip(dseqs, dpos)]
             ctx[:nd] = pos[:nd] + 1
         cu = [0]
-        for s, n, draft in chunks:
+        for s, n in batch.prefills:
             start, lo = s.num_computed_tokens, nd + cu[-1]
-            ids[lo:lo + n] = s.all_ids[start:start + n] if draft is None else [s.last_token_id, *draft]
+            ids[lo:lo + n] = s.all_ids[start:start + n]
             r = np.arange(start, start + n)
             pos[lo:lo + n] = r
             slots[lo:lo + n] = np.asarray(s.block_table, dtype=np.int64)[r // p] * p + r % p
             cu.append(cu[-1] + n)
         dec_width = -(-int(ctx[:nd].max()) // p) if nd else 0
-        pre_width = max((len(s.block_table) for s, _, _ in chunks), default=0)
-        return (self._stage[:, :t], cu, self.tables.gather(dec, dec_width),
-                self.tables.gather([s for s, _, _ in chunks], pre_width))
+        pre_width = max((len(s.block_table) for s, _ in batch.prefills), default=0)
+        return (self._stage[:, :t], cu, self.tables.gather(dseqs, dec_width),
+                self.tables.gather([s for s, _ in batch.prefills], pre_width))
 
     @staticmethod
-    def chunks(batch: ScheduledBatch) -> list[tuple[Sequence, int, list[int] | None]]:
-        """The step's variable-length chunks: prefill chunks (their tokens are the sequence's), then verify chunks
-        (the last token and a draft: backend/engine/speculative.py)."""
-        return ([(s, n, None) for s, n in batch.prefills]
-                + [(s, len(d) + 1, d) for s, d in batch.verifies])
+    def decode_rows(batch: ScheduledBatch) -> tuple[list[Sequence], list[int], list[int]]:
+        """(sequence, position, token) of every decode row: one per decoding sequence, then k+1 per verify chunk
+        (the last token and the draft: backend/engine/speculative.py)."""
+        seqs = list(batch.decodes)
+        pos = [s.num_computed_tokens for s in batch.decodes]
+        ids = [s.last_token_id for s in batch.decodes]
+        for s, draft in batch.verifies:
+            n = s.num_computed_tokens
+            seqs += [s] * (len(draft) + 1)
+            pos += range(n, n + len(draft) + 1)
+            ids += [s.last_token_id, *draft]
+        return seqs, pos, ids
 
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
         """Run one step; returns the sequences that need a new token and their logits [n, vocab]; a verify chunk's
@@ -74,7 +82,8 @@ class ModelRunner:
         num_computed_tokens is left for the engine to advance by what it accepts.
         Block tables come from self.tables, which the BlockManager keeps in step with every seq.block_table."""
         stage, cu, dec_tables, pre_tables = self._inputs(batch)
-        nd = len(batch.decodes)
+        nd0 = len(batch.decodes)                 # decode rows of decoding sequences; verify rows follow them
+        nd = nd0 + sum(len(d) + 1 for _, d in batch.verifies)
         self.verify_logits: list[torch.Tensor] = []
         if self.graphs is not None and not batch.prefills and not batch.verifies:
             logits = self.graphs.run(stage, dec_tables)
@@ -96,21 +105,17 @@ class ModelRunner:
             decode_context_lens=ctx[:nd].to(torch.int32),
             prefill_block_tables=to_dev(pre_tables),
             prefill_cu_seqlens_q=to_dev(np.asarray(cu, dtype=np.int32)),
-            prefill_context_lens=to_dev(np.asarray([s.num_computed_tokens + n for s, n, _ in self.chunks(batch)],
+            prefill_context_lens=to_dev(np.asarray([s.num_computed_tokens + n for s, n in batch.prefills],
                                                    dtype=np.int32)),
-            prefill_max_seqlen_q=max((n for _, n, _ in self.chunks(batch)), default=0),
+            prefill_max_seqlen_q=max((n for _, n in batch.prefills), default=0),
         )
-        rows: list[int] = list(range(nd))
+        rows: list[int] = list(range(nd0))
         need: list[Sequence] = list(batch.decodes)
         for j, (s, n) in enumerate(batch.prefills):
             if s.num_computed_tokens + n == s.num_tokens:
                 rows.append(nd + cu[j + 1] - 1)
                 need.append(s)
-        np_ = len(batch.prefills)
-        spans = [(len(rows) + sum(len(d) + 1 for _, d in batch.verifies[:j]), len(d) + 1)
-                 for j, (_, d) in enumerate(batch.verifies)]
-        for j in range(len(batch.verifies)):
-            rows += range(nd + cu[np_ + j], nd + cu[np_ + j + 1])
+        rows += range(nd0, nd)
         hidden = self.model(ids, pos, self.kv, meta)
         for s in batch.decodes:
             s.num_computed_tokens += 1
@@ -118,10 +123,13 @@ class ModelRunner:
             s.num_computed_tokens += n
         if not rows:
             return [], torch.empty(0)
-        if len(rows) < hidden.shape[0]:
+        if len(rows) < hidden.shape[0] or rows != list(range(len(rows))):
             hidden = hidden.index_select(0, to_dev(np.asarray(rows, dtype=np.int64)))
         logits = self.model.compute_logits(hidden).cpu()
-        self.verify_logits = [logits[a:a + n] for a, n in spans]
+        at = len(need)
+        for _, d in batch.verifies:
+            self.verify_logits.append(logits[at:at + len(d) + 1])
+            at += len(d) + 1
         return need, logits[:len(need)]
 
     # ---- page movement (for the page store)

@@ -20,15 +20,23 @@ sequence (prompt + output) of `max_ngram` .. `min_ngram` tokens that occurred be
 its latest earlier occurrence. Kept per sequence as a dict n-gram -> latest end position, updated as tokens
 arrive, so a proposal costs O(max_ngram) dict lookups.
 
-Where it runs (`SpecPolicy`, decided by benchmarks/speculative.py): a sequence is drafted only with plain sampling
-(no grammar, penalties, logit_bias or logprobs: each would need a per-position state), only while the step's
-decoding sequences are at most `max_batch` (a verify chunk costs k+1 tokens of compute: at a large batch the step
-is compute-bound and drafts that miss slow everyone), and only while the sequence's own recent acceptance is at
-least `min_acceptance` (an exponential average over its verify steps; a sequence that stops copying stops paying).
+How many tokens to draft (`plan`, adaptive by default): a verify chunk's k+1 rows cost k more decode rows, which on
+a CPU is most of a row's cost each (measured on the default model, 2 threads, batch 1: 6.8 ms for 1 row, 16.3 ms
+for 5: a draft token costs ~1/3 of a step). So drafts are placed one token at a time where they pay: the j-th
+draft token of a sequence whose tokens are accepted with probability a adds a^j expected tokens and one decode
+row of time (the step-cost fit's per-row coefficient, backend/engine/step_cost.py); it is placed while
+a^j / row_cost > expected tokens / step time, i.e. while it raises the step's tokens per second. A sequence's a
+is estimated from its own verify steps (accepted and rejected draft tokens, decayed, prior 1/2). At batch 1 on
+this CPU the first draft token needs a > ~0.34; at batch 32 the step is long but so is the token count, and a
+draft needs a > ~0.9: copy-heavy sequences keep drafting, the rest stop. A sequence that has not verified for
+`retry_every` steps gets one draft token to learn whether its text became predictable again.
+Eligible: plain sampling only (no grammar, penalties, logit_bias or logprobs: each would need a per-position
+state); `max_batch` caps the decoding sequences of a step above which nobody drafts.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import torch
@@ -49,12 +57,12 @@ SPECULATIVE = ("ngram", "off")
 @dataclass(frozen=True)
 class SpecPolicy:
     method: str = "ngram"          # ngram | off
-    num_tokens: int = 4            # k: draft tokens per verify step
-    max_batch: int = 8             # decoding sequences in a step above which nobody drafts
-    min_acceptance: float = 0.25   # a sequence whose recent acceptance falls below this stops drafting
+    num_tokens: int = 4            # the most draft tokens of one sequence in one verify step
+    max_batch: int = 64            # decoding sequences in a step above which nobody drafts
+    adaptive: bool = True          # place draft tokens where they pay (plan); False: every draft, whole
     min_ngram: int = 2
     max_ngram: int = 4
-    retry_every: int = 16          # a sequence stopped for low acceptance drafts again after this many steps
+    retry_every: int = 32          # a sequence that has not verified for this many steps gets one draft token
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE:
@@ -63,8 +71,6 @@ class SpecPolicy:
             raise ValueError(f"spec_tokens={self.num_tokens!r} is invalid: expected 1..16")
         if self.max_batch < 0:
             raise ValueError(f"spec_max_batch={self.max_batch!r} is invalid: expected >= 0")
-        if not 0.0 <= self.min_acceptance <= 1.0:
-            raise ValueError(f"spec_min_acceptance={self.min_acceptance!r} is invalid: expected 0..1")
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"min_ngram={self.min_ngram!r}, max_ngram={self.max_ngram!r}: expected 1 <= min <= max")
 
@@ -100,8 +106,13 @@ class NgramIndex:
 class SpecState:
     """A sequence's speculation state (seq.spec)."""
     index: NgramIndex
-    acceptance: float = 1.0      # exponential average of accepted / drafted over its verify steps
-    paused_until: int = 0        # engine step before which it does not draft (low acceptance)
+    accepted: float = 1.0        # decayed count of accepted draft tokens (prior: 1 of 2)
+    tried: float = 2.0           # decayed count of draft tokens decided (accepted, or the first rejected)
+    last_verify: int = 0         # engine step of its last verify
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.tried
 
 
 def eligible(seq: Sequence) -> bool:
@@ -110,26 +121,60 @@ def eligible(seq: Sequence) -> bool:
             and not sp.presence_penalty and not sp.frequency_penalty)
 
 
-def draft_for(seq: Sequence, policy: SpecPolicy, step: int) -> list[int]:
+def draft_for(seq: Sequence, policy: SpecPolicy) -> list[int]:
+    """Up to policy.num_tokens draft tokens (fewer near max_tokens: a verify emits up to k+1)."""
     state: SpecState | None = seq.spec
     if state is None:
         state = seq.spec = SpecState(NgramIndex(policy.min_ngram, policy.max_ngram))
-    if step < state.paused_until:
-        return []
     ids = seq.all_ids
     state.index.update(ids)
-    room = seq.max_new_tokens - len(seq.output_ids) - 1     # the verify step emits up to k+1 tokens
+    room = seq.max_new_tokens - len(seq.output_ids) - 1
     if room <= 0:
         return []
     return state.index.propose(ids, min(policy.num_tokens, room))
 
 
-def record(seq: Sequence, policy: SpecPolicy, drafted: int, accepted: int, step: int) -> None:
+def plan(drafts: list[tuple[Sequence, list[int]]], policy: SpecPolicy, step: int, rows: int, prefill_tokens: int,
+         coef: tuple[float, float, float] | None) -> list[int]:
+    """How many tokens of each draft to verify (0: decode as usual). `rows`: the step's decode rows without drafts;
+    `coef`: the step-cost fit (fixed, per decode row, per prefill token; None before one: a row costs 1, the fixed
+    part 2 rows, a prefill token 1)."""
+    if not policy.adaptive:
+        return [len(d) for _, d in drafts]
+    fixed, per_row, per_prefill = coef if coef is not None and coef[1] > 0 else (2.0, 1.0, 1.0)
+    time = max(fixed, 0.0) + per_row * rows + max(per_prefill, 0.0) * prefill_tokens
+    tokens = float(rows)
+    ks = [0] * len(drafts)
+    heap: list[tuple[float, int]] = []
+    for i, (seq, d) in enumerate(drafts):
+        a = seq.spec.acceptance
+        if step - seq.spec.last_verify >= policy.retry_every:
+            ks[i] = 1                       # explore: one token, whatever its estimate
+            tokens += a
+            time += per_row
+            if len(d) > 1:
+                heapq.heappush(heap, (-a ** 2, i))
+        else:
+            heapq.heappush(heap, (-a, i))
+    while heap:
+        gain, i = heapq.heappop(heap)
+        gain = -gain
+        if gain * time <= per_row * tokens:     # one more row would lower the step's tokens per second
+            break
+        ks[i] += 1
+        tokens += gain
+        time += per_row
+        if ks[i] < len(drafts[i][1]):
+            heapq.heappush(heap, (-gain * drafts[i][0].spec.acceptance, i))
+    return ks
+
+
+def record(seq: Sequence, drafted: int, accepted: int, step: int) -> None:
     state: SpecState = seq.spec
-    state.acceptance = 0.7 * state.acceptance + 0.3 * (accepted / drafted)
-    if state.acceptance < policy.min_acceptance:
-        state.paused_until = step + policy.retry_every
-        state.acceptance = policy.min_acceptance      # on retry it gets one chance before pausing again
+    decided = accepted + (1 if accepted < drafted else 0)
+    state.accepted = 0.8 * state.accepted + accepted
+    state.tried = 0.8 * state.tried + decided
+    state.last_verify = step
 
 
 def verify(seq: Sequence, draft: list[int], rows: torch.Tensor) -> tuple[list[int], int]:
