@@ -253,6 +253,19 @@ SUITES: list[Suite] = [
                    ("skip rule: 128-token prompt, two hops / alone", "skip_rule.128.two_hops_over_alone"),
                    ("skip rule: 512-token prompt, two hops / alone", "skip_rule.512.two_hops_over_alone"))),
     ]),
+    Suite("speculative", "What do n-gram speculative decoding and grammar fast-forward give, against llama.cpp's "
+                         "lookup decoding?", [
+        Part("speculative", "`serve` defaults vs --speculative off, llama-server with and without --spec-type "
+                            "ngram-simple: copy-heavy, structured and free-text prompts at 1 / 8 / 32 sequences",
+             ["--levels", "1", "--kinds", "copy,structured", "--max-tokens", "8", "--rounds", "1", "--peers", ""],
+             _keys(("copy @1: on / off", "ratios.edgeinfer / edgeinfer-off.copy@1"),
+                   ("structured @1: on / off", "ratios.edgeinfer / edgeinfer-off.structured@1"),
+                   ("free @1: on / off", "ratios.edgeinfer / edgeinfer-off.free@1"),
+                   ("free @32: on / off", "ratios.edgeinfer / edgeinfer-off.free@32"),
+                   ("copy @1: llama.cpp ngram / plain", "ratios.llamacpp-ngram / llamacpp.copy@1"),
+                   ("copy @1: edgeinfer / llama.cpp ngram", "ratios.edgeinfer / llamacpp-ngram.copy@1")),
+             smoke_timeout_s=400),
+    ]),
     Suite("cache", "What does the shared prefix cache cost and save?", [
         Part("cache", "page MAC tag+verify vs memcpy, index lookups over valkey, TTFT cold vs a cross-node hit",
              ["--quick", "--skip-ttft"],
