@@ -2,7 +2,8 @@
 
   python -m benchmarks speculative [--levels 1,8,32] [--max-tokens 128] [--rounds 2] [--peers llamacpp]
 
-Systems, each started once, over OpenAI HTTP (/v1/chat/completions, streaming, greedy):
+Systems, all started at once and each wave run on each in turn (rounds interleaved: an idle server costs
+nothing, and a slow moment of the machine falls on every system alike), over OpenAI HTTP (/v1/chat/completions, streaming, greedy):
   edgeinfer        `edgeinfer serve` with its defaults (n-gram drafts, adaptive; grammar fast-forward)
   edgeinfer-off    `edgeinfer serve --speculative off --backend-arg=--no-grammar-fast-forward`
   llamacpp         llama-server on the same GGUF, same threads, no speculation
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -186,22 +188,25 @@ def main(argv: list[str] | None = None) -> int:
                 skipped["llamacpp"] = f"no llama-server under {a.llamacpp_build}"
         result: dict = {"bench": "speculative", "levels": levels, "kinds": kinds, "max_tokens": a.max_tokens,
                         "rounds": a.rounds, "threads": a.threads, "skipped": skipped, "systems": {}}
-        for name, (spec, bport) in specs.items():
-            with Running(spec, Path(tmp), 900.0) as srv:
-                url, key = spec.url, spec.api_key
-                asyncio.run(wave(url, key, srv.model, prompts("free", 1), 8))    # warm-up
-                per: dict = {}
-                for kind in kinds:
-                    for c in levels:
-                        rates, extra = [], []
-                        for _ in range(a.rounds):
+        with contextlib.ExitStack() as stack:       # every system up at once; each wave alternates between them
+            running = {name: stack.enter_context(Running(spec, Path(tmp), 900.0)) for name, (spec, _) in specs.items()}
+            for name, (spec, _) in specs.items():
+                asyncio.run(wave(spec.url, spec.api_key, running[name].model, prompts("free", 1), 8))    # warm-up
+                result["systems"][name] = {"command": " ".join(spec.cmd), "results": {}}
+            for kind in kinds:
+                for c in levels:
+                    runs: dict[str, list[dict]] = {name: [] for name in specs}
+                    for _ in range(a.rounds):
+                        for name, (spec, bport) in specs.items():
                             before = backend_counters(f"http://127.0.0.1:{bport}") if bport else {}
-                            w = asyncio.run(wave(url, key, srv.model, prompts(kind, c), a.max_tokens))
+                            w = asyncio.run(wave(spec.url, spec.api_key, running[name].model, prompts(kind, c),
+                                                 a.max_tokens))
                             after = backend_counters(f"http://127.0.0.1:{bport}") if bport else {}
                             w.update({k: after[k] - before[k] for k in after})
-                            rates.append(w["decode_tok_s"])
-                            extra.append(w)
-                        good = [r for r in rates if r is not None]
+                            runs[name].append(w)
+                    for name, (_, bport) in specs.items():
+                        extra = runs[name]
+                        good = [x["decode_tok_s"] for x in extra if x["decode_tok_s"] is not None]
                         row = {"decode_tok_s": statistics.median(good) if good else None, "runs": extra}
                         if bport:
                             d = sum(x["spec_drafted_tokens"] for x in extra)
@@ -210,11 +215,10 @@ def main(argv: list[str] | None = None) -> int:
                             row.update({"acceptance": acc / d if d else None, "drafted": d, "accepted": acc,
                                         "fast_forwarded": sum(x["grammar_fast_forward_tokens"] for x in extra),
                                         "accepted_per_100_tokens": 100 * acc / toks if toks else None})
-                        per[f"{kind}@{c}"] = row
+                        result["systems"][name]["results"][f"{kind}@{c}"] = row
                         print(f"  {name:15s} {kind:10s} c={c:<3d} {row['decode_tok_s'] or 0:7.1f} tok/s "
                               + (f"acceptance {row.get('acceptance') or 0:.2f}, fast-forwarded "
                                  f"{row.get('fast_forwarded', 0):.0f}" if bport else ""), flush=True)
-                result["systems"][name] = {"command": " ".join(spec.cmd), "results": per}
     sysr = result["systems"]
     def ratio(x, y):
         return x / y if x and y else None
