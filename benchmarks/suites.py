@@ -196,6 +196,10 @@ SUITES: list[Suite] = [
              _keys(("decode on / off @32", "decode.32.on_over_off"), ("parts' cost @32", "parts_cost_at_top_level"),
                    ("prefix-hit TTFT on / off", "prefix_hit.hit_ttft_on_over_off"),
                    ("verify us/page", "prefix_hit.verify_us_per_page"), digits=4)),
+        Part("engine.verify_rows", "what a draft token costs: steps of B sequences each verifying k draft tokens",
+             ["--levels", "1", "--drafts", "0,1", "--reps", "2", "--prompt-len", "32"],
+             _keys(("batch 1: a draft token / a plain step", "rows.1x4.draft_token_cost_over_plain_step"),
+                   ("batch 8: a draft token / a plain step", "rows.8x4.draft_token_cost_over_plain_step"))),
     ]),
     Suite("kernels", "How fast are the kernels against their baselines?", [
         Part("kernels.cpu", "C++ int8-dot CPU kernels vs torch int4 GEMM vs fp32 dense, per SmolLM2 layer shape",

@@ -63,6 +63,8 @@ class SpecPolicy:
     min_ngram: int = 2
     max_ngram: int = 4
     retry_every: int = 32          # a sequence that has not verified for this many steps gets one draft token
+    margin: float = 1.5            # a draft token must raise tokens/s by this factor over the step's rate (the
+    #                                verify's own costs beyond its rows: measured in benchmarks/speculative.py)
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE:
@@ -71,6 +73,8 @@ class SpecPolicy:
             raise ValueError(f"spec_tokens={self.num_tokens!r} is invalid: expected 1..16")
         if self.max_batch < 0:
             raise ValueError(f"spec_max_batch={self.max_batch!r} is invalid: expected >= 0")
+        if not self.margin > 0:
+            raise ValueError(f"margin={self.margin!r} is invalid: expected > 0")
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"min_ngram={self.min_ngram!r}, max_ngram={self.max_ngram!r}: expected 1 <= min <= max")
 
@@ -159,7 +163,7 @@ def plan(drafts: list[tuple[Sequence, list[int]]], policy: SpecPolicy, step: int
     while heap:
         gain, i = heapq.heappop(heap)
         gain = -gain
-        if gain * time <= per_row * tokens:     # one more row would lower the step's tokens per second
+        if gain * time <= policy.margin * per_row * tokens:    # not enough above the step's tokens per second
             break
         ks[i] += 1
         tokens += gain

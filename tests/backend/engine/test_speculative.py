@@ -105,7 +105,7 @@ def _seq_with(acceptance: float, last_verify: int = 100):
 def test_plan_places_draft_tokens_only_where_they_raise_tokens_per_second():
     from edgeinfer.backend.engine.speculative import plan
 
-    policy = SpecPolicy(num_tokens=8)
+    policy = SpecPolicy(num_tokens=8, margin=1.0)    # the bare rule: a draft token must raise tokens/s at all
     d = list(range(8))
     cost = (2.0, 1.0, 1.0)     # fixed part = 2 rows: the default model on this CPU (6.8 ms / row, 2.3 ms per extra)
     # batch 1: a draft token pays from a > 1/3; a 0.9 copier gets several, a 0.3 one none
@@ -120,6 +120,9 @@ def test_plan_places_draft_tokens_only_where_they_raise_tokens_per_second():
     # a sequence that has not verified for retry_every steps gets one token to learn from, whatever its estimate
     assert plan([(_seq_with(0.1, last_verify=0), d)], policy, 100, 1, 0, cost) == [1]
     assert plan([(_seq_with(0.1), d)], SpecPolicy(adaptive=False), 101, 1, 0, cost) == [8]
+    # the default margin (1.5: a verify's costs beyond its rows, measured): 0.45 drafts under the bare rule only
+    assert plan([(_seq_with(0.45), d)], policy, 101, 1, 0, cost)[0] >= 1
+    assert plan([(_seq_with(0.45), d)], SpecPolicy(num_tokens=8), 101, 1, 0, cost) == [0]
 
 
 def test_adaptive_drafting_costs_fewer_rows_than_drafting_everything(tiny):
