@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import statistics
@@ -39,6 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.harness import load  # noqa: E402
 from benchmarks.harness.results import run_stamp, write_result  # noqa: E402
 from benchmarks.harness.servers import Running, edgeinfer_spec  # noqa: E402
 
@@ -54,30 +54,9 @@ def _q(xs: list[float], q: float) -> float | None:
 
 
 async def _stream(session, url: str, key: str, model: str, prompt: list[int], max_tokens: int) -> dict:
-    t0 = time.perf_counter()
-    times: list[float] = []
-    usage: dict = {}
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
-    async with session.post(url + "/v1/completions", json=body, headers={"authorization": f"Bearer {key}"}) as r:
-        if r.status != 200:
-            raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:300]}")
-        buf = b""
-        async for piece in r.content.iter_any():
-            buf += piece.replace(b"\r\n", b"\n")
-            *events, buf = buf.split(b"\n\n")
-            now = time.perf_counter()
-            for ev in events:
-                data = b"".join(line[5:].strip() for line in ev.split(b"\n") if line.startswith(b"data:"))
-                if not data or data == b"[DONE]":
-                    continue
-                obj = json.loads(data)
-                if "error" in obj:
-                    raise RuntimeError(f"error event: {obj['error']}")
-                usage = obj.get("usage") or usage
-                if any(c.get("text") for c in obj.get("choices") or []):
-                    times.append(now)
-    return {"t0": t0, "times": times, "usage": usage}
+    return await load.timed_stream(session, url, "/v1/completions", {"authorization": f"Bearer {key}"}, body)
 
 
 async def workload(url: str, key: str, model: str, a, rng: random.Random) -> dict:

@@ -36,6 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.harness import load  # noqa: E402
 from benchmarks.harness.results import run_stamp, write_result  # noqa: E402
 from benchmarks.harness.servers import (  # noqa: E402
     Running,
@@ -94,33 +95,10 @@ def prompts(kind: str, n: int) -> list[dict]:
 
 
 async def _one(session, url: str, key: str | None, model: str, body: dict, max_tokens: int) -> dict:
-    t0 = time.perf_counter()
-    times: list[float] = []
-    usage: dict = {}
-    timings: dict = {}
     req = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True,
            "stream_options": {"include_usage": True}, **body}
     headers = {"authorization": f"Bearer {key}"} if key else {}
-    async with session.post(url + "/v1/chat/completions", json=req, headers=headers) as r:
-        if r.status != 200:
-            raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:300]}")
-        buf = b""
-        async for piece in r.content.iter_any():
-            buf += piece.replace(b"\r\n", b"\n")
-            *events, buf = buf.split(b"\n\n")
-            now = time.perf_counter()
-            for ev in events:
-                data = b"".join(line[5:].strip() for line in ev.split(b"\n") if line.startswith(b"data:"))
-                if not data or data == b"[DONE]":
-                    continue
-                obj = json.loads(data)
-                if "error" in obj:
-                    raise RuntimeError(f"error event: {obj['error']}")
-                usage = obj.get("usage") or usage
-                timings = obj.get("timings") or timings
-                if any((c.get("delta") or {}).get("content") for c in obj.get("choices") or []):
-                    times.append(now)
-    return {"t0": t0, "times": times, "usage": usage, "timings": timings}
+    return await load.timed_stream(session, url, "/v1/chat/completions", headers, req)
 
 
 async def wave(url: str, key: str | None, model: str, bodies: list[dict], max_tokens: int) -> dict:

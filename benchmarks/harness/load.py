@@ -30,6 +30,22 @@ def _events(buf: bytes) -> tuple[list[bytes], bytes]:
     return done, rest
 
 
+class HTTPError(RuntimeError):
+    """The server answered the streaming request with a non-200 status."""
+
+
+async def sse_events(response):
+    """(arrival time, decoded JSON) of each `data:` event of a streaming response, [DONE] left out."""
+    buf = b""
+    async for piece in response.content.iter_any():
+        done, buf = _events(buf + piece)
+        now = time.perf_counter()
+        for ev in done:
+            data = b"".join(line[5:].strip() for line in ev.split(b"\n") if line.startswith(b"data:"))
+            if data and data != b"[DONE]":
+                yield now, json.loads(data)
+
+
 async def shoot(session, url: str, headers: dict, body: dict) -> Shot:
     import aiohttp
 
@@ -42,28 +58,40 @@ async def shoot(session, url: str, headers: dict, body: dict) -> Shot:
         async with session.post(url + "/v1/completions", json=body, headers=headers) as r:
             if r.status != 200:
                 return Shot(t0, None, None, 0, None, None, f"HTTP {r.status}: {(await r.text())[:300]}")
-            buf = b""
-            async for piece in r.content.iter_any():
-                done, buf = _events(buf + piece)
-                now = time.perf_counter()
-                for ev in done:
-                    data = b"".join(line[5:].strip() for line in ev.split(b"\n") if line.startswith(b"data:"))
-                    if not data or data == b"[DONE]":
-                        continue
-                    obj = json.loads(data)
-                    if "error" in obj:
-                        return Shot(t0, first, last, events, None, None, f"error event: {str(obj['error'])[:300]}")
-                    if obj.get("usage"):
-                        usage = obj["usage"]
-                    for c in obj.get("choices") or []:
-                        finish = c.get("finish_reason") or finish
-                        if c.get("text") or (c.get("delta") or {}).get("content") or first is None:
-                            first = first if first is not None else now
-                            last = now
-                            events += 1
+            async for now, obj in sse_events(r):
+                if "error" in obj:
+                    return Shot(t0, first, last, events, None, None, f"error event: {str(obj['error'])[:300]}")
+                if obj.get("usage"):
+                    usage = obj["usage"]
+                for c in obj.get("choices") or []:
+                    finish = c.get("finish_reason") or finish
+                    if c.get("text") or (c.get("delta") or {}).get("content") or first is None:
+                        first = first if first is not None else now
+                        last = now
+                        events += 1
     except (TimeoutError, aiohttp.ClientError, ValueError) as e:
         return Shot(t0, first, last, events, None, finish, f"{type(e).__name__}: {e}")
     return Shot(t0, first, last, int(usage.get("completion_tokens", events)), usage.get("prompt_tokens"), finish)
+
+
+async def timed_stream(session, url: str, path: str, headers: dict, body: dict) -> dict:
+    """One streaming request: its send time, the arrival time of every event carrying text, its usage and (from
+    llama-server) its timings; an HTTP error or an error event raises."""
+    t0 = time.perf_counter()
+    times: list[float] = []
+    usage: dict = {}
+    timings: dict = {}
+    async with session.post(url + path, json=body, headers=headers) as r:
+        if r.status != 200:
+            raise HTTPError(f"HTTP {r.status}: {(await r.text())[:300]}")
+        async for now, obj in sse_events(r):
+            if "error" in obj:
+                raise HTTPError(f"error event: {obj['error']}")
+            usage = obj.get("usage") or usage
+            timings = obj.get("timings") or timings
+            if any(c.get("text") or (c.get("delta") or {}).get("content") for c in obj.get("choices") or []):
+                times.append(now)
+    return {"t0": t0, "times": times, "usage": usage, "timings": timings}
 
 
 async def wave(url: str, model: str, api_key: str | None, prompts: list[list[int]] | list[str], max_tokens: int,
