@@ -48,6 +48,26 @@ class BackendProcess:
             time.sleep(0.2)
         raise TimeoutError(f"backend {self.node_id} not ready after {timeout_s}s")
 
+    def generate(self, prompt: list[int], namespace: str, max_tokens: int = 8, **extra) -> tuple[list[int], object]:
+        """A greedy request (EOS ignored) on /internal/generate: (every token id, the last StreamChunk). `extra`: more
+        GenerateRequest fields (prefill_only, kv_source, ...)."""
+        from edgeinfer.protocol.wire import chunk_decoder
+
+        body = {"request_id": f"{self.node_id}-{time.monotonic_ns()}", "prompt_token_ids": prompt,
+                "sampling": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
+                "cache_namespace": namespace, **extra}
+        ids: list[int] = []
+        last = None
+        with requests.post(self.url + "/internal/generate", json=body, headers=INTERNAL_AUTH, stream=True,
+                           timeout=120) as r:
+            assert r.status_code == 200, r.text
+            for line in r.iter_lines():
+                if line:
+                    last = chunk_decoder.decode(line)
+                    ids += last.token_ids
+        assert last is not None, "the stream ended without a chunk"
+        return ids, last
+
     def metric(self, name: str, **labels: str) -> float:
         """Sum of the samples of `name` whose labels include `labels` (0.0 when there is none)."""
         text = requests.get(self.url + "/metrics", timeout=5).text

@@ -31,7 +31,7 @@ this CPU the first draft token needs a > ~0.34; at batch 32 the step is long but
 draft needs a > ~0.9: copy-heavy sequences keep drafting, the rest stop. A sequence that has not verified for
 `retry_every` steps gets one draft token to learn whether its text became predictable again.
 Eligible: plain sampling only (no grammar, penalties, logit_bias or logprobs: each would need a per-position
-state); `max_batch` caps the decoding sequences of a step above which nobody drafts.
+state), and no seeded sampled request (a seed must give the same text twice, whatever the batch); `max_batch` caps the decoding sequences of a step above which nobody drafts.
 """
 
 from __future__ import annotations
@@ -120,9 +120,12 @@ class SpecState:
 
 
 def eligible(seq: Sequence) -> bool:
+    """Plain sampling only; and not a seeded sampled request: whether a step verifies a draft depends on the batch
+    and the machine's step costs, and a verify draws its random numbers differently, so the same seed would not
+    give the same text twice (greedy output does not depend on drafting)."""
     sp = seq.sampling
     return (seq.matcher is None and not sp.logprobs and not sp.logit_bias and sp.repetition_penalty == 1.0
-            and not sp.presence_penalty and not sp.frequency_penalty)
+            and not sp.presence_penalty and not sp.frequency_penalty and (sp.seed is None or is_greedy(sp)))
 
 
 def draft_for(seq: Sequence, policy: SpecPolicy) -> list[int]:

@@ -28,7 +28,6 @@ import requests
 
 from edgeinfer.gateway import config as config_mod
 from edgeinfer.gateway.routing import affinity_node
-from edgeinfer.protocol.wire import chunk_decoder
 from tests.backend_process import INTERNAL_AUTH, INTERNAL_SECRET, BackendProcess
 from tests.conftest import wait_until
 from tests.gateway.conftest import DEMO_KEY, OTHER_KEY, client, parsed, tenant
@@ -242,19 +241,8 @@ def test_a_prefill_hop_over_its_bound_fails_and_the_request_goes_on(harness, smo
     wait_until(lambda: p1.idle(), 20, what="the timed-out prefill aborted on the prefill node")
 
 
-def _generate(node: Node, prompt: list[int], namespace: str, **extra) -> tuple[list[int], object]:
-    body = {"request_id": f"t-{time.monotonic_ns()}", "prompt_token_ids": prompt, "cache_namespace": namespace,
-            "sampling": {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}, **extra}
-    ids: list[int] = []
-    last = None
-    with requests.post(node.url + "/internal/generate", json=body, headers=INTERNAL_AUTH, stream=True,
-                       timeout=120) as r:
-        assert r.status_code == 200, r.text
-        for line in r.iter_lines():
-            if line:
-                last = chunk_decoder.decode(line)
-                ids += last.token_ids
-    return ids, last
+def _generate(node: Node, prompt: list[int], namespace: str, **extra):
+    return node.generate(prompt, namespace, 8, **extra)
 
 
 def _prompt(seed: int, n: int) -> list[int]:

@@ -223,3 +223,18 @@ def _all_logits(model, ids: list[int]) -> torch.Tensor:
     assert eng.blocks.ensure_capacity(seq, len(ids))
     eng.runner.execute(ScheduledBatch(verifies=[(seq, ids[1:])]))
     return eng.runner.verify_logits[0]
+
+
+def test_a_seeded_sampled_request_does_not_draft():
+    """The same seed gives the same text twice whatever the batch: drafting would change how its random numbers
+    are drawn; greedy and unseeded sampling draft."""
+    from edgeinfer.protocol.wire import SamplingParams as SP
+
+    class S:
+        matcher = None
+
+        def __init__(self, sp) -> None:
+            self.sampling = sp
+
+    assert not eligible(S(SP(temperature=0.8, seed=7)))
+    assert eligible(S(SP(temperature=0.8))) and eligible(S(SP(temperature=0, seed=7)))

@@ -21,7 +21,7 @@ import requests
 
 from edgeinfer.cache_store.codec import ENVELOPE_BYTES, TAG_BYTES, DecodedPage, PageKey, decode
 from edgeinfer.protocol.page_id import PageKeyContext, page_hashes
-from edgeinfer.protocol.wire import GenerateRequest, SamplingParams, chunk_decoder
+from edgeinfer.protocol.wire import GenerateRequest, SamplingParams
 from tests.backend_process import INTERNAL_AUTH, INTERNAL_SECRET, BackendProcess
 from tests.conftest import wait_until
 
@@ -45,20 +45,9 @@ class Backend(BackendProcess):
     def published(self) -> float:
         return self.metric("edgeinfer_backend_page_store_pages_total", event="published")
 
-    def generate(self, prompt: list[int], namespace: str, max_tokens: int = 8) -> tuple[list[int], dict]:
-        body = {"request_id": f"{self.node_id}-{time.monotonic_ns()}", "prompt_token_ids": prompt,
-                "sampling": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
-                "cache_namespace": namespace}
-        ids: list[int] = []
-        last = None
-        with requests.post(self.url + "/internal/generate", json=body, headers=INTERNAL_AUTH, stream=True,
-                           timeout=120) as r:
-            assert r.status_code == 200, r.text
-            for line in r.iter_lines():
-                if line:
-                    last = chunk_decoder.decode(line)
-                    ids += last.token_ids
-        assert last is not None and last.finish_reason == "length", last
+    def generate(self, prompt: list[int], namespace: str, max_tokens: int = 8, **extra) -> tuple[list[int], dict]:
+        ids, last = super().generate(prompt, namespace, max_tokens, **extra)
+        assert last.finish_reason == "length", last
         return ids, msgspec.to_builtins(last.usage)
 
 
