@@ -10,7 +10,7 @@ from pathlib import Path
 
 from edgeinfer.backend.engine.engine_config import EngineConfig
 from edgeinfer.backend.engine.speculative import SPECULATIVE
-from edgeinfer.protocol.defaults import CACHE_SEED, CACHE_SEED_ENV, KEY_PREFIX, PAGE_SIZE
+from edgeinfer.protocol.defaults import CACHE_SEED, CACHE_SEED_ENV, KEY_PREFIX, PAGE_SIZE, env_defaults
 from edgeinfer.protocol.wire import ROLES
 
 VERSION = os.environ.get("EDGEINFER_VERSION", "0.1.0")
@@ -208,6 +208,7 @@ def parse_args(argv: list[str] | None) -> BackendConfig:
     p.add_argument("--handoff-timeout", type=float, default=5.0,
                    help="seconds a decode node may spend pulling a prompt's pages from the prefill node named in "
                         "the request before it computes the rest itself")
+    env_defaults(p)
     args = p.parse_args(argv)
     args.internal_secret = None if args.insecure_no_internal_auth else _internal_secret(p, args)
     if not 1 <= args.spec_tokens <= 16:

@@ -31,7 +31,7 @@ from edgeinfer.backend.engine.kv_faults import refuse_in_production
 from edgeinfer.ops.children import Children, Stopped, exit_code, raise_on_stop_signals
 from edgeinfer.ops.local_state import HomeLock, LocalSecrets, clear_running, write_running
 from edgeinfer.ops.local_valkey import MAXMEMORY, LocalValkey, ValkeyError
-from edgeinfer.protocol.defaults import home_dir
+from edgeinfer.protocol.defaults import env_defaults, home_dir
 
 PAGE_KEY_ENV = "EDGEINFER_PAGE_KEY"     # what backend.server reads (backend/page_store/wiring.py)
 REDIS_URL_ENV = "EDGEINFER_REDIS_URL"   # backend.server's --redis-url default
@@ -70,6 +70,7 @@ def parser() -> argparse.ArgumentParser:
                    help="bytes the embedded valkey keeps before evicting the coldest pages (default 256 MiB: "
                         "~1,400 fp8 pages of the default model, 22k tokens of shared prefixes, half what the "
                         "backend's own KV pool holds; docs/OPERATIONS.md)")
+    env_defaults(p)
     return p
 
 

@@ -49,3 +49,35 @@ def test_the_page_key_comes_from_the_typed_config(monkeypatch, tmp_path):
     (tmp_path / "k").write_bytes(b"a-file-secret-0123456789\n")
     keyed = dataclasses.replace(cfg, page_key_file=str(tmp_path / "k"))
     assert page_key_from_config(keyed).key == PageKey.from_secret(b"a-file-secret-0123456789").key
+
+
+def test_every_flag_can_come_from_the_environment(monkeypatch, capsys):
+    """EDGEINFER_ARG_<FLAG> (as llama-server's LLAMA_ARG_*): the variable is the default, the command line wins,
+    --help names it, a bad value is refused naming the variable."""
+    monkeypatch.setenv("EDGEINFER_ARG_MAX_NUM_SEQS", "7")
+    monkeypatch.setenv("EDGEINFER_ARG_NO_PREFIX_CACHE", "yes")
+    monkeypatch.setenv("EDGEINFER_ARG_SPECULATIVE", "off")
+    cfg = parse_args(["--insecure-no-internal-auth"])
+    assert (cfg.max_num_seqs, cfg.no_prefix_cache, cfg.speculative) == (7, True, "off")
+    assert parse_args(["--insecure-no-internal-auth", "--max-num-seqs", "3"]).max_num_seqs == 3
+    for name, value, needle in (("EDGEINFER_ARG_MAX_NUM_SEQS", "many", "EDGEINFER_ARG_MAX_NUM_SEQS='many'"),
+                                ("EDGEINFER_ARG_SPECULATIVE", "eagle", "expected one of ngram, off"),
+                                ("EDGEINFER_ARG_NO_PREFIX_CACHE", "maybe", "expected one of 1, true")):
+        monkeypatch.setenv(name, value)
+        with pytest.raises(SystemExit):
+            parse_args(["--insecure-no-internal-auth"])
+        assert needle in capsys.readouterr().err
+        monkeypatch.delenv(name)
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    assert "EDGEINFER_ARG_KV_CACHE_BYTES" in capsys.readouterr().out.replace("\n", "").replace(" ", "")
+
+
+def test_serve_flags_come_from_the_environment_too(monkeypatch):
+    from edgeinfer.ops.serve import parser
+
+    monkeypatch.setenv("EDGEINFER_ARG_PREFILL_NODES", "2")
+    monkeypatch.setenv("EDGEINFER_ARG_BACKEND_ARG", "--spec-tokens 2")
+    a = parser().parse_args(["--decode-nodes", "1"])
+    assert (a.prefill_nodes, a.decode_nodes, a.backend_arg) == (2, 1, ["--spec-tokens", "2"])
+    assert "EDGEINFER_ARG_VALKEY_MAXMEMORY" in parser().format_help().replace("\n", "").replace(" ", "")
