@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import random
-import re
 import statistics
 import sys
 import tempfile
@@ -43,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.harness.results import run_stamp, write_result  # noqa: E402
 from benchmarks.harness.servers import ProcessGroup, free_port, wait_http  # noqa: E402
+from tests.backend_process import metric_sum  # noqa: E402
 from tests.redis_server import ValkeyServer  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "disagg_transfer.json"
@@ -69,13 +69,7 @@ def generate(url: str, prompt: list[int], ns: str, **extra) -> tuple[float, dict
 
 
 def metric(url: str, name: str, **labels: str) -> float:
-    text = requests.get(url + "/metrics", headers=AUTH, timeout=10).text
-    total = 0.0
-    for m in re.finditer(rf"^{name}\{{([^}}]*)\}} (\S+)$", text, re.M):
-        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-        if all(got.get(k) == v for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
+    return metric_sum(requests.get(url + "/metrics", headers=AUTH, timeout=10).text, name, **labels)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,16 @@ INTERNAL_SECRET = "edgeinfer-test-internal-secret"     # what the gateway sends 
 INTERNAL_AUTH = {"authorization": f"Bearer {INTERNAL_SECRET}"}
 
 
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` in Prometheus text whose labels include `labels` (0.0 when there is none)."""
+    total = 0.0
+    for m in re.finditer(rf"^{name}\{{([^}}]*)\}} (\S+)$", text, re.M):
+        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        if all(got.get(k) == v for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
 class BackendProcess:
     def __init__(self, model_dir, node_id: str, args: list[str], seed: str, log_path: Path | None = None) -> None:
         self.node_id = node_id
@@ -70,13 +80,7 @@ class BackendProcess:
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of the samples of `name` whose labels include `labels` (0.0 when there is none)."""
-        text = requests.get(self.url + "/metrics", timeout=5).text
-        total = 0.0
-        for m in re.finditer(rf"^{name}\{{([^}}]*)\}} (\S+)$", text, re.M):
-            got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-            if all(got.get(k) == v for k, v in labels.items()):
-                total += float(m.group(2))
-        return total
+        return metric_sum(requests.get(self.url + "/metrics", timeout=5).text, name, **labels)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

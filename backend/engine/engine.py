@@ -358,9 +358,10 @@ class LLMEngine:
         pending = {id(s): d[:s.num_computed_tokens - s.num_tokens] for (s, d) in batch.verifies}   # accepted drafts
         sealed: list[int] = []
         for s in [*batch.decodes, *(s for s, _ in batch.prefills), *(s for s, _ in batch.verifies)]:
-            new = s.extend_hashes(pending.get(id(s)))
+            accepted = pending.get(id(s))
+            new = s.extend_hashes(accepted)
             if new:
-                cached = self.blocks.register_full_pages(s, new, pending.get(id(s)))
+                cached = self.blocks.register_full_pages(s, new, accepted)
                 if cached:
                     sealed += [page for _, page in cached]
                     for o in self.observers:
