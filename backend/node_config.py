@@ -172,8 +172,10 @@ def parse_args(argv: list[str] | None) -> BackendConfig:
                         "barrier: batch-1 decode fell from ~155 to 2-68 tok/s, docs/KERNELS.md)")
     p.add_argument("--speculative", default="ngram", choices=list(SPECULATIVE),
                    help="speculative decoding: ngram (drafts looked up in the prompt and output so far, verified k "
-                        "at a time; adaptive: only while few sequences decode and a sequence's drafts get accepted) "
-                        "or off; greedy output is the same either way (docs/SPECULATIVE.md)")
+                        "at a time; adaptive: only while few sequences decode and a sequence's drafts get accepted), "
+                        "mtp (the checkpoint's multi-token-prediction layer drafts one token: DeepSeek-V3 / Kimi K2 / "
+                        "GLM-4.5 checkpoints that ship it) or off; greedy output is the same either way "
+                        "(docs/SPECULATIVE.md)")
     p.add_argument("--spec-tokens", type=int, default=4, help="draft tokens per verify step (1..16)")
     p.add_argument("--spec-max-batch", type=int, default=64,
                    help="no drafts in a step with more decoding sequences than this (a large batch is compute-bound)")

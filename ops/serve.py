@@ -52,7 +52,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backend-arg", action="append", default=[],
                    help="extra flag for the backend (edgeinfer backend --help; repeatable)")
     p.add_argument("--ready-timeout", type=float, default=900.0)
-    p.add_argument("--speculative", default=None, choices=["ngram", "off"],
+    p.add_argument("--speculative", default=None, choices=["ngram", "mtp", "off"],
                    help="speculative decoding on every backend (edgeinfer backend --speculative; default ngram)")
     p.add_argument("--nodes", type=int, default=1,
                    help="colocated: this many backends with --role both (each prefills and decodes its own requests)")

@@ -100,11 +100,13 @@ _GGUF_MLA_LAYER = {
 }
 
 
-def write_moe_gguf(hf, path: Path, tokenizer_gguf: Path, quant: str = "Q4_0") -> Path:
+def write_moe_gguf(hf, path: Path, tokenizer_gguf: Path, quant: str = "Q4_0", mtp: dict | None = None) -> Path:
     """The GLM-4.5 or DeepSeek-V3 model `hf` as llama.cpp's converter lays it out (arch glm4moe or deepseek2: expert
     tensors [E, N, K], no q/k permutation, DeepSeek's kv_b_proj split into k_b (transposed per head) and v_b), its
     2-D decoder linears and expert tensors in `quant` (Q4_0, Q4_1 or F32), everything else F32; the tokenizer
-    fields copied from `tokenizer_gguf` (whose vocabulary the model must have)."""
+    fields copied from `tokenizer_gguf` (whose vocabulary the model must have). `mtp` (build_mtp's tensors): the MTP
+    layer appended as llama.cpp's glm4moe conversion does it (one more block, its own tensors as `blk.N.nextn.*`,
+    `nextn_predict_layers` = 1)."""
     import gguf
     import numpy as np
 
@@ -114,7 +116,8 @@ def write_moe_gguf(hf, path: Path, tokenizer_gguf: Path, quant: str = "Q4_0") ->
     src = gguf.GGUFReader(str(tokenizer_gguf))
     w = gguf.GGUFWriter(str(path), arch)
     a = arch + "."
-    meta = {"block_count": c.num_hidden_layers, "context_length": c.max_position_embeddings,
+    blocks = c.num_hidden_layers + (1 if mtp else 0)
+    meta = {"block_count": blocks, "context_length": c.max_position_embeddings,
             "embedding_length": c.hidden_size, "feed_forward_length": c.intermediate_size,
             "attention.head_count": c.num_attention_heads,
             "expert_count": c.n_routed_experts, "expert_used_count": c.num_experts_per_tok,
@@ -132,6 +135,8 @@ def write_moe_gguf(hf, path: Path, tokenizer_gguf: Path, quant: str = "Q4_0") ->
         meta |= {"attention.head_count_kv": c.num_key_value_heads, "attention.key_length": c.head_dim,
                  "attention.value_length": c.head_dim,
                  "rope.dimension_count": int(c.head_dim * c.rope_parameters.get("partial_rotary_factor", 1.0))}
+    if mtp:
+        meta["nextn_predict_layers"] = 1
     for key, value in meta.items():
         w.add_uint32(a + key, int(value))
     w.add_float32(a + "rope.freq_base", float(c.rope_parameters["rope_theta"]))
@@ -163,7 +168,14 @@ def write_moe_gguf(hf, path: Path, tokenizer_gguf: Path, quant: str = "Q4_0") ->
     add("output_norm.weight", sd["model.norm.weight"], False)
     add("output.weight", sd["lm_head.weight"], False)
     names = _GGUF_LAYER | (_GGUF_MLA_LAYER if mla else {})
-    for i in range(c.num_hidden_layers):
+    nextn = {"eh_proj.weight": "nextn.eh_proj.weight", "enorm.weight": "nextn.enorm.weight",
+             "hnorm.weight": "nextn.hnorm.weight", "shared_head.norm.weight": "nextn.shared_head_norm.weight",
+             "shared_head.head.weight": "nextn.shared_head_head.weight"}
+    for hf_name, g_name in nextn.items():
+        if mtp:
+            add(f"blk.{c.num_hidden_layers}.{g_name}", mtp[f"model.layers.{c.num_hidden_layers}.{hf_name}"],
+                hf_name == "eh_proj.weight")
+    for i in range(blocks):
         p = f"model.layers.{i}."
         for hf_name, g_name in names.items():
             if p + hf_name in sd:
@@ -258,3 +270,80 @@ def servable_llama(out: Path, tokenizer_dir: Path, **overrides):
         if (tokenizer_dir / name).is_file():
             shutil.copy2(tokenizer_dir / name, out / name)
     return model
+
+
+def build_mtp(kind: str, out: Path, seed: int = 0, echo: float = 0.0, **overrides):
+    """A tiny GLM-4.5 or DeepSeek-V3 checkpoint with its MTP layer, laid out as the published checkpoints ship it:
+    `num_hidden_layers` = 3 decoder layers, then `model.layers.3.*` = the MTP block (a decoder layer made by
+    transformers' own class: the 4th layer of a 4-layer model, so it is sparse as DeepSeek's layer 61 is) plus
+    enorm, hnorm, eh_proj [H, 2H], shared_head.norm and shared_head.head; config.json says num_nextn_predict_layers=1.
+
+    `echo` > 0 makes the MTP layer a fair predictor on this random model: eh_proj passes hnorm(h) through, the
+    block's output projections are scaled by 1 - echo, the shared head is the lm_head and norm; its logits at i are
+    then close to the model's own at i, so the draft for the token after t is t again, which the sharpened tiny
+    models, prone to repeat a token, often accept (the accept path gets exercised; with echo=0 it is random).
+
+    Returns (model, mtp): the transformers model holding all 4 layers with config.num_hidden_layers set to 3 (its
+    forward runs the main model; model.model.layers[3] is the MTP block), and the MTP layer's own tensors."""
+    import json
+
+    from safetensors.torch import save_file
+
+    layers = 3
+    model = build(kind, None, seed=seed, num_hidden_layers=layers + 1, **overrides)
+    c = model.config
+    h, v = c.hidden_size, c.vocab_size
+    g = torch.Generator().manual_seed(seed + 7)
+    sd = {k: t.detach().clone().contiguous() for k, t in model.state_dict().items()}
+    p = f"model.layers.{layers}."
+    mtp = {p + "enorm.weight": 1 + 0.2 * torch.randn(h, generator=g),
+           p + "hnorm.weight": 1 + 0.2 * torch.randn(h, generator=g),
+           p + "eh_proj.weight": torch.randn(h, 2 * h, generator=g) * 3 / (2 * h) ** 0.5,
+           p + "shared_head.norm.weight": 1 + 0.2 * torch.randn(h, generator=g),
+           p + "shared_head.head.weight": torch.randn(v, h, generator=g) * 3 / h ** 0.5}
+    if echo:
+        mtp[p + "enorm.weight"] = torch.ones(h)
+        mtp[p + "hnorm.weight"] = torch.ones(h)
+        mtp[p + "eh_proj.weight"] = torch.cat((torch.zeros(h, h), torch.eye(h)), 1)
+        mtp[p + "shared_head.norm.weight"] = sd["model.norm.weight"].clone()
+        mtp[p + "shared_head.head.weight"] = sd["lm_head.weight"].clone()
+        for k in sd:
+            if k.startswith(p) and k.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+                sd[k] = sd[k] * (1 - echo)
+        model.load_state_dict(sd)
+    model.config.num_hidden_layers = layers
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(sd | mtp, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = c.to_dict() | {"num_hidden_layers": layers, "num_nextn_predict_layers": 1,
+                         "architectures": [type(model).__name__]}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
+    return model, mtp
+
+
+def mtp_reference_logits(model, mtp: dict[str, torch.Tensor], ids: list[int]) -> torch.Tensor:
+    """The MTP layer's logits at every position of `ids` but the last, recomputed from scratch in full precision with
+    transformers' own decoder layer for the block (the DeepSeek-V3 report's MTP module, as vLLM and SGLang run it):
+    row i pairs the main model's final (normed) hidden state at i with the embedding of ids[i + 1] and predicts
+    ids[i + 2]."""
+    from transformers.masking_utils import create_causal_mask
+
+    L = model.config.num_hidden_layers
+    p = f"model.layers.{L}."
+
+    def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        x64 = x.double()
+        return (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + model.config.rms_norm_eps)).float() * w
+
+    with torch.no_grad():
+        t = torch.tensor([ids])
+        hidden = model.model(input_ids=t).last_hidden_state[0, :-1]             # [n - 1, H]
+        emb = model.model.embed_tokens(t[0, 1:])
+        x = torch.cat((rms(emb, mtp[p + "enorm.weight"]), rms(hidden, mtp[p + "hnorm.weight"])), -1)
+        x = (x @ mtp[p + "eh_proj.weight"].t())[None]
+        pos = torch.arange(x.shape[1])[None]
+        mask = create_causal_mask(config=model.config, inputs_embeds=x, attention_mask=None, cache=None,
+                                  position_ids=pos)
+        y = model.model.layers[L](x, position_embeddings=model.model.rotary_emb(x, pos), attention_mask=mask,
+                                  position_ids=pos)
+        y = y[0] if isinstance(y, tuple) else y
+        return rms(y[0], mtp[p + "shared_head.norm.weight"]) @ mtp[p + "shared_head.head.weight"].t()

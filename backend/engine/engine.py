@@ -77,6 +77,11 @@ class LLMEngine:
         self.steps = 0
         self.backlog = Backlog(self.cfg.max_num_batched_tokens, step_cost=self.step_cost)
         self.spec = self.cfg.spec_policy()
+        if self.spec.method == "mtp" and model.mtp is None:
+            raise ValueError("speculative='mtp' needs the checkpoint's MTP layer loaded (num_nextn_predict_layers >= 1, "
+                             "DeepSeek-V3 / Kimi K2 / GLM-4.5 class; one process, not tensor-parallel): "
+                             f"{model.cfg.architecture} here has num_nextn_predict_layers="
+                             f"{model.cfg.num_nextn_predict_layers}; use 'ngram' or 'off'")
         self.spec_drafted = 0          # draft tokens verified (speculative decoding)
         self.spec_accepted = 0         # of those, accepted
         self.spec_steps = 0            # verify chunks run
@@ -380,6 +385,8 @@ class LLMEngine:
                 if seq.status == SeqStatus.FINISHED:
                     break
                 self._take(seq, (tok, None), now)
+        if self.runner.mtp_kv is not None:
+            self._mtp_drafts(batch)
         self.steps += 1
         dt = time.monotonic() - t0
         prefill = sum(n for _, n in batch.prefills)
@@ -412,6 +419,25 @@ class LLMEngine:
         if chosen:
             batch.verifies = [(s, chosen[id(s)]) for s in batch.decodes if id(s) in chosen]
             batch.decodes = [s for s in batch.decodes if id(s) not in chosen]
+
+    def _mtp_drafts(self, batch) -> None:
+        """Speculative 'mtp' (backend/model/mtp.py): the MTP layer runs over the positions this step computed and
+        counted (a verify: up to its last accepted token), each paired with the token after it, which stores its KV
+        there; its prediction at a sequence's last position is that sequence's draft for the next step."""
+        items = []
+        for s in [*batch.decodes, *(s for s, _ in batch.prefills), *(s for s, _ in batch.verifies)]:
+            if s.status == SeqStatus.FINISHED or not speculative.eligible(s):
+                continue
+            p0 = self.runner.step_rows[id(s)][1]
+            n = min(s.num_computed_tokens, len(s.all_ids) - 1) - p0
+            if n > 0:
+                items.append((s, n))
+        if not items:
+            return
+        drafts = self.runner.mtp_step(items).argmax(-1).tolist()
+        for (s, _), d in zip(items, drafts):
+            if s.num_computed_tokens == s.num_tokens - 1:    # decoding next: the draft follows its last token
+                speculative.set_mtp_draft(s, self.spec, [d])
 
     def _verify(self, seq: Sequence, draft: list[int], rows) -> list[int] | SamplingError:
         """The tokens a verify chunk emits; its KV counts up to the last accepted draft token."""

@@ -165,6 +165,7 @@ class EngineKVPort:
         body = buf if len(rows) == len(pages) else buf[rows]
         try:
             self.engine.runner.page_io.write(taken, body)
+            self.engine.runner.clear_mtp(taken)
         except BaseException:
             for h in hs:
                 blocks.drop_cached(h)

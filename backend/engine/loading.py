@@ -60,6 +60,6 @@ def load_engine(model_dir: str | Path, cfg: EngineConfig | None = None, dtype: t
 
 def _load_engine(model_dir, cfg, dtype, device, model_name) -> LLMEngine:
     model_dir = Path(model_dir)
-    model = load_model(model_dir, dtype=dtype, device=device)
+    model = load_model(model_dir, dtype=dtype, device=device, mtp=cfg is not None and cfg.speculative == "mtp")
     tok = Tokenizer.from_dir(model_dir, model_vocab_size=model.cfg.vocab_size)
     return LLMEngine(model, tok, cfg, fingerprint=model_fingerprint(model_dir), model_name=model_name or model_dir.name)

@@ -51,12 +51,12 @@ from edgeinfer.backend.engine.sampler import (
 )
 from edgeinfer.backend.engine.sequence import Sequence
 
-SPECULATIVE = ("ngram", "off")
+SPECULATIVE = ("ngram", "mtp", "off")
 
 
 @dataclass(frozen=True)
 class SpecPolicy:
-    method: str = "ngram"          # ngram | off
+    method: str = "ngram"          # ngram | mtp (the checkpoint's MTP layer: backend/model/mtp.py) | off
     num_tokens: int = 4            # the most draft tokens of one sequence in one verify step
     max_batch: int = 64            # decoding sequences in a step above which nobody drafts
     adaptive: bool = True          # place draft tokens where they pay (plan); False: every draft, whole
@@ -109,10 +109,11 @@ class NgramIndex:
 @dataclass
 class SpecState:
     """A sequence's speculation state (seq.spec)."""
-    index: NgramIndex
+    index: NgramIndex | None      # ngram drafts
     accepted: float = 1.0        # decayed count of accepted draft tokens (prior: 1 of 2)
     tried: float = 2.0           # decayed count of draft tokens decided (accepted, or the first rejected)
     last_verify: int = 0         # engine step of its last verify
+    mtp: tuple[int, list[int]] | None = None   # the MTP layer's draft and the sequence length it follows
 
     @property
     def acceptance(self) -> float:
@@ -128,14 +129,30 @@ def eligible(seq: Sequence) -> bool:
             and not sp.presence_penalty and not sp.frequency_penalty and (sp.seed is None or is_greedy(sp)))
 
 
+def _state(seq: Sequence, policy: SpecPolicy) -> SpecState:
+    if seq.spec is None:
+        if policy.method == "ngram":
+            seq.spec = SpecState(NgramIndex(policy.min_ngram, policy.max_ngram))
+        else:   # mtp: prior 0.8 (DeepSeek-V3's MTP accepts 85-90 %, its report), then this sequence's own rate
+            seq.spec = SpecState(None, accepted=1.6)
+    return seq.spec
+
+
+def set_mtp_draft(seq: Sequence, policy: SpecPolicy, draft: list[int]) -> None:
+    """The MTP layer's draft for the token after the sequence's current last one."""
+    _state(seq, policy).mtp = (seq.num_tokens, draft)
+
+
 def draft_for(seq: Sequence, policy: SpecPolicy) -> list[int]:
     """Up to policy.num_tokens draft tokens (fewer near max_tokens: a verify emits up to k+1)."""
-    state: SpecState | None = seq.spec
-    if state is None:
-        state = seq.spec = SpecState(NgramIndex(policy.min_ngram, policy.max_ngram))
+    state = _state(seq, policy)
+    room = seq.max_new_tokens - len(seq.output_ids) - 1
+    if state.index is None:        # mtp: the draft made after the last step, if it follows the current last token
+        if state.mtp is None or state.mtp[0] != seq.num_tokens or room <= 0:
+            return []
+        return state.mtp[1][:min(policy.num_tokens, room)]
     ids = seq.all_ids
     state.index.update(ids)
-    room = seq.max_new_tokens - len(seq.output_ids) - 1
     if room <= 0:
         return []
     return state.index.propose(ids, min(policy.num_tokens, room))

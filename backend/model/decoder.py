@@ -27,6 +27,7 @@ from edgeinfer.backend.model.linear import (
 )
 from edgeinfer.backend.model.model_config import ModelConfig
 from edgeinfer.backend.model.moe import Int4Experts
+from edgeinfer.backend.model.mtp import MTPLayer
 
 
 class LlamaModel(nn.Module):
@@ -51,6 +52,7 @@ class LlamaModel(nn.Module):
         self.vocab_range = (0, cfg.vocab_size)   # the embedding / head rows this rank holds (vocab-parallel)
         self.lean_decode = True   # decode-only steps through DecodePlan where it applies (benchmarks.engine.step turns it off)
         self._decode_plan: DecodePlan | None = None   # built by prepack() once the linears are packed
+        self.mtp: MTPLayer | None = None   # the checkpoint's MTP layer, when loaded for speculative decoding
 
     @property
     def dtype(self) -> torch.dtype:

@@ -60,6 +60,14 @@ _MLA_BLOCK_NAMES = {   # deepseek2 (DeepSeek-V3, Kimi K2): kv_b_proj arrives spl
     "attn_k_b.weight": "self_attn.k_b",      # [H, r, nope] (W_UK^T per head): joined with v_b into kv_b_proj
     "attn_v_b.weight": "self_attn.v_b",      # [H, v, r]
 }
+_NEXTN_NAMES = {   # glm4moe's MTP layer (blk.<num_hidden_layers>.nextn.*: backend/model/mtp.py)
+    "nextn.eh_proj.weight": "eh_proj.weight",
+    "nextn.enorm.weight": "enorm.weight",
+    "nextn.hnorm.weight": "hnorm.weight",
+    "nextn.shared_head_norm.weight": "shared_head.norm.weight",
+    "nextn.shared_head_head.weight": "shared_head.head.weight",
+    "nextn.embed_tokens.weight": None,     # the main embedding's copy (the MTP layer uses the main one)
+}
 _BLOCK_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -151,6 +159,9 @@ def _hf_name(src: Path, gguf_name: str) -> str | None:
             return f"model.layers.{idx}.{_MOE_BLOCK_NAMES[rest]}"
         if rest in _MLA_BLOCK_NAMES:
             return f"model.layers.{idx}.{_MLA_BLOCK_NAMES[rest]}"
+        if rest in _NEXTN_NAMES:
+            name = _NEXTN_NAMES[rest]
+            return None if name is None else f"model.layers.{idx}.{name}"
     elif gguf_name == "rope_freqs.weight":
         return None
     raise ModelImportError(f"{src}: unexpected tensor {gguf_name!r}")

@@ -27,6 +27,7 @@ def hf_config(reader, path: Path, names: set[str]) -> dict:
         raise ModelImportError(f"{path}: unsupported GGUF architecture {arch!r}; supported: "
                                f"{', '.join(repr(a) for a in ARCHITECTURES)}")
     p = f"{arch}."
+    nextn = int(gguf_field(reader, p + "nextn_predict_layers", 0) or 0)
     heads = int(gguf_field(reader, p + "attention.head_count"))
     hidden = int(gguf_field(reader, p + "embedding_length"))
     vocab = gguf_field(reader, p + "vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
@@ -38,7 +39,9 @@ def hf_config(reader, path: Path, names: set[str]) -> dict:
                        "deepseek2": "deepseek_v3"}[arch],
         "hidden_size": hidden,
         "intermediate_size": int(gguf_field(reader, p + "feed_forward_length", 0)),
-        "num_hidden_layers": int(gguf_field(reader, p + "block_count")),
+        # llama.cpp's glm4moe conversion appends the MTP ("NextN") layers as blocks: block_count counts them
+        "num_hidden_layers": int(gguf_field(reader, p + "block_count")) - nextn,
+        "num_nextn_predict_layers": nextn,
         "num_attention_heads": heads,
         "num_key_value_heads": int(gguf_field(reader, p + "attention.head_count_kv", heads)),
         "head_dim": head_dim,

@@ -22,6 +22,7 @@ from edgeinfer.backend.model.linear import (
 from edgeinfer.backend.model.mla import MLAAttention, interleave_to_halves
 from edgeinfer.backend.model.model_config import CheckpointError, ModelConfig
 from edgeinfer.backend.model.moe import DenseExperts, Int4Experts, SparseMoE
+from edgeinfer.backend.model.mtp import MTP_TENSORS, MTPLayer
 from edgeinfer.backend.model.packing import group_dequantize_mins
 from edgeinfer.backend.model.quant_loader import q8_embedding, quantized_linear_factory
 from edgeinfer.kernels.w4a16_gemm import group_dequantize_tensor
@@ -62,9 +63,10 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
                 make_linear=None, source: str = "", fuse_gate_up: bool | None = None,
-                prepack: bool = False) -> LlamaModel:
+                prepack: bool = False, mtp: bool = False) -> LlamaModel:
     """Assemble the model; `make_linear(prefix_list, tensors) -> nn.Module` builds (fused) linears;
-    `prepack` packs dense linears for oneDNN where the device and dtype allow it."""
+    `prepack` packs dense linears for oneDNN where the device and dtype allow it; `mtp` also builds the checkpoint's
+    multi-token-prediction layer (model.mtp; CheckpointError where it has none)."""
 
     def take(name: str) -> torch.Tensor:
         if name not in tensors:
@@ -97,8 +99,7 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch
     def norm(name: str, size: int) -> RMSNorm:
         return RMSNorm(check(name, take(name), (size,)), cfg.rms_norm_eps)
 
-    layers = []
-    for i in range(cfg.num_layers):
+    def decoder_layer(i: int, sparse: bool) -> DecoderLayer:
         p = f"model.layers.{i}."
         attn: Attention | MLAAttention
         if cfg.mla is not None:
@@ -111,12 +112,14 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch
                          norm(p + "self_attn.k_norm.weight", c.head_dim)) if cfg.qk_norm else (None, None))
             attn = Attention(cfg, qkv, o, *qk_norms)
         ffn: MLP | SparseMoE
-        if cfg.moe is not None and cfg.moe.sparse_layers[i]:
+        if sparse:
             ffn = _sparse_moe(cfg, p + "mlp.", tensors, take, mlp, make_linear, dtype, device, source)
         else:
             ffn = mlp(p + "mlp.", c.intermediate_size)
-        layers.append(DecoderLayer(attn, ffn, norm(p + "input_layernorm.weight", h),
-                                   norm(p + "post_attention_layernorm.weight", h)))
+        return DecoderLayer(attn, ffn, norm(p + "input_layernorm.weight", h),
+                            norm(p + "post_attention_layernorm.weight", h))
+
+    layers = [decoder_layer(i, cfg.moe is not None and cfg.moe.sparse_layers[i]) for i in range(cfg.num_layers)]
     embed: torch.Tensor | Q8Embedding
     if "model.embed_tokens.weight" not in tensors and "model.embed_tokens.qweight" in tensors:
 
@@ -126,11 +129,39 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch
     lm_head = None
     if not cfg.tie_word_embeddings:
         lm_head = check("lm_head.weight", take("lm_head.weight"), (cfg.vocab_size, h))
-    norm = RMSNorm(check("model.norm.weight", take("model.norm.weight"), (h,)), cfg.rms_norm_eps)
-    model = LlamaModel(cfg, embed, layers, norm, lm_head, device).eval()
+    final_norm = RMSNorm(check("model.norm.weight", take("model.norm.weight"), (h,)), cfg.rms_norm_eps)
+    model = LlamaModel(cfg, embed, layers, final_norm, lm_head, device).eval()
+    if mtp:
+        model.mtp = _mtp_layer(cfg, tensors, decoder_layer, make_linear, check, source)
     if prepack:
         model.prepack()
     return model
+
+
+def _mtp_layer(cfg: ModelConfig, tensors: dict[str, torch.Tensor], decoder_layer, make_linear, check,
+               source: str) -> MTPLayer:
+    """The first MTP layer, `model.layers.<num_hidden_layers>.`: enorm, hnorm, eh_proj [H, 2H], the decoder block
+    (attention + the MoE of a sparse layer), shared_head.norm and, if stored, shared_head.head (else the lm_head)."""
+    if cfg.num_nextn_predict_layers < 1:
+        raise CheckpointError(f"{source}: num_nextn_predict_layers={cfg.num_nextn_predict_layers}: this checkpoint "
+                              "has no MTP layer (speculative 'mtp' needs one; use 'ngram' or 'off')")
+    i, h = cfg.num_layers, cfg.hidden_size
+    p = f"model.layers.{i}."
+    missing = [p + n for n in MTP_TENSORS if p + n not in tensors and p + n.replace(".weight", ".qweight") not in tensors]
+    if missing:
+        raise CheckpointError(f"{source}: num_nextn_predict_layers={cfg.num_nextn_predict_layers} but the MTP tensors "
+                              f"are missing, e.g. {missing[0]!r} (a converter that drops them?)")
+    sparse = cfg.moe is not None and cfg.moe.sparse_layers[-1]   # DeepSeek-V3 / GLM-4.5: sparse past the dense head
+    block = decoder_layer(i, sparse)
+
+    def rms(name: str) -> RMSNorm:
+        return RMSNorm(check(name, tensors[name], (h,)), cfg.rms_norm_eps)
+
+    eh_proj = make_linear([p + "eh_proj"], [(h, 2 * h)])
+    head_name = p + "shared_head.head.weight"
+    head = DenseLinear(check(head_name, tensors[head_name], (cfg.vocab_size, h))) if head_name in tensors else None
+    return MTPLayer(rms(p + "enorm.weight"), rms(p + "hnorm.weight"), eh_proj, block, rms(p + "shared_head.norm.weight"),
+                    head)
 
 
 def _permute_rows(tensors: dict[str, torch.Tensor], prefix: str, perm: torch.Tensor, source: str) -> None:
@@ -232,7 +263,7 @@ def _sparse_moe(cfg: ModelConfig, p: str, tensors: dict[str, torch.Tensor], take
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               fuse_gate_up: bool | None = None, prepack: bool | None = None) -> LlamaModel:
+               fuse_gate_up: bool | None = None, prepack: bool | None = None, mtp: bool = False) -> LlamaModel:
     """prepack=None: pack dense linears for oneDNN on CPU unless EDGEINFER_CPU_PREPACK=0. Code that
     reads or rewrites weights (the quantizer) passes prepack=False."""
     path = Path(path)
@@ -245,4 +276,4 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
 
         make_linear = quantized_linear_factory(cfg, tensors, dtype, torch.device(device), source=str(path))
     return build_model(cfg, tensors, dtype, torch.device(device), make_linear, source=str(path),
-                       fuse_gate_up=fuse_gate_up, prepack=prepack)
+                       fuse_gate_up=fuse_gate_up, prepack=prepack, mtp=mtp)

@@ -80,6 +80,7 @@ class ModelConfig:
     rotary_dim: int = 0               # rope on the first rotary_dim of each head (partial_rotary_factor); 0 = all
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None      # set: num_kv_heads = 1 and head_dim = the latent row (the KV pool's shape)
+    num_nextn_predict_layers: int = 0 # MTP layers after the decoder layers (DeepSeek-V3, GLM-4.5: backend/model/mtp.py)
     source: str = field(default="", compare=False)
 
     @property
@@ -165,6 +166,9 @@ class ModelConfig:
             raise CheckpointError(f"{source}: partial_rotary_factor={partial!r} gives a rotary dim of {rotary_dim}; "
                                   f"expected an even number in (0, head_dim={head_dim}]")
         moe = _moe_config(arch, raw, need, source) if arch in MOE_ARCHITECTURES else None
+        nextn = raw.get("num_nextn_predict_layers", 0) or 0
+        if not isinstance(nextn, int) or isinstance(nextn, bool) or nextn < 0:
+            raise CheckpointError(f"{source}: num_nextn_predict_layers={nextn!r} is invalid: expected an integer >= 0")
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
@@ -188,6 +192,7 @@ class ModelConfig:
             rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
             moe=moe,
             mla=mla,
+            num_nextn_predict_layers=nextn,
             source=source,
         )
 

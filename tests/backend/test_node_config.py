@@ -61,7 +61,7 @@ def test_every_flag_can_come_from_the_environment(monkeypatch, capsys):
     assert (cfg.max_num_seqs, cfg.no_prefix_cache, cfg.speculative) == (7, True, "off")
     assert parse_args(["--insecure-no-internal-auth", "--max-num-seqs", "3"]).max_num_seqs == 3
     for name, value, needle in (("EDGEINFER_ARG_MAX_NUM_SEQS", "many", "EDGEINFER_ARG_MAX_NUM_SEQS='many'"),
-                                ("EDGEINFER_ARG_SPECULATIVE", "eagle", "expected one of ngram, off"),
+                                ("EDGEINFER_ARG_SPECULATIVE", "eagle", "expected one of ngram, mtp, off"),
                                 ("EDGEINFER_ARG_NO_PREFIX_CACHE", "maybe", "expected one of 1, true")):
         monkeypatch.setenv(name, value)
         with pytest.raises(SystemExit):
