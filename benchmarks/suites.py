@@ -269,6 +269,13 @@ SUITES: list[Suite] = [
                    ("copy @1: llama.cpp ngram / plain", "ratios.llamacpp-ngram / llamacpp.copy@1"),
                    ("copy @1: edgeinfer / llama.cpp ngram", "ratios.edgeinfer / llamacpp-ngram.copy@1")),
              smoke_timeout_s=400),
+        Part("engine.mtp", "MTP drafts (--speculative mtp) on random GLM-4.5-shaped checkpoints with an MTP layer: the "
+                           "per-step cost of the MTP layer and a verify row, the break-even acceptance, the projection",
+             ["--layers", "3", "--levels", "1", "--tokens", "4", "--rounds", "1", "--hidden", "64"],
+             _keys(("12 layers @1: a drafted step / a plain step", "rows.12_layers/1.step_cost_with_a_draft_over_plain"),
+                   ("12 layers @1: break-even acceptance", "rows.12_layers/1.break_even_acceptance"),
+                   ("12 layers @1: projected at acceptance 0.85", "rows.12_layers/1.projected_speedup_at_acceptance_0.85"),
+                   ("12 layers @1: adaptive mtp / off (random MTP layer)", "rows.12_layers/1.mtp.ratio_vs_off"))),
     ]),
     Suite("cache", "What does the shared prefix cache cost and save?", [
         Part("cache", "page MAC tag+verify vs memcpy, index lookups over valkey, TTFT cold vs a cross-node hit",

@@ -272,10 +272,10 @@ def servable_llama(out: Path, tokenizer_dir: Path, **overrides):
     return model
 
 
-def build_mtp(kind: str, out: Path, seed: int = 0, echo: float = 0.0, **overrides):
+def build_mtp(kind: str, out: Path, seed: int = 0, echo: float = 0.0, layers: int = 3, **overrides):
     """A tiny GLM-4.5 or DeepSeek-V3 checkpoint with its MTP layer, laid out as the published checkpoints ship it:
-    `num_hidden_layers` = 3 decoder layers, then `model.layers.3.*` = the MTP block (a decoder layer made by
-    transformers' own class: the 4th layer of a 4-layer model, so it is sparse as DeepSeek's layer 61 is) plus
+    `num_hidden_layers` = `layers` (3) decoder layers, then `model.layers.3.*` = the MTP block (a decoder layer made
+    by transformers' own class: the 4th layer of a 4-layer model, so it is sparse as DeepSeek's layer 61 is) plus
     enorm, hnorm, eh_proj [H, 2H], shared_head.norm and shared_head.head; config.json says num_nextn_predict_layers=1.
 
     `echo` > 0 makes the MTP layer a fair predictor on this random model: eh_proj passes hnorm(h) through, the
@@ -289,7 +289,6 @@ def build_mtp(kind: str, out: Path, seed: int = 0, echo: float = 0.0, **override
 
     from safetensors.torch import save_file
 
-    layers = 3
     model = build(kind, None, seed=seed, num_hidden_layers=layers + 1, **overrides)
     c = model.config
     h, v = c.hidden_size, c.vocab_size
