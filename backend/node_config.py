@@ -69,6 +69,8 @@ class BackendConfig:
     version: str
     heartbeat: float
     log_level: str
+    log_format: str           # text | json (protocol/observability.py)
+    otlp_endpoint: str | None  # OpenTelemetry collector (OTLP/HTTP); else OTEL_EXPORTER_OTLP_ENDPOINT; else no traces
     speculative: str          # ngram | off (backend/engine/speculative.py)
     spec_tokens: int
     spec_max_batch: int
@@ -203,6 +205,11 @@ def parse_args(argv: list[str] | None) -> BackendConfig:
     p.add_argument("--version", default=VERSION)
     p.add_argument("--heartbeat", type=float, default=2.0)
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-format", default="text", choices=["text", "json"],
+                   help="json: one JSON object per line (ts, level, logger, msg, request_id, trace_id)")
+    p.add_argument("--otlp-endpoint", default=None,
+                   help="send OpenTelemetry traces to this OTLP/HTTP collector (else OTEL_EXPORTER_OTLP_ENDPOINT; "
+                        "neither: no tracing); needs pip install 'edgeinfer[otlp]'")
     p.add_argument("--role", default="both", choices=list(ROLES),
                    help="prefill/decode disaggregation (docs/DISAGGREGATION.md): a prefill node computes prompts' KV "
                         "and hands the pages to a decode node, which verifies them and decodes; both: every request "

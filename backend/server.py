@@ -33,6 +33,8 @@ from edgeinfer.backend.engine.engine import LLMEngine, RequestError
 from edgeinfer.backend.engine.kv_faults import refuse_in_production
 from edgeinfer.backend.metrics import BackendMetrics
 from edgeinfer.backend.node_config import VERSION, BackendConfig, parse_args
+from edgeinfer.backend.tracing import RequestTraces
+from edgeinfer.protocol import observability as obs
 from edgeinfer.protocol.page_id import HASH_BYTES
 from edgeinfer.protocol.wire import (
     AbortRequest,
@@ -64,6 +66,7 @@ class BackendState:
     extensions: list = field(default_factory=list)     # objects with async start(app)/stop(app)
     parallel_node: object | None = None   # backend.parallel.node.Node of a --tensor-parallel node (rank 0)
     role: str = "both"                    # --role: prefill | decode | both (docs/DISAGGREGATION.md)
+    traces: RequestTraces | None = None   # set when tracing is on (protocol/observability.py)
 
 
 STATE = web.AppKey("state", BackendState)
@@ -107,6 +110,26 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return _error(422, f"invalid generate request: {e}")
     except msgspec.DecodeError as e:
         return _error(400, f"malformed JSON body: {e}")
+    token = obs.request_id_var.set(req.request_id)     # JSON log lines name the request
+    try:
+        if st.traces is None:
+            return await _generate(request, st, req)
+        attrs = {"edgeinfer.request_id": req.request_id, "edgeinfer.node": st.node_id, "edgeinfer.model":
+                 st.engine.model_name, "edgeinfer.prompt_tokens": len(req.prompt_token_ids),
+                 "edgeinfer.max_tokens": req.sampling.max_tokens, "edgeinfer.prefill_only": req.prefill_only}
+        with obs.span("backend.generate", attrs, context=obs.extract_context(request.headers),
+                      kind=obs.trace.SpanKind.SERVER) as sp:
+            try:
+                resp = await _generate(request, st, req)
+                sp.set_attribute("http.response.status_code", resp.status)
+                return resp
+            finally:
+                st.traces.spans_for(req.request_id, sp)
+    finally:
+        obs.request_id_var.reset(token)
+
+
+async def _generate(request: web.Request, st: BackendState, req: GenerateRequest) -> web.StreamResponse:
     engine = st.engine
     try:
         engine.validate(req)
@@ -121,7 +144,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
     try:
         for ext in st.extensions:      # e.g. the page store: fetch + verify + upload pages beyond the local cache
             if hasattr(ext, "before_generate"):
-                await ext.before_generate(request.app, req)
+                with obs.span("backend.kv_fetch", {"edgeinfer.request_id": req.request_id}) as sp:
+                    got = await ext.before_generate(request.app, req)
+                    if isinstance(got, int):
+                        sp.set_attribute("edgeinfer.pages_uploaded", got)
         resp = web.StreamResponse(headers={"content-type": "application/x-ndjson", "x-node-id": st.node_id})
         try:
             await resp.prepare(request)
@@ -372,17 +398,30 @@ def build_state(cfg: BackendConfig) -> BackendState:
                          "kv_dtype": engine.kv_format, "kv_bytes_per_token": engine.runner.bytes_per_token,
                          "kv_pages": engine.blocks.num_pages, "page_size": engine.cfg.page_size,
                          "max_tokens_in_budget": engine.blocks.num_pages * engine.cfg.page_size}))
+    if obs.tracing_on():
+        enable_tracing(st)
     from edgeinfer.backend.page_store.wiring import attach_page_store  # noqa: PLC0415
 
     attach_page_store(st, cfg)
     return st
 
 
+def enable_tracing(st: BackendState) -> None:
+    """Per-request spans and integrity-failure spans for this node (backend/tracing.py); tracing must be set up."""
+    st.traces = RequestTraces(st.node_id)
+    st.engine.observers.append(st.traces)
+    st.engine.blocks.ledger.listeners.append(st.traces.integrity_failure)
+
+
 def main(argv: list[str] | None = None) -> int:
     refuse_in_production()
     cfg = parse_args(argv)
-    logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s",
-                        stream=sys.stderr)
+    obs.configure_logging(cfg.log_format, cfg.log_level)
+    try:
+        obs.setup_tracing("edgeinfer-backend", cfg.otlp_endpoint)
+    except RuntimeError as e:
+        print(f"edgeinfer backend: error: {e}", file=sys.stderr)
+        return 2
     try:
         import uvloop
 

@@ -10,6 +10,7 @@ import time
 import aiohttp
 import msgspec
 from aiohttp import web, web_protocol, web_server
+from opentelemetry import context as otel_context
 
 from edgeinfer.cache_store.wiring import wire_redis
 from edgeinfer.gateway import (
@@ -25,6 +26,7 @@ from edgeinfer.gateway.errors import APIError
 from edgeinfer.gateway.openapi import openapi_document
 from edgeinfer.gateway.state import STATE, GatewayState, build_state
 from edgeinfer.gateway.tokenpool import TokenizerPool
+from edgeinfer.protocol import observability as obs
 
 log = logging.getLogger("edgeinfer.gateway")
 access_log = logging.getLogger("edgeinfer.gateway.access")
@@ -93,6 +95,14 @@ async def edge_middleware(request: web.Request, handler) -> web.StreamResponse:
     task = asyncio.current_task()
     assert task is not None, "aiohttp runs each request's handler in its own task"
     st.handlers.add(task)
+    rid_token = obs.request_id_var.set(rid)
+    span, span_token = None, None
+    if obs.tracing_on():    # the request's span, current for the handler: admission, routing, the backend calls
+        span = obs.tracer().start_span("gateway.request", context=obs.extract_context(request.headers),
+                                       kind=obs.trace.SpanKind.SERVER,
+                                       attributes={"http.request.method": request.method, "url.path": request.path,
+                                                   "edgeinfer.request_id": rid})
+        span_token = otel_context.attach(obs.trace.set_span_in_context(span))
     try:
         if st.draining and request.path.startswith("/v1/"):
             raise APIError(503, "the gateway is shutting down", code="shutting_down", headers={"retry-after": "1"})
@@ -137,6 +147,23 @@ async def edge_middleware(request: web.Request, handler) -> web.StreamResponse:
         endpoint = _ENDPOINTS.get(request.path)
         tenant = request.get("tenant", "")
         model = request.get("model", "")
+        obs.request_id_var.reset(rid_token)
+        trace_id = None
+        if span is not None:
+            usage = request.get("usage")
+            span.set_attributes({"http.response.status_code": status, "edgeinfer.tenant": tenant,
+                                 "edgeinfer.model": model, "edgeinfer.node": request.get("node", ""),
+                                 "edgeinfer.route": request.get("route", ""), "edgeinfer.error": error or ""})
+            if usage is not None:
+                span.set_attributes({"edgeinfer.prompt_tokens": usage.prompt_tokens,
+                                     "edgeinfer.completion_tokens": usage.completion_tokens,
+                                     "edgeinfer.cached_tokens": usage.prompt_tokens_details.cached_tokens})
+            if status >= 500:
+                span.set_status(obs.trace.StatusCode.ERROR)
+            trace_id = f"{span.get_span_context().trace_id:032x}"
+            span.end()
+            if span_token is not None:
+                otel_context.detach(span_token)
         if endpoint is not None:
             st.metrics.requests.labels(tenant, model, endpoint, str(status)).inc()
             st.metrics.duration.labels(tenant, model, endpoint).observe(time.perf_counter() - t0)
@@ -146,6 +173,8 @@ async def edge_middleware(request: web.Request, handler) -> web.StreamResponse:
                    "status": status, "ms": round((time.perf_counter() - t0) * 1000, 3), "tenant": tenant,
                    "model": model, "node": request.get("node", ""), "route": request.get("route", ""),
                    "error": error, "remote": request.remote}
+            if trace_id is not None:
+                rec["trace_id"] = trace_id
             if usage is not None:
                 rec.update(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
                            cached_tokens=usage.prompt_tokens_details.cached_tokens)

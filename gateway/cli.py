@@ -23,13 +23,16 @@ import msgspec
 
 from edgeinfer.gateway import config as config_mod
 from edgeinfer.gateway.config import GatewayConfig, NodeConfig, ServedModelConfig
+from edgeinfer.protocol import observability as obs
 
 log = logging.getLogger("edgeinfer.gateway")
 
 
-def setup_logging() -> None:
-    logging.basicConfig(level=os.environ.get("EDGEINFER_LOG_LEVEL", "INFO"), format="%(message)s",
-                        stream=sys.stderr)
+def setup_logging(fmt: str | None = None) -> None:
+    """Logs to stderr: the access log's JSON lines and the rest as plain messages, or everything as JSON lines
+    (`fmt` "json", else EDGEINFER_LOG_FORMAT)."""
+    obs.configure_logging(fmt or os.environ.get("EDGEINFER_LOG_FORMAT", "text"),
+                          os.environ.get("EDGEINFER_LOG_LEVEL", "INFO"), text_format="%(message)s")
 
 
 async def serve_gateway(cfg: GatewayConfig, ready_line: str | None = None) -> None:
@@ -103,6 +106,12 @@ def _gateway(argv: list[str]) -> int:
     p.add_argument("--port", type=int)
     p.add_argument("--backend", action="append", default=[], help="static backend URL (repeatable)")
     p.add_argument("--model", action="append", default=[], help="NAME=TOKENIZER_DIR (repeatable)")
+    p.add_argument("--log-format", choices=list(obs.LOG_FORMATS), default=None,
+                   help="json: every log line a JSON object (the access log always is); default EDGEINFER_LOG_FORMAT "
+                        "or text")
+    p.add_argument("--otlp-endpoint", default=None,
+                   help="send OpenTelemetry traces to this OTLP/HTTP collector (else OTEL_EXPORTER_OTLP_ENDPOINT; "
+                        "neither: no tracing)")
     args = p.parse_args(argv)
     try:
         cfg = load_config(args.config)
@@ -110,7 +119,12 @@ def _gateway(argv: list[str]) -> int:
     except config_mod.ConfigError as e:
         print(f"edgeinfer gateway: error: {e}", file=sys.stderr)
         return 2
-    setup_logging()
+    setup_logging(args.log_format)
+    try:
+        obs.setup_tracing("edgeinfer-gateway", args.otlp_endpoint)
+    except RuntimeError as e:
+        print(f"edgeinfer gateway: error: {e}", file=sys.stderr)
+        return 2
     run_loop(serve_gateway(cfg))
     return 0
 

@@ -29,6 +29,7 @@ from edgeinfer.gateway.errors import APIError
 from edgeinfer.gateway.nodes import Node
 from edgeinfer.gateway.routing import Choice
 from edgeinfer.gateway.upstream import BackendRejected, Overloaded, Retryable, UpstreamBroken, UpstreamStream
+from edgeinfer.protocol import observability as obs
 from edgeinfer.protocol.wire import (
     Constraint,
     GenerateRequest,
@@ -82,15 +83,22 @@ async def start(st, target: Target, run: Run) -> None:
         nodes = [n for n in st.pool.for_model(target.model) if n.node_id not in run.tried and n.role != "prefill"]
         if not nodes:
             break
-        choice = (await st.router.rank(target.model, target.namespace, run.prompt_ids, nodes, target.session))[0]
+        with obs.span("gateway.route", {"edgeinfer.model": target.model, "edgeinfer.candidates": len(nodes)}) as sp:
+            choice = (await st.router.rank(target.model, target.namespace, run.prompt_ids, nodes, target.session))[0]
+            sp.set_attributes({"edgeinfer.node": choice.node.node_id, "edgeinfer.decision": choice.decision,
+                               "edgeinfer.cached_pages": choice.cached_pages})
         node = choice.node
         if run.handoff is None:
-            run.handoff = await prefill_hop(st, target, run, choice)
+            with obs.span("gateway.prefill_hop") as sp:
+                run.handoff = await prefill_hop(st, target, run, choice)
+                sp.set_attribute("edgeinfer.outcome", run.handoff.outcome if run.handoff is not None else "colocated")
         greq.kv_source = run.handoff.source if run.handoff is not None else None
         run.tried.append(node.node_id)
         node.inflight += 1
         try:
-            run.stream, run.first = await st.upstream.open(node, greq)
+            with obs.span("gateway.backend_call", {"edgeinfer.node": node.node_id,
+                                                   "edgeinfer.request_id": greq.request_id}):
+                run.stream, run.first = await st.upstream.open(node, greq)
         except Overloaded as e:        # a busy node, not a failed one: not marked down
             node.inflight -= 1
             refusals.append(e)

@@ -336,11 +336,12 @@ class Pool:
         self._open.add(conn)
         return conn
 
-    async def post(self, url: str, body: bytes, deadline: float) -> Response:
-        """Send the request and wait for the response head (before `deadline`, loop time)."""
+    async def post(self, url: str, body: bytes, deadline: float, headers: bytes = b"") -> Response:
+        """Send the request and wait for the response head (before `deadline`, loop time); `headers`: more header
+        lines for this request alone (each ending in CRLF)."""
         key, path, host = self.target(url)
         msg = (b"POST " + path.encode() + b" HTTP/1.1\r\nHost: " + host +
-               b"\r\nContent-Type: application/json\r\n" + self._extra + b"Content-Length: " +
+               b"\r\nContent-Type: application/json\r\n" + self._extra + headers + b"Content-Length: " +
                str(len(body)).encode() + b"\r\n\r\n" + body)
         for attempt in (0, 1):
             conn = await self._get(key, deadline)

@@ -42,6 +42,7 @@ from edgeinfer.gateway.state import STATE, GatewayState
 from edgeinfer.gateway.structured import SchemaLimits, check_depth
 from edgeinfer.gateway.tools import ToolPlan, ToolStream, split_output
 from edgeinfer.gateway.upstream import GRAMMAR_FAILED, UpstreamBroken, error_code_name
+from edgeinfer.protocol import observability as obs
 from edgeinfer.protocol.wire import Constraint, SamplingParams, StreamChunk
 
 _SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache", "x-accel-buffering": "no"}
@@ -222,7 +223,10 @@ class Job:
         max_concurrent_streams (across every gateway sharing Redis), decided together; 429 if any refuses.
         The prompt's tokens are charged once counted (`charge_prompt`)."""
         st, tenant = self.st, self.tenant
-        decision, lease = await st.admission.admit(tenant, 0)
+        with obs.span("gateway.admission", {"edgeinfer.tenant": tenant.id}) as sp:
+            decision, lease = await st.admission.admit(tenant, 0)
+            sp.set_attributes({"edgeinfer.allowed": decision.allowed and lease is not None,
+                               "edgeinfer.limited_by": decision.limited_by or ("concurrency" if lease is None else "")})
         self.headers.update(decision.headers(tenant))
         if not decision.allowed:
             st.metrics.rate_limited.labels(tenant.id, decision.limited_by).inc()

@@ -20,6 +20,7 @@ import msgspec
 
 from edgeinfer.gateway.http1 import HTTPProtocolError, Pool, Response
 from edgeinfer.gateway.nodes import Node
+from edgeinfer.protocol import observability as obs
 from edgeinfer.protocol.wire import AbortRequest, GenerateRequest, StreamChunk, chunk_decoder
 
 log = logging.getLogger(__name__)
@@ -141,7 +142,10 @@ class Upstream:
         deadline = loop.time() + wait
         resp: Response | None = None
         try:
-            resp = await self.pool.post(node.generate_url, _encode(req), deadline)
+            trace = b""
+            if obs.tracing_on():   # W3C traceparent: the backend's spans join this request's trace
+                trace = b"".join(f"{k}: {v}\r\n".encode() for k, v in obs.inject_headers({}).items())
+            resp = await self.pool.post(node.generate_url, _encode(req), deadline, trace)
             if resp.status != 200:
                 body = (await resp.read(deadline, limit=300)).decode(errors="replace")
                 refused, resp = resp, None      # nothing runs on the node: no abort to send

@@ -16,6 +16,7 @@ by its pid on exit, Ctrl-C or SIGTERM, also during the first start (ops/children
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import socket
@@ -31,6 +32,7 @@ from edgeinfer.backend.engine.kv_faults import refuse_in_production
 from edgeinfer.ops.children import Children, Stopped, exit_code, raise_on_stop_signals
 from edgeinfer.ops.local_state import HomeLock, LocalSecrets, clear_running, write_running
 from edgeinfer.ops.local_valkey import MAXMEMORY, LocalValkey, ValkeyError
+from edgeinfer.protocol import observability as obs
 from edgeinfer.protocol.defaults import env_defaults, home_dir
 
 PAGE_KEY_ENV = "EDGEINFER_PAGE_KEY"     # what backend.server reads (backend/page_store/wiring.py)
@@ -38,8 +40,15 @@ REDIS_URL_ENV = "EDGEINFER_REDIS_URL"   # backend.server's --redis-url default
 PROGRESS_EVERY_S = 15.0
 
 
+_JSON_LINES = False    # --log-format json: serve's own lines are JSON objects too
+
+
 def say(msg: str) -> None:
-    print(f"edgeinfer serve: {msg}", flush=True)
+    if _JSON_LINES:
+        print(json.dumps({"ts": round(time.time(), 3), "level": "INFO", "logger": "edgeinfer.serve", "msg": msg}),
+              flush=True)
+    else:
+        print(f"edgeinfer serve: {msg}", flush=True)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -52,6 +61,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backend-arg", action="append", default=[],
                    help="extra flag for the backend (edgeinfer backend --help; repeatable)")
     p.add_argument("--ready-timeout", type=float, default=900.0)
+    p.add_argument("--log-format", default="text", choices=["text", "json"],
+                   help="json: every log line of serve, the gateway and the backends a JSON object (ts, level, "
+                        "logger, msg, request_id, trace_id)")
+    p.add_argument("--otlp-endpoint", default=None,
+                   help="OpenTelemetry: the gateway and the backends send traces to this OTLP/HTTP collector (else "
+                        "OTEL_EXPORTER_OTLP_ENDPOINT; neither: no tracing); needs pip install 'edgeinfer[otlp]'")
     p.add_argument("--speculative", default=None, choices=["ngram", "mtp", "off"],
                    help="speculative decoding on every backend (edgeinfer backend --speculative; default ngram)")
     p.add_argument("--nodes", type=int, default=1,
@@ -137,7 +152,14 @@ def main(argv: list[str]) -> int:
     from edgeinfer.gateway import cli as gateway_cli
     from edgeinfer.gateway import config as config_mod
 
-    gateway_cli.setup_logging()
+    global _JSON_LINES
+    _JSON_LINES = args.log_format == "json"
+    gateway_cli.setup_logging(args.log_format)
+    try:
+        obs.setup_tracing("edgeinfer-gateway", args.otlp_endpoint)
+    except RuntimeError as e:
+        print(f"edgeinfer serve: error: {e}", file=sys.stderr)
+        return 2
     try:
         cfg = gateway_cli.load_config(args.config)
     except config_mod.ConfigError as e:
@@ -219,7 +241,9 @@ def _start(args: argparse.Namespace, cfg, children: Children) -> int:
         node_id = f"local-{i}" if role == "both" else f"local-{role}-{sum(r == role for r in roles[:i])}"
         cmd = [sys.executable, "-m", "edgeinfer.backend.server", "--model", str(model_dir), "--host", "127.0.0.1",
                "--port", str(bport), "--node-id", node_id, *store_args, *(["--role", role] if role != "both" else []),
-               *(["--speculative", args.speculative] if args.speculative else []), *args.backend_arg]
+               *(["--speculative", args.speculative] if args.speculative else []),
+               *(["--log-format", "json"] if args.log_format == "json" else []),
+               *(["--otlp-endpoint", args.otlp_endpoint] if args.otlp_endpoint else []), *args.backend_arg]
         say(f"starting the backend{'' if len(roles) == 1 else f' {node_id}'}: {' '.join(cmd)}")
         started.append((node_id, f"http://127.0.0.1:{bport}", children.start(node_id, cmd, env=env)))
     for _, url, proc in started:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable
 
 import numpy as np
 
@@ -24,6 +25,7 @@ class PageLedger:
         self.checksum: dict[int, int] = {}                    # sealed page -> checksum of its bytes
         self.checks: Counter[str] = Counter()
         self.failures: Counter[str] = Counter()
+        self.listeners: list[Callable[[str, str], None]] = []   # told of each failure (where, detail): tracing
         self._next = 1
 
     def _draw(self) -> int:
@@ -47,3 +49,5 @@ class PageLedger:
     def fail(self, where: str, detail: str) -> None:
         self.failures[where] += 1
         log.warning("kv integrity failure (%s): %s; dropped, recomputing", where, detail)
+        for listener in self.listeners:
+            listener(where, detail)

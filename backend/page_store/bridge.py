@@ -157,11 +157,13 @@ class PageStoreBridge(EngineObserver):
     async def unindex_evicted(self) -> int:
         return await self.publisher.unindex_evicted()
 
-    async def before_generate(self, app, req) -> None:
-        """The prompt's pages beyond the local cache: from its prefill node first (disaggregation), then the tiers."""
+    async def before_generate(self, app, req) -> int:
+        """The prompt's pages beyond the local cache: from its prefill node first (disaggregation), then the tiers.
+        Returns how many pages were written into the pool."""
+        got = 0
         if req.kv_source is not None:
-            await self.handoff.receive(req)
-        await self.prefetcher.prefetch(req)
+            got = await self.handoff.receive(req) or 0
+        return got + await self.prefetcher.prefetch(req)
 
     async def prefetch(self, req) -> int:
         return await self.prefetcher.prefetch(req)
