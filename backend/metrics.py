@@ -24,6 +24,14 @@ class BackendMetrics(EngineObserver):
         self.pages_free = Gauge("edgeinfer_backend_kv_pages_free", "KV pages free (incl. reusable cached)", L,
                                 registry=r)
         self.pages_total = Gauge("edgeinfer_backend_kv_pages_total", "KV pages in the pool", L, registry=r)
+        # the autoscaling signal of one node (the gateway's edgeinfer_gateway_pool_* sum them per pool)
+        self.prefill_queued = Gauge("edgeinfer_backend_prefill_tokens_queued",
+                                    "Prompt tokens waiting to be prefilled (queued and unfinished chunks)", L, registry=r)
+        self.kv_usage = Gauge("edgeinfer_backend_kv_usage_ratio", "KV pages referenced by sequences / pages", L,
+                              registry=r)
+        self.ttft_estimate = Gauge("edgeinfer_backend_ttft_estimate_seconds",
+                                   "Estimated wait of a new request for its first token (the queued prefill over "
+                                   "the measured rate; 0 before the first fit)", L, registry=r)
         self.hit_tokens = Counter("edgeinfer_backend_prefix_cache_hit_tokens", "Prompt tokens served from cache", L,
                                   registry=r)
         self.query_tokens = Counter("edgeinfer_backend_prefix_cache_query_tokens", "Prompt tokens looked up", L,
@@ -102,6 +110,9 @@ class BackendMetrics(EngineObserver):
         self.pages_used.labels(m).set(b.num_used)
         self.pages_free.labels(m).set(b.num_free)
         self.pages_total.labels(m).set(b.num_pages)
+        self.prefill_queued.labels(m).set(engine.backlog.queued())
+        self.kv_usage.labels(m).set(b.num_used / max(b.num_pages, 1))
+        self.ttft_estimate.labels(m).set(engine.backlog.wait_s(0) or 0.0)
         if b.queries != self._queries:
             self.hit_tokens.labels(m).inc(b.hits - self._hits)
             self.query_tokens.labels(m).inc(b.queries - self._queries)

@@ -222,6 +222,8 @@ async def metrics(request: web.Request) -> web.Response:
     trusted = st.metrics_trusted(request)
     st.metrics.inflight.set(st.inflight)
     st.metrics.limiter_fallbacks.set(st.admission.failures)
+    s = st.cfg.server
+    st.metrics.set_pools([n for n in st.pool.nodes.values() if n.routable], s.autoscale_kv_target, s.autoscale_ttft_target_s)
     return web.Response(body=st.metrics.render(trusted), headers={"content-type": "text/plain; version=0.0.4"})
 
 
@@ -301,7 +303,8 @@ async def _on_shutdown(app: web.Application) -> None:
 def create_app(cfg: GatewayConfig, *, state: GatewayState | None = None, **overrides) -> web.Application:
     if state is None:
         if cfg.server.redis_url and "redis_client" not in overrides:
-            redis = wire_redis(cfg.server.redis_url, cfg.server.key_prefix, socket_timeout_s=None)  # admission: its own timeout
+            redis = wire_redis(cfg.server.redis_url, cfg.server.key_prefix, cluster=cfg.server.redis_cluster,
+                               socket_timeout_s=None)  # admission: its own timeout
             overrides.setdefault("registry", redis.registry())
             overrides.setdefault("index", redis.index())
             overrides["redis_client"] = redis.client

@@ -93,6 +93,21 @@ def load_config(path: str | None) -> GatewayConfig:
     return config_mod.load(path or config_mod.DEFAULT_CONFIG)
 
 
+def with_env(cfg: GatewayConfig) -> GatewayConfig:
+    """EDGEINFER_REDIS_URL (the backends' variable too: a URL with a password stays out of config files and argv)
+    and EDGEINFER_REDIS_CLUSTER=1 over the config's redis_url / redis_cluster."""
+    url = os.environ.get("EDGEINFER_REDIS_URL")
+    cluster = os.environ.get("EDGEINFER_REDIS_CLUSTER", "").lower()
+    if cluster not in ("", "0", "1", "true", "false"):
+        raise config_mod.ConfigError(f"EDGEINFER_REDIS_CLUSTER={cluster!r}: expected 1 or 0")
+    changes: dict = {}
+    if url:
+        changes["redis_url"] = url
+    if cluster:
+        changes["redis_cluster"] = cluster in ("1", "true")
+    return msgspec.structs.replace(cfg, server=msgspec.structs.replace(cfg.server, **changes)) if changes else cfg
+
+
 def _gateway(argv: list[str]) -> int:
     if argv[:1] == ["hash-key"]:
         if len(argv) != 2:
@@ -114,7 +129,7 @@ def _gateway(argv: list[str]) -> int:
                         "neither: no tracing)")
     args = p.parse_args(argv)
     try:
-        cfg = load_config(args.config)
+        cfg = with_env(load_config(args.config))
         cfg = override(cfg, args.host, args.port, args.model, args.backend)
     except config_mod.ConfigError as e:
         print(f"edgeinfer gateway: error: {e}", file=sys.stderr)

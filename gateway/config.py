@@ -46,6 +46,7 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     internal_secret_env: str = "EDGEINFER_INTERNAL_SECRET"  # same variable backend.server reads
     internal_secret: str = ""               # the env var wins; sent to backends on /internal/* (empty: nothing sent)
     redis_url: str = ""                     # empty: single-node mode (in-process limiter and index)
+    redis_cluster: bool = False             # redis_url names a node of a Redis/valkey Cluster (every tier on it)
     key_prefix: str = KEY_PREFIX
     index_fill: str = "auto"                # "gateway" | "backends" | "auto" (gateway iff no redis)
     route_load_cost_tokens: int = 32        # one in-flight request costs as much as this many cached tokens
@@ -54,6 +55,8 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # prefill/decode disaggregation (docs/DISAGGREGATION.md), on when the pool has --role prefill nodes
     disagg_min_prefill_tokens: int = 256    # prompt tokens the decode node would compute below which it prefills itself
     disagg_prefill_timeout_s: float = 60.0  # the prefill hop, start to "prefilled"; over it the decode node computes
+    autoscale_kv_target: float = 0.8        # pool_load_ratio: KV usage a pool should run at (0..1]
+    autoscale_ttft_target_s: float = 2.0    # pool_load_ratio: the queue wait for a first token a pool should keep
     stream_lease_ttl_s: float = 30.0        # with redis: a dead gateway's share of max_concurrent_streams frees after this
     tokenizer_workers: int = 2              # processes tokenizing long prompts off the event loop (0: a thread)
     schema_workers: int = 1                 # processes checking JSON schemas off the event loop (0: a thread)
@@ -152,13 +155,16 @@ def _check(cfg: GatewayConfig) -> GatewayConfig:
         raise ConfigError(f"server.tokenizer_workers={s.tokenizer_workers} must be >= 0 (0: tokenize in a thread)")
     for name in ("body_read_timeout_s", "connect_timeout_s", "first_byte_timeout_s", "chunk_timeout_s",
                  "keepalive_timeout_s", "shutdown_grace_s", "health_interval_s", "stream_lease_ttl_s",
-                 "schema_check_timeout_s", "disagg_prefill_timeout_s"):
+                 "schema_check_timeout_s", "disagg_prefill_timeout_s", "autoscale_ttft_target_s"):
         v = getattr(s, name)
         if not math.isfinite(v) or v <= 0:
             raise ConfigError(f"server.{name}={v!r} is invalid: expected a finite number of seconds > 0")
     for name in ("disagg_min_prefill_tokens", "route_kv_cost_tokens"):
         if getattr(s, name) < 0:
             raise ConfigError(f"server.{name}={getattr(s, name)} must be >= 0")
+    if not (math.isfinite(s.autoscale_kv_target) and 0 < s.autoscale_kv_target <= 1):
+        raise ConfigError(f"server.autoscale_kv_target={s.autoscale_kv_target!r} is invalid: expected a fraction "
+                          "in (0, 1]")
     if s.health_stale_intervals < 2:
         raise ConfigError(f"server.health_stale_intervals={s.health_stale_intervals} must be >= 2: a node is "
                           "unhealthy once its probes have gone unanswered for that many health_interval_s, "

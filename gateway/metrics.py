@@ -62,7 +62,22 @@ class Metrics:
         self.limiter_fallbacks = Gauge(p + "ratelimit_redis_failures", "Redis limiter calls that fell back",
                                        registry=r)
 
+        pool = ["model", "role"]
+        self.pool_nodes = Gauge(p + "pool_nodes", "routable backends per model and role (the autoscaling pool)", pool,
+                                registry=r)
+        self.pool_prefill_queued = Gauge(p + "pool_prefill_tokens_queued",
+                                         "prompt tokens waiting to be prefilled on the pool's nodes (sum)", pool,
+                                         registry=r)
+        self.pool_kv_usage = Gauge(p + "pool_kv_usage_ratio", "KV pages in use / pages, mean over the pool's nodes",
+                                   pool, registry=r)
+        self.pool_ttft = Gauge(p + "pool_ttft_estimate_seconds",
+                               "estimated wait for a new request's first token, mean over the pool's nodes", pool,
+                               registry=r)
+        self.pool_load = Gauge(p + "pool_load_ratio",
+                               "max(kv usage / autoscale_kv_target, ttft estimate / autoscale_ttft_target_s) over "
+                               "the pool: the HPA's target is 1 (docs/OPERATIONS.md)", pool, registry=r)
         self._series: dict[tuple[str, str], TenantModelSeries] = {}
+        self._pools: set[tuple[str, str]] = set()
 
     def series(self, tenant: str, model: str) -> TenantModelSeries:
         s = self._series.get((tenant, model))
@@ -72,6 +87,24 @@ class Metrics:
                 self.cached_tokens.labels(tenant, model), self.ttft.labels(tenant, model),
                 self.itl.labels(tenant, model), self.aborts.labels(tenant, model))
         return s
+
+    def set_pools(self, nodes, kv_target: float, ttft_target_s: float) -> None:
+        """The autoscaling gauges from the routable nodes (gateway.nodes.Node), per (model, role); a pool that lost
+        its last node reads 0 nodes."""
+        pools: dict[tuple[str, str], list] = {}
+        for n in nodes:
+            pools.setdefault((n.model, n.role), []).append(n)
+        for key in list(self._pools - set(pools)):
+            self.pool_nodes.labels(*key).set(0)
+        for key, ns in pools.items():
+            kv = sum(n.kv_usage for n in ns) / len(ns)
+            ttft = sum(n.ttft_estimate_s for n in ns) / len(ns)
+            self.pool_nodes.labels(*key).set(len(ns))
+            self.pool_prefill_queued.labels(*key).set(sum(n.prefill_queued for n in ns))
+            self.pool_kv_usage.labels(*key).set(kv)
+            self.pool_ttft.labels(*key).set(ttft)
+            self.pool_load.labels(*key).set(max(kv / kv_target, ttft / ttft_target_s))
+        self._pools = set(pools) | self._pools
 
     def render(self, tenants: bool) -> bytes:
         body = generate_latest(self.registry)

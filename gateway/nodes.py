@@ -94,6 +94,7 @@ class Node:
     reported_load: int = 0         # running + waiting from the registry heartbeat
     kv_usage: float = 0.0          # KV pages in use / pages, from the last /ready answer
     prefill_queued: int = 0        # prompt tokens waiting to be prefilled, from the last /ready answer
+    ttft_estimate_s: float = 0.0   # the node's estimated wait for a new request's first token (/ready queue_wait_s)
     prefill_pending: int = 0       # prompt tokens this gateway has sent it to prefill and not yet had answered
     down_until: float = 0.0        # passive health: set when a request failed
     static: bool = True
@@ -163,6 +164,11 @@ def _read_load(node: Node, body: bytes) -> None:
         queued = report.get("prefill_tokens_queued")
         if isinstance(queued, int) and queued >= 0:
             node.prefill_queued = queued
+        wait = report.get("queue_wait_s")
+        if isinstance(wait, int | float) and wait >= 0:
+            node.ttft_estimate_s = float(wait)
+        elif "queue_wait_s" in report and wait is None:     # no estimate yet (no step fitted): nothing queued
+            node.ttft_estimate_s = 0.0
     except msgspec.DecodeError:
         pass
 

@@ -41,6 +41,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="the node registry (default: $EDGEINFER_REDIS_URL, else the embedded valkey of an "
                         "`edgeinfer serve` running on this machine)")
     p.add_argument("--redis-key-prefix", default=os.environ.get("EDGEINFER_REDIS_KEY_PREFIX", KEY_PREFIX))
+    p.add_argument("--redis-cluster", action="store_true",
+                   default=os.environ.get("EDGEINFER_REDIS_CLUSTER", "").lower() in ("1", "true"),
+                   help="the registry is a Redis/valkey Cluster (default: $EDGEINFER_REDIS_CLUSTER=1)")
     p.add_argument("--operator-key", default=os.environ.get("EDGEINFER_OPERATOR_KEY"),
                    help="admin key of the backends (default: $EDGEINFER_OPERATOR_KEY)")
 
@@ -92,7 +95,8 @@ def list_nodes(args: argparse.Namespace, model: str | None = None) -> list:
                        "on this machine: its embedded valkey is found by itself)")
 
     async def go() -> list:
-        redis = wire_redis(args.redis_url, args.redis_key_prefix, socket_timeout_s=2.0, guard_timeout_s=2.0)
+        redis = wire_redis(args.redis_url, args.redis_key_prefix, cluster=args.redis_cluster, socket_timeout_s=2.0,
+                           guard_timeout_s=2.0)
         client = redis.client
         try:
             try:

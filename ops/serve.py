@@ -79,6 +79,9 @@ def parser() -> argparse.ArgumentParser:
     store = p.add_mutually_exclusive_group()
     store.add_argument("--redis-url", default=None,
                        help="use this Redis/valkey for the page store, index and registry instead of the embedded one")
+    p.add_argument("--redis-cluster", action="store_true",
+                   help="--redis-url names a node of a Redis/valkey Cluster: the gateway's index, rate limits and "
+                        "leases and every backend's page store, index and registry use it as a cluster")
     store.add_argument("--no-page-store", action="store_true",
                        help="no shared page store, index or registry (the backend's own prefix cache only)")
     p.add_argument("--valkey-maxmemory", type=int, default=MAXMEMORY,
@@ -147,6 +150,8 @@ def main(argv: list[str]) -> int:
         cli.error(f"--nodes {args.nodes}: expected >= 1")
     if args.prefill_nodes and args.nodes != 1:
         cli.error("--nodes (colocated backends) and --prefill-nodes/--decode-nodes (disaggregated) exclude each other")
+    if args.redis_cluster and not args.redis_url:
+        cli.error("--redis-cluster needs --redis-url (a node of the cluster); the embedded valkey is one server")
     if (args.prefill_nodes or args.nodes > 1) and args.backend_port:
         cli.error("--backend-port names one backend's port; with several backends each gets a free port")
     from edgeinfer.gateway import cli as gateway_cli
@@ -242,6 +247,7 @@ def _start(args: argparse.Namespace, cfg, children: Children) -> int:
         cmd = [sys.executable, "-m", "edgeinfer.backend.server", "--model", str(model_dir), "--host", "127.0.0.1",
                "--port", str(bport), "--node-id", node_id, *store_args, *(["--role", role] if role != "both" else []),
                *(["--speculative", args.speculative] if args.speculative else []),
+               *(["--redis-cluster"] if args.redis_cluster else []),
                *(["--log-format", "json"] if args.log_format == "json" else []),
                *(["--otlp-endpoint", args.otlp_endpoint] if args.otlp_endpoint else []), *args.backend_arg]
         say(f"starting the backend{'' if len(roles) == 1 else f' {node_id}'}: {' '.join(cmd)}")
@@ -255,6 +261,7 @@ def _start(args: argparse.Namespace, cfg, children: Children) -> int:
     data["nodes"] = [{"id": node_id, "url": url, "model": info["model"]} for node_id, url, _ in started]
     if redis_url:
         data["server"]["redis_url"] = redis_url
+        data["server"]["redis_cluster"] = bool(args.redis_cluster)
     cfg = config_mod.parse(data, cfg.source)
     s = cfg.server
     running = write_running(f"http://{s.host}:{s.port}", redis_url)

