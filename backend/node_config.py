@@ -70,6 +70,7 @@ class BackendConfig:
     heartbeat: float
     log_level: str
     log_format: str           # text | json (protocol/observability.py)
+    advertise_url: str | None  # registered URL (default http://host:port)
     otlp_endpoint: str | None  # OpenTelemetry collector (OTLP/HTTP); else OTEL_EXPORTER_OTLP_ENDPOINT; else no traces
     speculative: str          # ngram | off (backend/engine/speculative.py)
     spec_tokens: int
@@ -110,6 +111,9 @@ def parse_args(argv: list[str] | None) -> BackendConfig:
     p.add_argument("--model-name", default=None, help="name served to clients (default: directory name)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--advertise-url", default=None,
+                   help="the URL other nodes and gateways reach this node at, as registered (default http://HOST:PORT; "
+                        "set it when --host is 0.0.0.0, e.g. a pod's stable DNS name in a StatefulSet)")
     p.add_argument("--node-id", default=None)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--tensor-parallel", type=int, default=1,
@@ -220,6 +224,8 @@ def parse_args(argv: list[str] | None) -> BackendConfig:
     env_defaults(p)
     args = p.parse_args(argv)
     args.internal_secret = None if args.insecure_no_internal_auth else _internal_secret(p, args)
+    if args.advertise_url is not None and not args.advertise_url.startswith(("http://", "https://")):
+        p.error(f"--advertise-url {args.advertise_url!r}: expected an http:// or https:// URL")
     if not 1 <= args.spec_tokens <= 16:
         p.error(f"--spec-tokens {args.spec_tokens}: expected 1..16")
     if args.spec_max_batch < 0:

@@ -390,7 +390,7 @@ def build_state(cfg: BackendConfig) -> BackendState:
     m.set_memory(engine)
     st = BackendState(engine=engine, metrics=m, node_id=node_id, version=cfg.version, parallel_node=node,
                       operator_key=cfg.operator_key, internal_secret=cfg.internal_secret,
-                      url=f"http://{cfg.host}:{cfg.port}",
+                      url=(cfg.advertise_url or f"http://{cfg.host}:{cfg.port}").rstrip("/"),
                       keepalive_s=cfg.keepalive_s or None, max_queue_wait_s=cfg.max_queue_wait_s or None,
                       state="draining" if cfg.start_drained else "active", role=cfg.role)
     log.info(json.dumps({"event": "memory", "model": engine.model_name, "weight_bytes": engine.model.weight_bytes(),
