@@ -129,6 +129,6 @@ def redis_client(url: str, *, cluster: bool = False, socket_timeout_s: float | N
 
     kwargs: dict[str, Any] = dict(socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s,
                   retry=Retry(NoBackoff(), 0), decode_responses=False)
-    if cluster:
-        return RedisCluster.from_url(url, **kwargs)
+    if cluster:   # after a failover the slot map follows the promoted replica within a quarter second of errors
+        return RedisCluster.from_url(url, topology_refresh_min_interval=0.25, **kwargs)
     return Redis.from_url(url, **kwargs)

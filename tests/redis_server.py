@@ -73,8 +73,9 @@ def command(port: int, *args: str, timeout_s: float = 2.0) -> bytes:
 
 class ValkeyServer:
     def __init__(self, port: int | None = None, *, cluster: bool = False, maxmemory: str | None = None,
-                 maxmemory_policy: str = "allkeys-lru") -> None:
+                 maxmemory_policy: str = "allkeys-lru", cluster_args: tuple[str, ...] = ()) -> None:
         self.cluster = cluster
+        self.cluster_args = cluster_args
         self.port = port if port is not None else free_port(cluster_bus=cluster)
         self.maxmemory = maxmemory
         self.maxmemory_policy = maxmemory_policy
@@ -91,7 +92,7 @@ class ValkeyServer:
                 "--logfile", os.path.join(self.dir, "valkey.log")]
         if self.cluster:
             args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                     "--cluster-node-timeout", "5000"]
+                     "--cluster-node-timeout", "5000", *self.cluster_args]
         if self.maxmemory:
             args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", self.maxmemory_policy]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -142,10 +143,17 @@ class ValkeyServer:
 
 
 class ValkeyCluster:
-    """N primaries, no replicas, slots split evenly; built with CLUSTER ADDSLOTSRANGE + MEET."""
+    """N primaries, slots split evenly, each with `replicas` replicas; built over the cluster's own protocol
+    (CLUSTER ADDSLOTSRANGE, MEET, REPLICATE). `node_timeout_ms`: how long a silent primary takes to be marked
+    failed (and a replica promoted); `full_coverage` False: the slots of the live primaries keep serving while
+    another's are down (cluster-require-full-coverage no)."""
 
-    def __init__(self, nodes: int = 3) -> None:
-        self.servers = [ValkeyServer(cluster=True) for _ in range(nodes)]
+    def __init__(self, nodes: int = 3, replicas: int = 0, node_timeout_ms: int = 5000,
+                 full_coverage: bool = True) -> None:
+        extra = ("--cluster-node-timeout", str(node_timeout_ms),
+                 "--cluster-require-full-coverage", "yes" if full_coverage else "no")
+        self.servers = [ValkeyServer(cluster=True, cluster_args=extra) for _ in range(nodes)]
+        self.replicas = [ValkeyServer(cluster=True, cluster_args=extra) for _ in range(nodes * replicas)]
 
     @property
     def ports(self) -> list[int]:
@@ -166,10 +174,63 @@ class ValkeyCluster:
             for s in self.servers[1:]:
                 self._ok(command(self.servers[0].port, "CLUSTER", "MEET", "127.0.0.1", str(s.port)))
             self._wait_ok(timeout_s)
+            for i, r in enumerate(self.replicas):
+                r.start()
+                self._ok(command(self.servers[0].port, "CLUSTER", "MEET", "127.0.0.1", str(r.port)))
+                master = self.servers[i % n]
+                master_id = self.node_id(master.port)
+                deadline = time.monotonic() + timeout_s
+                while master_id.encode() not in command(r.port, "CLUSTER", "NODES"):   # gossip reached it
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"replica {r.port} never learned of primary {master.port}")
+                    time.sleep(0.05)
+                self._ok(command(r.port, "CLUSTER", "REPLICATE", master_id))
+            for r in self.replicas:
+                deadline = time.monotonic() + timeout_s
+                while b"master_link_status:up" not in command(r.port, "INFO", "replication"):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"replica {r.port} never linked to its primary")
+                    time.sleep(0.05)
         except BaseException:
             self.stop()
             raise
         return self
+
+    @staticmethod
+    def node_id(port: int) -> str:
+        return command(port, "CLUSTER", "MYID").decode().strip()
+
+    def primary_for(self, key: str) -> ValkeyServer:
+        """The live server that now holds the slot of `key` as a primary."""
+        slot = int(command(self.servers[0].port if self.servers[0].proc else self.live()[0].port,
+                           "CLUSTER", "KEYSLOT", key).strip(b":\r\n"))
+        for s in self.live():
+            for line in command(s.port, "CLUSTER", "NODES").splitlines():
+                parts = line.decode().split()
+                if "myself" in parts[2] and "master" in parts[2]:
+                    for rng in parts[8:]:
+                        lo, _, hi = rng.partition("-")
+                        if lo.isdigit() and int(lo) <= slot <= int(hi or lo):
+                            return s
+        raise RuntimeError(f"no live primary holds the slot of {key!r}")
+
+    def live(self) -> list[ValkeyServer]:
+        return [s for s in self.servers + self.replicas if s.proc is not None and s.proc.poll() is None]
+
+    def wait_served(self, key: str, timeout_s: float = 30.0) -> ValkeyServer:
+        """After a primary died: wait until a live primary holds `key`'s slot (its replica promoted) and every live
+        node says cluster_state:ok; returns that primary."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                primary = self.primary_for(key)
+            except (RuntimeError, OSError):
+                time.sleep(0.1)
+                continue
+            if all(b"cluster_state:ok" in command(s.port, "CLUSTER", "INFO") for s in self.live()):
+                return primary
+            time.sleep(0.1)
+        raise RuntimeError(f"no live primary for {key!r} {timeout_s}s after the failure")
 
     @staticmethod
     def _ok(reply: bytes) -> None:
@@ -195,7 +256,7 @@ class ValkeyCluster:
         raise RuntimeError(f"cluster on ports {self.ports} not ok after {timeout_s}s: {last!r}")
 
     def stop(self) -> None:
-        for s in self.servers:
+        for s in self.servers + self.replicas:
             s.stop()
 
     def __enter__(self) -> ValkeyCluster:

@@ -3,6 +3,9 @@
 # benchmarks/results/container.json (what ran, how long each part took, the answer, the exit status).
 #   ops/container/record_run.sh        (from the repository root; needs podman; the base image from make_base.sh
 #                                        unless BASE names another)
+# On this project's VMs (Firecracker, cgroup v1 hybrid, no CAP_SYS_RESOURCE for the OCI runtime): the build runs
+# with chroot isolation (crun refuses hybrid cgroups), the container with runc and ulimits at or below the host's
+# (PODMAN_BUILD_ARGS / PODMAN_GLOBAL_ARGS / PODMAN_RUN_ARGS override these defaults elsewhere).
 set -euo pipefail
 BASE="${BASE:-localhost/edgeinfer-base:bookworm}"
 TAG="${TAG:-localhost/edgeinfer:cpu}"
@@ -21,7 +24,7 @@ podman build ${PODMAN_BUILD_ARGS:---isolation chroot} --build-arg BASE="$BASE" -
 t1=$(date +%s)
 SIZE=$(podman image inspect "$TAG" --format '{{.Size}}')
 podman rm -f edgeinfer-record >/dev/null 2>&1 || true
-podman run ${PODMAN_RUN_ARGS:---cgroups disabled} -d --name edgeinfer-record -p "127.0.0.1:$PORT:8080" "$TAG" >/dev/null
+podman ${PODMAN_GLOBAL_ARGS:---runtime runc} run ${PODMAN_RUN_ARGS:---ulimit nofile=4096:4096 --ulimit nproc=4096:4096} -d --name edgeinfer-record -p "127.0.0.1:$PORT:8080" "$TAG" >/dev/null
 USER_ID=$(podman exec edgeinfer-record id -u)
 ready=""
 for _ in $(seq 1 180); do
