@@ -133,3 +133,27 @@ def test_the_autoscalers_target_what_exists():
 
     assert metric["name"] in Metrics().render(False).decode() or metric["name"] == "edgeinfer_gateway_pool_load_ratio"
     assert set(metric["selector"]["matchLabels"]) == {"model", "role"}
+
+
+def test_compose_wires_valkey_the_gateway_and_two_backends(monkeypatch):
+    """compose.yaml: the gateway's TOML parses, each backend's command parses with the backend's parser and
+    advertises its own service name, the gateway waits for healthy backends."""
+    from edgeinfer.backend.node_config import parse_args
+    from edgeinfer.gateway import config as config_mod
+
+    doc = yaml.safe_load((K8S.parents[1] / "compose.yaml").read_text())
+    services = doc["services"]
+    assert set(services) == {"valkey", "gateway", "backend-0", "backend-1"}
+    cfg = config_mod.parse(tomllib.loads(doc["configs"]["gateway"]["content"]), "compose gateway.toml")
+    assert cfg.server.port == 8080 and cfg.tenants
+    env = {k: re.sub(r"\$\{[A-Z_]+:-(.*)\}", r"\1", v) for k, v in services["backend-0"]["environment"].items()}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    for name in ("backend-0", "backend-1"):
+        cmd = services[name]["command"]
+        assert cmd[0] == "backend"
+        c = parse_args(cmd[1:])
+        assert c.node_id == name and c.advertise_url == f"http://{name}:8081" and c.log_format == "json"
+        assert c.internal_secret == env["EDGEINFER_INTERNAL_SECRET"]
+    assert set(services["gateway"]["depends_on"]) == {"backend-0", "backend-1"}
+    assert services["gateway"]["ports"] == ["127.0.0.1:8080:8080"]
