@@ -26,7 +26,8 @@ from edgeinfer.backend.engine.engine import LLMEngine
 from edgeinfer.backend.engine.engine_config import EngineConfig
 from tests.conftest import wait_until
 from tests.e2e.test_isolation import PAGE_KEY, SEED, rand_prompt, run
-from tests.gateway.conftest import MODEL, client, tenant
+from tests.e2e.test_node_faults import Load
+from tests.gateway.conftest import MODEL, tenant
 from tests.redis_server import ValkeyCluster, command
 
 pytestmark = [pytest.mark.slow]
@@ -181,30 +182,19 @@ def test_stream_leases_are_exact_under_concurrency_across_two_gateways(harness, 
     assert all(_fallbacks(gw) == 0 for gw in gws)
 
 
-class Load:
-    """Requests through the gateways in a loop until stopped: (seconds, answer or ERROR ...)."""
+class Loads:
+    """tests/e2e/test_node_faults.Load on each gateway (two clients each); results together."""
 
     def __init__(self, gws) -> None:
-        self.results: list[tuple[float, str]] = []
-        self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._loop, args=(gw,)) for gw in gws for _ in range(2)]
-        for t in self.threads:
-            t.start()
+        self.loads = [Load(gw, clients=2) for gw in gws]
 
-    def _loop(self, gw) -> None:
-        c = client(gw)
-        while not self.stop.is_set():
-            t = time.monotonic()
-            try:
-                out = c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=3)
-                self.results.append((time.monotonic() - t, out.choices[0].message.content or ""))
-            except Exception as e:  # noqa: BLE001
-                self.results.append((time.monotonic() - t, f"ERROR {e!r}"))
+    @property
+    def results(self) -> list[tuple[float, str]]:
+        return [r for load in self.loads for r in load.results]
 
     def finish(self) -> list[tuple[float, str]]:
-        self.stop.set()
-        for t in self.threads:
-            t.join(30)
+        for load in self.loads:
+            load.stop()
         return self.results
 
 
@@ -214,7 +204,7 @@ def test_a_primary_killed_mid_load_costs_recomputation_not_answers(harness, clus
     prompts = [rand_prompt(100 + i, 200) for i in range(6)]
     cold = [n.run(0, p)[0] for p in prompts]
     n.flush(0)
-    load = Load(gws)
+    load = Loads(gws)
     try:
         assert wait_until(lambda: len(load.results) >= 20, 30)
         victim = cluster.servers[1]            # not the clients' startup node
@@ -238,7 +228,7 @@ def test_a_failover_to_a_replica_brings_the_limiter_and_caching_back(harness, no
     with ValkeyCluster(3, replicas=1, node_timeout_ms=1000) as cluster:
         _, gws = _gateways(harness, cluster, requests_per_min=1_000_000)
         n = nodes_on(cluster.url)
-        load = Load(gws)
+        load = Loads(gws)
         try:
             assert wait_until(lambda: len(load.results) >= 10, 30)
             rc = RedisCluster.from_url(cluster.url)
