@@ -38,6 +38,7 @@ def exporter():
     assert not obs.tracing_on()
 
 
+@pytest.mark.slow
 async def test_one_request_gives_one_trace_from_the_client_to_the_engine(exporter, harness, smol_model,
                                                                          smol_tokenizer, smol_dir):
     engine = LLMEngine(smol_model, smol_tokenizer, EngineConfig(num_pages=128), model_name="smol")
