@@ -97,7 +97,9 @@ async def edge_middleware(request: web.Request, handler) -> web.StreamResponse:
     st.handlers.add(task)
     rid_token = obs.request_id_var.set(rid)
     span, span_token = None, None
-    if obs.tracing_on():    # the request's span, current for the handler: admission, routing, the backend calls
+    if obs.tracing_on() and request.path.startswith(("/v1/", "/tokenize", "/detokenize")):
+        # the request's span, current for the handler: admission, routing, the backend calls (probes and scrapes of
+        # /health, /ready, /metrics make no traces)
         span = obs.tracer().start_span("gateway.request", context=obs.extract_context(request.headers),
                                        kind=obs.trace.SpanKind.SERVER,
                                        attributes={"http.request.method": request.method, "url.path": request.path,

@@ -6,10 +6,12 @@ key in any attribute. JSON log lines carry the request id and the trace id."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
 
+import aiohttp
 import openai
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -52,6 +54,14 @@ async def test_one_request_gives_one_trace_from_the_client_to_the_engine(exporte
                       "nodes": [{"id": "n-trace", "url": str(http._base_url).rstrip("/"), "model": "smol"}],
                       "tenants": [tenant()]})
         gw = harness.gateway([], cfg=cfg)
+        async with aiohttp.ClientSession() as s:     # the gateway's first probe of the node answered (async: the
+            for _ in range(600):                     # backend answers on this loop)
+                async with s.get(gw.url + "/ready") as ready:
+                    if ready.status == 200:
+                        break
+                await asyncio.sleep(0.1)
+            assert ready.status == 200, "the gateway never saw the backend"
+        assert not exporter.get_finished_spans()     # probes make no traces
         client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=DEMO_KEY, max_retries=0, timeout=120)
         r = await client.chat.completions.create(
             model="smol", max_tokens=8, temperature=0,
