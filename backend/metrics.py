@@ -7,6 +7,9 @@ from collections import Counter as Tally
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from edgeinfer.backend.engine.engine import EngineObserver
+from edgeinfer.backend.engine.page_ledger import WHERE
+
+INTEGRITY_SOURCES = ("host", "redis", "peer")    # the tiers a fetched page comes from (page_store tiers, hand-off)
 
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -94,6 +97,11 @@ class BackendMetrics(EngineObserver):
                                      "Speculative decoding: accepted / drafted tokens since start", L, registry=r)
         self.fast_forwarded = Counter("edgeinfer_backend_grammar_fast_forward_tokens",
                                       "Tokens a grammar forced, emitted without a model step each", L, registry=r)
+        for where in WHERE:     # known label values at 0 from the start: an alert works before the first failure
+            self.kv_checks.labels(model, where)
+            self.kv_failures.labels(model, where)
+        for source in INTEGRITY_SOURCES:
+            self.integrity_failures.labels(model, source)
         self._spec = (0, 0, 0)
         self._hits = 0
         self._queries = 0

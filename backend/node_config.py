@@ -10,7 +10,17 @@ from pathlib import Path
 
 from edgeinfer.backend.engine.engine_config import EngineConfig
 from edgeinfer.backend.engine.speculative import SPECULATIVE
-from edgeinfer.protocol.defaults import CACHE_SEED, CACHE_SEED_ENV, KEY_PREFIX, PAGE_SIZE, env_defaults
+from edgeinfer.protocol.defaults import (
+    CACHE_SEED,
+    CACHE_SEED_ENV,
+    KEY_PREFIX,
+    PAGE_SIZE,
+    SERVE_OPTIONS,
+    drop_env_sources,
+    env_defaults,
+    named,
+)
+from edgeinfer.protocol.observability import LOG_LEVELS
 from edgeinfer.protocol.wire import ROLES
 
 VERSION = os.environ.get("EDGEINFER_VERSION", "0.1.0")
@@ -78,12 +88,14 @@ class BackendConfig:
     no_grammar_fast_forward: bool
     role: str                 # prefill | decode | both (prefill/decode disaggregation, docs/DISAGGREGATION.md)
     handoff_timeout: float    # seconds a decode node spends pulling a prompt's pages from its prefill node
+    handoff_peers: list[str]  # prefill nodes' URLs a decode node may pull from (besides the registry's signed ones)
+    grammar_mask_budget_ms: float  # a request's grammar mask may take this long per step (0: no budget)
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> BackendConfig:
         """The parsed flags, one field per dest: the parser owns the defaults, and a flag without a field (or a
         field without a flag) is a TypeError here, not a silent default."""
-        return cls(**vars(ns))
+        return cls(**vars(drop_env_sources(ns)))
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(page_size=self.page_size, kv_cache_bytes=self.kv_cache_bytes, num_pages=self.num_pages,
@@ -102,7 +114,8 @@ class BackendConfig:
                             adaptive_threads=not self.fixed_threads, kv_integrity=not self.no_kv_integrity,
                             kv_verify_fraction=self.kv_verify_fraction, speculative=self.speculative,
                             spec_tokens=self.spec_tokens, spec_max_batch=self.spec_max_batch,
-                            grammar_fast_forward=not self.no_grammar_fast_forward)
+                            grammar_fast_forward=not self.no_grammar_fast_forward,
+                            grammar_mask_budget_s=self.grammar_mask_budget_ms / 1e3)
 
 
 def parse_args(argv: list[str] | None) -> BackendConfig:
@@ -208,7 +221,7 @@ def parse_args(argv: list[str] | None) -> BackendConfig:
                         "their canary first); needs --operator-key")
     p.add_argument("--version", default=VERSION)
     p.add_argument("--heartbeat", type=float, default=2.0)
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
     p.add_argument("--log-format", default="text", choices=["text", "json"],
                    help="json: one JSON object per line (ts, level, logger, msg, request_id, trace_id)")
     p.add_argument("--otlp-endpoint", default=None,
@@ -221,29 +234,53 @@ def parse_args(argv: list[str] | None) -> BackendConfig:
     p.add_argument("--handoff-timeout", type=float, default=5.0,
                    help="seconds a decode node may spend pulling a prompt's pages from the prefill node named in "
                         "the request before it computes the rest itself")
-    env_defaults(p)
+    p.add_argument("--handoff-peers", default="",
+                   help="comma-separated URLs of the prefill nodes this decode node may pull pages from (it sends them "
+                        "the internal secret); with a registry (--redis-url) its signed, live prefill nodes count too. "
+                        "A request naming any other kv_source is computed here, never pulled")
+    p.add_argument("--grammar-mask-budget-ms", type=float, default=20.0,
+                   help="a structured-output request whose grammar takes longer than this to compute one token's "
+                        "mask (measured per step, off the shared step's critical path) ends with a 400 naming its "
+                        "response_format / tool field instead of stalling its neighbours; 0: no budget")
+    env_defaults(p, known_elsewhere=SERVE_OPTIONS)
     args = p.parse_args(argv)
+    args.handoff_peers = [u.strip().rstrip("/") for u in args.handoff_peers.split(",") if u.strip()]
+
+    def bad(dest: str, expected: str) -> None:
+        p.error(f"{named(p, args, dest, argv)}: expected {expected}")
+
     args.internal_secret = None if args.insecure_no_internal_auth else _internal_secret(p, args)
     if args.advertise_url is not None and not args.advertise_url.startswith(("http://", "https://")):
-        p.error(f"--advertise-url {args.advertise_url!r}: expected an http:// or https:// URL")
+        bad("advertise_url", "an http:// or https:// URL")
+    for u in args.handoff_peers:
+        if not u.startswith(("http://", "https://")):
+            bad("handoff_peers", f"http:// or https:// URLs (got {u!r})")
+    if not 1 <= args.port <= 65535:
+        bad("port", "a TCP port 1..65535")
+    finite = float("inf")
+    for dest, low, what in (("tensor_parallel", 1, "ranks"), ("page_size", 1, "tokens"),
+                            ("kv_cache_bytes", 1, "bytes"), ("max_num_seqs", 1, "sequences"),
+                            ("max_num_batched_tokens", 1, "tokens"), ("priority_aging_steps", 1, "steps"),
+                            ("contended_step_tokens", 0, "tokens (0: no cap)"), ("spec_max_batch", 0, "sequences"),
+                            ("host_store_bytes", 0, "bytes")):
+        if getattr(args, dest) < low:
+            bad(dest, f"an integer >= {low} {what}")
+    for dest in ("num_pages", "max_model_len"):
+        if getattr(args, dest) is not None and getattr(args, dest) < 1:
+            bad(dest, "an integer >= 1")
     if not 1 <= args.spec_tokens <= 16:
-        p.error(f"--spec-tokens {args.spec_tokens}: expected 1..16")
-    if args.spec_max_batch < 0:
-        p.error(f"--spec-max-batch {args.spec_max_batch}: expected >= 0")
-    if not (0 < args.handoff_timeout < float("inf")):
-        p.error(f"--handoff-timeout {args.handoff_timeout!r}: expected a finite number of seconds > 0")
-    for name in ("max_queue_wait_s", "keepalive_s"):
-        v = getattr(args, name)
-        if not (v >= 0 and v != float("inf")):
-            p.error(f"--{name.replace('_', '-')} {v!r}: expected a finite number of seconds >= 0 (0: off)")
-    if args.contended_step_tokens < 0:
-        p.error(f"--contended-step-tokens {args.contended_step_tokens}: expected >= 0 (0: no cap)")
-    if not (0 <= args.contended_step_ratio < float("inf")):
-        p.error(f"--contended-step-ratio {args.contended_step_ratio!r}: expected a finite number >= 0 (0: fixed cap)")
-    if not (0 <= args.contended_window_s < float("inf")):
-        p.error(f"--contended-window-s {args.contended_window_s!r}: expected a finite number of seconds >= 0")
+        bad("spec_tokens", "1..16")
+    for dest, what in (("handoff_timeout", "seconds"), ("heartbeat", "seconds"), ("store_fetch_timeout", "seconds"),
+                       ("prefill_token_weight", "a weight"), ("decode_token_weight", "a weight")):
+        if not (0 < getattr(args, dest) < finite):
+            bad(dest, f"a finite number of {what} > 0" if what == "seconds" else f"{what}: a finite number > 0")
+    for dest, what in (("max_queue_wait_s", "seconds >= 0 (0: off)"), ("keepalive_s", "seconds >= 0 (0: off)"),
+                       ("contended_step_ratio", "number >= 0 (0: fixed cap)"),
+                       ("contended_window_s", "seconds >= 0"), ("grammar_mask_budget_ms", "milliseconds >= 0 (0: off)")):
+        if not (0 <= getattr(args, dest) < finite):
+            bad(dest, f"a finite number of {what}" if "seconds" in what else f"a finite {what}")
     if not (0.0 <= args.kv_verify_fraction <= 1.0):
-        p.error(f"--kv-verify-fraction {args.kv_verify_fraction!r}: expected a fraction 0 <= f <= 1")
+        bad("kv_verify_fraction", "a fraction 0 <= f <= 1")
     if args.start_drained and not args.operator_key:
         p.error("--start-drained needs --operator-key (or EDGEINFER_OPERATOR_KEY): without it the node could "
                 "never be undrained")

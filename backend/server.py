@@ -1,9 +1,11 @@
 """Backend HTTP server (aiohttp + uvloop): the internal API of backend/protocol.py over one LLMEngine.
 
-/internal/* answers only a caller holding the internal secret (the gateway: `authorization: Bearer
-<secret>`, compared in constant time) or the operator key (ops canary and health gates); anything else
-is a 401 before the body is read. /health, /ready, /metrics stay open (/metrics without tenant ids, which it
-shows only to the internal secret or the operator key); /admin/* needs the operator key.
+/internal/* answers only a caller holding the internal secret (the gateway and the other nodes: `authorization:
+Bearer <secret>`, compared in constant time); anything else, the operator key included, is a 401 before the body is
+read. The operator key opens only the operator's endpoints, /admin/*: drain, undrain, info (the rollout's health
+gate) and canary (one fixed-shape generate request, no tenant, no hand-off, no grammar), so whoever holds it cannot
+make a node send the internal secret anywhere (docs/RELIABILITY.md, the threat model). /health, /ready, /metrics stay
+open (/metrics without tenant ids, which it shows only to the internal secret or the operator key).
 
 Queueing: a generate stream carries a keepalive (an empty NDJSON line) every --keepalive-s without a chunk
 while the engine keeps stepping, so the gateway can tell a queued request on a working node from one on a
@@ -102,7 +104,7 @@ def _overloaded(st: BackendState, req: GenerateRequest) -> web.Response | None:
 
 async def generate(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
-    if st.state != "active" and not _operator_ok(request):   # an operator's canary may reach a drained node
+    if st.state != "active":
         return _error(503, f"node {st.node_id} is {st.state}; not accepting new requests")
     try:
         req = msgspec.json.decode(await request.read(), type=GenerateRequest)
@@ -110,6 +112,47 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return _error(422, f"invalid generate request: {e}")
     except msgspec.DecodeError as e:
         return _error(400, f"malformed JSON body: {e}")
+    return await _traced_generate(request, st, req)
+
+
+class CanaryRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """POST /admin/canary: what an operator may choose of a canary (ops rollout); the rest is fixed."""
+    prompt_token_ids: list[int]
+    max_tokens: int = 4
+    model: str = ""
+
+
+MAX_CANARY_TOKENS = 64
+MAX_CANARY_PROMPT = 256
+
+
+async def admin_canary(request: web.Request) -> web.StreamResponse:
+    """One greedy generate request from the operator, on an active or drained node: a short prompt of token ids,
+    at most MAX_CANARY_TOKENS, in the "ops-canary" namespace, with no tenant, no kv_source, no grammar."""
+    if not _operator_ok(request):
+        return _error(401, "operator key required")
+    st = request.app[STATE]
+    try:
+        c = msgspec.json.decode(await request.read(), type=CanaryRequest)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        return _error(400, f"invalid canary request: {e}")
+    if not 1 <= len(c.prompt_token_ids) <= MAX_CANARY_PROMPT or not 1 <= c.max_tokens <= MAX_CANARY_TOKENS:
+        return _error(400, f"invalid canary request: expected 1..{MAX_CANARY_PROMPT} prompt token ids and max_tokens "
+                           f"1..{MAX_CANARY_TOKENS}, got {len(c.prompt_token_ids)} and {c.max_tokens}")
+    req = GenerateRequest(f"ops-canary-{uuid.uuid4().hex[:12]}", c.prompt_token_ids,
+                          SamplingParams(max_tokens=c.max_tokens, temperature=0.0, ignore_eos=True),
+                          cache_namespace="ops-canary", model=c.model)
+    return await _traced_generate(request, st, req)
+
+
+async def admin_info(request: web.Request) -> web.Response:
+    """/internal/info for the operator (the rollout's health gate: version and node id)."""
+    if not _operator_ok(request):
+        return _error(401, "operator key required")
+    return await info(request)
+
+
+async def _traced_generate(request: web.Request, st: BackendState, req: GenerateRequest) -> web.StreamResponse:
     token = obs.request_id_var.set(req.request_id)     # JSON log lines name the request
     try:
         if st.traces is None:
@@ -196,17 +239,19 @@ async def kv_pages(request: web.Request) -> web.StreamResponse:
         req = pages_request_decoder.decode(await request.read())
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
         return _error(400, f"invalid page request: {e}")
-    if len(req.hashes) > MAX_PAGES_PER_REQUEST or any(len(h) != HASH_BYTES for h in req.hashes):
-        return _error(400, f"invalid page request: expected at most {MAX_PAGES_PER_REQUEST} page hashes of {HASH_BYTES} bytes "
-                           f"each, got {len(req.hashes)}")
+    most = min(MAX_PAGES_PER_REQUEST, -(-st.engine.max_model_len // st.engine.cfg.page_size))   # one context
+    if len(req.hashes) > most or any(len(h) != HASH_BYTES for h in req.hashes):
+        return _error(400, f"invalid page request: expected at most {most} page hashes (one context) of {HASH_BYTES} "
+                           f"bytes each, got {len(req.hashes)}")
+    if len(set(req.hashes)) != len(req.hashes):
+        return _error(400, f"invalid page request: {len(req.hashes) - len(set(req.hashes))} page hashes repeated; "
+                           "a request names each page of one chain once")
     handoff = next((ext.handoff for ext in st.extensions if hasattr(ext, "handoff")), None)
     if handoff is None:
         return _error(404, f"node {st.node_id} has no page hand-off (no page store and --role both)")
-    pieces = await handoff.send(req.hashes)
-    resp = web.StreamResponse(headers={"content-type": "application/octet-stream"})
-    resp.content_length = sum(len(p) for p in pieces)
+    resp = web.StreamResponse(headers={"content-type": "application/octet-stream"})   # chunked: streamed
     await resp.prepare(request)
-    for piece in pieces:
+    async for piece in handoff.send(req.hashes):
         await resp.write(piece)
     await resp.write_eof()
     return resp
@@ -278,10 +323,11 @@ def _operator_ok(request: web.Request) -> bool:
 
 
 def _internal_ok(request: web.Request) -> bool:
+    """The internal secret only: the operator key is not an internal credential (see the module docstring)."""
     secret = request.app[STATE].internal_secret
     if secret is None:
         return True
-    return _bearer_is(request, secret) or _operator_ok(request)
+    return _bearer_is(request, secret)
 
 
 @web.middleware
@@ -342,6 +388,8 @@ def make_app(state: BackendState) -> web.Application:
         web.get("/metrics", metrics),
         web.post("/admin/drain", admin_drain),
         web.post("/admin/undrain", admin_undrain),
+        web.get("/admin/info", admin_info),
+        web.post("/admin/canary", admin_canary),
     ])
     return app
 

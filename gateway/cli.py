@@ -31,8 +31,13 @@ log = logging.getLogger("edgeinfer.gateway")
 def setup_logging(fmt: str | None = None) -> None:
     """Logs to stderr: the access log's JSON lines and the rest as plain messages, or everything as JSON lines
     (`fmt` "json", else EDGEINFER_LOG_FORMAT)."""
-    obs.configure_logging(fmt or os.environ.get("EDGEINFER_LOG_FORMAT", "text"),
-                          os.environ.get("EDGEINFER_LOG_LEVEL", "INFO"), text_format="%(message)s")
+    level = os.environ.get("EDGEINFER_LOG_LEVEL", "INFO")
+    if level.upper() not in obs.LOG_LEVELS:
+        raise ValueError(f"EDGEINFER_LOG_LEVEL={level!r}: expected one of {', '.join(obs.LOG_LEVELS)}")
+    env_fmt = os.environ.get("EDGEINFER_LOG_FORMAT", "text")
+    if env_fmt not in obs.LOG_FORMATS:      # refused even where --log-format wins: a bad setting is not ignored
+        raise ValueError(f"EDGEINFER_LOG_FORMAT={env_fmt!r}: expected one of {', '.join(obs.LOG_FORMATS)}")
+    obs.configure_logging(fmt or env_fmt, level, text_format="%(message)s")
 
 
 async def serve_gateway(cfg: GatewayConfig, ready_line: str | None = None) -> None:
@@ -134,10 +139,10 @@ def _gateway(argv: list[str]) -> int:
     except config_mod.ConfigError as e:
         print(f"edgeinfer gateway: error: {e}", file=sys.stderr)
         return 2
-    setup_logging(args.log_format)
     try:
+        setup_logging(args.log_format)
         obs.setup_tracing("edgeinfer-gateway", args.otlp_endpoint)
-    except RuntimeError as e:
+    except (RuntimeError, ValueError) as e:
         print(f"edgeinfer gateway: error: {e}", file=sys.stderr)
         return 2
     run_loop(serve_gateway(cfg))

@@ -175,6 +175,9 @@ async def prefill_hop(st, target: Target, run: Run, decode: Choice) -> Handoff |
         why = chunk.error if chunk is not None and chunk.error else f"it ended with {chunk!r}"
         return _counted(st, target, Handoff("prefill_failed"), node, why)
     cached = chunk.usage.cached_tokens if chunk.usage is not None else 0
+    if not 0 <= cached <= len(run.prompt_ids):     # a prefill node's claim held to the prompt the gateway sent
+        st.metrics.usage_corrected.labels(target.model, "cached_tokens").inc()
+        cached = min(max(cached, 0), len(run.prompt_ids))
     return _counted(st, target, Handoff("handed_off", KVSource(node.node_id, node.url), cached))
 
 

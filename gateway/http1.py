@@ -21,6 +21,10 @@ class HTTPProtocolError(Exception):
     """The server's bytes are not a well-formed HTTP/1.1 response."""
 
 
+class LineTooLong(HTTPProtocolError):
+    """A node's NDJSON line over MAX_LINE: the hop fails (counted as a broken stream); nothing more is buffered."""
+
+
 class ConnectionDropped(ConnectionError):
     """The connection closed before the response (or its body) was complete."""
 
@@ -30,6 +34,8 @@ class ConnectionDropped(ConnectionError):
 
 
 _MAX_HEAD = 64 * 1024
+MAX_LINE = 8 << 20        # one NDJSON line of a node's stream (a chunk: tokens, logprobs, usage); the gateway's cap
+MAX_BUFFERED = 8 << 20    # decoded body bytes held before reading pauses (the node's writes then wait)
 _HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILER, _UNTIL_CLOSE, _DONE = range(8)
 
 
@@ -45,6 +51,7 @@ class Connection(asyncio.Protocol):
         self._park = False         # return to the pool when the current body ends
         self.idle_since = 0.0
         self.reused = False
+        self.paused = False        # reading paused: the decoded body is over MAX_BUFFERED and not yet consumed
         self._reset()
 
     def _reset(self) -> None:
@@ -68,6 +75,9 @@ class Connection(asyncio.Protocol):
         except HTTPProtocolError:
             self.keep_alive = False
             self.state = -1
+        if len(self.body) > MAX_BUFFERED and not self.paused and self.transport is not None:
+            self.paused = True       # back-pressure: the node waits until the reader has taken lines out
+            self.transport.pause_reading()
         if self._park and self.state == _DONE:
             self._park = False
             self._pool.put(self)
@@ -190,6 +200,12 @@ class Connection(asyncio.Protocol):
             if timer is not None:
                 timer.cancel()
 
+    def resume(self) -> None:
+        """Read again once the reader has taken the body under MAX_BUFFERED."""
+        if self.paused and len(self.body) <= MAX_BUFFERED and self.transport is not None and not self.lost:
+            self.paused = False
+            self.transport.resume_reading()
+
     def close(self) -> None:
         self._park = False
         self.keep_alive = False
@@ -236,9 +252,15 @@ class Response:
             body = conn.body
             i = body.find(b"\n")
             if i >= 0:
+                if i >= MAX_LINE:
+                    raise LineTooLong(f"a line of {i + 1} bytes from the node: over the {MAX_LINE}-byte cap")
                 line = bytes(body[:i + 1])
                 del body[:i + 1]
+                conn.resume()
                 return line
+            if len(body) > MAX_LINE:      # no newline in the first MAX_LINE bytes: never buffered further
+                conn.keep_alive = False
+                raise LineTooLong(f"over {MAX_LINE} bytes from the node without a newline")
             if conn.state == _DONE:
                 line = bytes(body)
                 body.clear()
@@ -267,6 +289,7 @@ class Response:
             if len(conn.body) > limit:
                 conn.keep_alive = False
                 break
+            conn.resume()
             await conn.wait(deadline)
         out = bytes(conn.body[:limit])
         conn.body.clear()

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -56,6 +57,10 @@ class Metrics:
         self.aborts = Counter(p + "client_aborts_total", "client went away; backend request aborted",
                               ["tenant", "model"], registry=t)
         self.inflight = Gauge(p + "inflight_requests", "requests being served", registry=r)
+        self.usage_corrected = Counter(p + "node_usage_corrected_total",
+                                       "usage claims of a node outside what the gateway knows (prompt tokens other "
+                                       "than sent, cached over the prompt, completion over max_tokens), corrected",
+                                       ["model", "field"], registry=r)
         self.node_records_refused = Counter(p + "node_records_refused_total",
                                             "registry node records not believed (unsigned, bad signature, expired)",
                                             ["reason"], registry=r)
@@ -78,6 +83,10 @@ class Metrics:
                                "the pool: the HPA's target is 1 (docs/OPERATIONS.md)", pool, registry=r)
         self._series: dict[tuple[str, str], TenantModelSeries] = {}
         self._pools: set[tuple[str, str]] = set()
+
+    def usage_clamp(self, model: str) -> Callable[[str], None]:
+        """Counts a corrected usage claim of a node (gateway/pipeline.checked_usage) by field."""
+        return lambda field: self.usage_corrected.labels(model, field).inc()
 
     def series(self, tenant: str, model: str) -> TenantModelSeries:
         s = self._series.get((tenant, model))

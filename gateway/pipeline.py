@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -43,7 +43,7 @@ from edgeinfer.gateway.structured import SchemaLimits, check_depth
 from edgeinfer.gateway.tools import ToolPlan, ToolStream, split_output
 from edgeinfer.gateway.upstream import GRAMMAR_FAILED, UpstreamBroken, error_code_name
 from edgeinfer.protocol import observability as obs
-from edgeinfer.protocol.wire import Constraint, SamplingParams, StreamChunk
+from edgeinfer.protocol.wire import Constraint, SamplingParams, StreamChunk, Usage
 
 _SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache", "x-accel-buffering": "no"}
 _DONE = b"data: [DONE]\n\n"
@@ -257,24 +257,46 @@ class Job:
                 for p, ids in enumerate(lists) for i in range(n)]
 
 
+def _clamp(value: int, most: int, name: str, on_clamp: Callable[[str], None] | None) -> int:
+    if 0 <= value <= most:
+        return value
+    if on_clamp is not None:
+        on_clamp(name)
+    return min(max(value, 0), most)
+
+
+def checked_usage(run: Run, u: Usage, on_clamp: Callable[[str], None] | None = None) -> Usage:
+    """A node's usage claim held to what the gateway knows: the prompt is the ids it sent, cached tokens are at
+    most the prompt, completion tokens at most max_tokens. A claim outside is corrected and reported (a broken
+    or hostile node must not reach the tenant's bill, the access log or the per-tenant metrics)."""
+    prompt = len(run.prompt_ids)
+    if u.prompt_tokens != prompt and on_clamp is not None:
+        on_clamp("prompt_tokens")
+    return Usage(prompt, _clamp(u.completion_tokens, max(run.sampling.max_tokens, 0), "completion_tokens", on_clamp),
+                 _clamp(u.cached_tokens, prompt, "cached_tokens", on_clamp))
+
+
 class Tally:
     """Per-request token accounting, fed by the final chunk of each run."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, on_clamp: Callable[[str], None] | None = None) -> None:
         self.n = n
         self.prompt = 0
         self.completion = 0
         self.cached = 0
+        self.on_clamp = on_clamp     # told the field of each usage claim a node made that the gateway corrected
 
     def add(self, run: Run, chunk: StreamChunk) -> None:
         u = chunk.usage
         if u is None:
             return
+        u = checked_usage(run, u, self.on_clamp)
         self.completion += u.completion_tokens
         if run.index % self.n == 0:  # prompt counted once per prompt, as OpenAI does
             self.prompt += u.prompt_tokens
             h = run.handoff     # disaggregated: the decode node's hits include the pages handed to it
-            self.cached += h.cached_tokens if h is not None and h.source is not None else u.cached_tokens
+            cached = h.cached_tokens if h is not None and h.source is not None else u.cached_tokens
+            self.cached += _clamp(cached, u.prompt_tokens, "cached_tokens", self.on_clamp)
 
     def usage(self) -> UsageInfo:
         return UsageInfo(self.prompt, self.completion, self.prompt + self.completion,
@@ -288,7 +310,7 @@ async def execute(job: Job, runs: list[Run], n: int, stream: bool, include_usage
     st, request = job.st, job.request
     tenant, model = job.tenant, job.model
     target = Target(model.name, tenant.namespace, session, tenant.spec())
-    tally = Tally(n)
+    tally = Tally(n, st.metrics.usage_clamp(model.name))
     finished = False
     t0: float = request["t0"]
     try:

@@ -47,8 +47,11 @@ def _authorization(request: web.Request) -> str | None:
 
 
 def _bearer_sha256(request: web.Request) -> str:
-    """sha256 (hex) of the key in `Authorization: Bearer <key>` (of "" without one), as keys are configured."""
-    _, _, key = (_authorization(request) or "").partition(" ")
+    """sha256 (hex) of the key in `Authorization: Bearer <key>`, as keys are configured; "" (matches no key)
+    without one or under another scheme (`Basic <key>` is not a key)."""
+    scheme, _, key = (_authorization(request) or "").partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        return ""
     return hashlib.sha256(key.strip().encode()).hexdigest()
 
 
@@ -88,7 +91,8 @@ class GatewayState:
         if not want:
             raise APIError(404, "admin endpoints are disabled (set server.admin_key_sha256)", code="not_found")
         if not hmac.compare_digest(_bearer_sha256(request), want.lower()):
-            raise APIError(401, "invalid admin key", code="invalid_api_key")
+            raise APIError(401, "invalid admin key: expected `Authorization: Bearer <admin key>`",
+                           code="invalid_api_key")
 
     def metrics_trusted(self, request: web.Request) -> bool:
         """Whether the caller may see per-tenant metrics: Bearer <metrics key or admin key>. No credential:
@@ -99,8 +103,8 @@ class GatewayState:
         wanted = [w.lower() for w in (self.cfg.server.metrics_key_sha256, self.cfg.server.admin_key_sha256) if w]
         if any(hmac.compare_digest(digest, w) for w in wanted):
             return True
-        raise APIError(401, "invalid metrics key: per-tenant metrics need server.metrics_key_sha256's or "
-                            "server.admin_key_sha256's key; without a key /metrics shows the open series",
+        raise APIError(401, "invalid metrics key: per-tenant metrics need `Bearer <key>` with server.metrics_key_sha256's "
+                            "or server.admin_key_sha256's key; without a key /metrics shows the open series",
                        code="invalid_api_key")
 
     def reload_tenants(self) -> int:

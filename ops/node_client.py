@@ -11,13 +11,12 @@ import json
 import time
 import urllib.error
 import urllib.request
-import uuid
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
 import msgspec
 
-from edgeinfer.protocol.wire import GenerateRequest, SamplingParams, chunk_decoder
+from edgeinfer.protocol.wire import chunk_decoder
 
 CANARY_PROMPT_IDS = (28, 29, 30, 31, 32, 33, 34, 35)   # plain ASCII-range ids: valid in any real vocabulary
 
@@ -70,7 +69,7 @@ class NodeClient:
         headers = {"content-type": "application/json"}
         if admin and not self.operator_key:
             raise NodeError("no operator key: pass --operator-key or set EDGEINFER_OPERATOR_KEY")
-        if self.operator_key and (admin or path.startswith("/internal/")):
+        if self.operator_key and admin:
             headers["authorization"] = f"Bearer {self.operator_key}"
         req = urllib.request.Request(self.url + path, data=body, method=method, headers=headers)
         try:
@@ -96,11 +95,11 @@ class NodeClient:
                       str(d.get("state", "")), str(d.get("version", "")))
 
     def info(self) -> dict:
-        status, body = self._call("GET", "/internal/info")
+        status, body = self._call("GET", "/admin/info", admin=True)
         if status == 401:
-            raise NodeError(f"{self.url} refused /internal/info: wrong or missing operator key")
+            raise NodeError(f"{self.url} refused /admin/info: wrong or missing operator key")
         if status != 200:
-            raise NodeError(f"{self.url}/internal/info answered {status}")
+            raise NodeError(f"{self.url}/admin/info answered {status}")
         return json.loads(body)
 
     def _admin(self, action: str) -> dict:
@@ -159,13 +158,11 @@ class NodeClient:
     def canary(self, model: str = "", prompt_ids: tuple[int, ...] = CANARY_PROMPT_IDS, max_tokens: int = 4,
                timeout_s: float = 60.0) -> CanaryResult:
         """One real generate request straight to the node; ok when it streams to a normal finish."""
-        req = GenerateRequest(f"ops-canary-{uuid.uuid4().hex[:12]}", list(prompt_ids),
-                              SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-                              cache_namespace="ops-canary", model=model)
+        req = {"prompt_token_ids": list(prompt_ids), "max_tokens": max_tokens, "model": model}
         headers = {"content-type": "application/json"}
-        if self.operator_key:     # the internal API's credential; also lets it reach a drained node
+        if self.operator_key:     # /admin/canary: the operator's own endpoint (also on a drained node)
             headers["authorization"] = f"Bearer {self.operator_key}"
-        http = urllib.request.Request(self.url + "/internal/generate", data=msgspec.json.encode(req),
+        http = urllib.request.Request(self.url + "/admin/canary", data=msgspec.json.encode(req),
                                       method="POST", headers=headers)
         t0 = time.monotonic()
         tokens = 0

@@ -33,7 +33,7 @@ from edgeinfer.ops.children import Children, Stopped, exit_code, raise_on_stop_s
 from edgeinfer.ops.local_state import HomeLock, LocalSecrets, clear_running, write_running
 from edgeinfer.ops.local_valkey import MAXMEMORY, LocalValkey, ValkeyError
 from edgeinfer.protocol import observability as obs
-from edgeinfer.protocol.defaults import env_defaults, home_dir
+from edgeinfer.protocol.defaults import BACKEND_OPTIONS, env_defaults, home_dir, named
 
 PAGE_KEY_ENV = "EDGEINFER_PAGE_KEY"     # what backend.server reads (backend/page_store/wiring.py)
 REDIS_URL_ENV = "EDGEINFER_REDIS_URL"   # backend.server's --redis-url default
@@ -88,7 +88,10 @@ def parser() -> argparse.ArgumentParser:
                    help="bytes the embedded valkey keeps before evicting the coldest pages (default 256 MiB: "
                         "~1,400 fp8 pages of the default model, 22k tokens of shared prefixes, half what the "
                         "backend's own KV pool holds; docs/OPERATIONS.md)")
-    env_defaults(p)
+    p.add_argument("--allow-public-demo-key", action="store_true",
+                   help="serve the built-in demo tenant (its key sk-edgeinfer-demo is public, in the README) on a "
+                        "non-loopback --host; without it serve refuses to (configure your own tenants instead)")
+    env_defaults(p, known_elsewhere=BACKEND_OPTIONS)
     return p
 
 
@@ -143,11 +146,26 @@ def main(argv: list[str]) -> int:
     refuse_in_production()
     cli = parser()
     args = cli.parse_args(argv)
-    if (args.prefill_nodes > 0) != (args.decode_nodes > 0) or min(args.prefill_nodes, args.decode_nodes) < 0:
-        cli.error(f"--prefill-nodes {args.prefill_nodes} --decode-nodes {args.decode_nodes}: expected both >= 1 "
-                "(a disaggregated deployment) or neither")
+
+    def bad(dest: str, expected: str) -> None:
+        cli.error(f"{named(cli, args, dest, argv)}: expected {expected}")
+
+    if args.port is not None and not 1 <= args.port <= 65535:
+        bad("port", "a TCP port 1..65535")
+    if not 0 <= args.backend_port <= 65535:
+        bad("backend_port", "a TCP port 1..65535 (0: a free one)")
+    if not 0 < args.ready_timeout < float("inf"):
+        bad("ready_timeout", "a finite number of seconds > 0")
+    if args.valkey_maxmemory < 1 << 20:
+        bad("valkey_maxmemory", "bytes >= 1 MiB")
+    for dest in ("prefill_nodes", "decode_nodes"):
+        if getattr(args, dest) < 0:
+            bad(dest, "an integer >= 0")
+    if (args.prefill_nodes > 0) != (args.decode_nodes > 0):
+        cli.error(f"{named(cli, args, 'prefill_nodes', argv)} {named(cli, args, 'decode_nodes', argv)}: expected "
+                  "both >= 1 (a disaggregated deployment) or neither")
     if args.nodes < 1:
-        cli.error(f"--nodes {args.nodes}: expected >= 1")
+        bad("nodes", "an integer >= 1")
     if args.prefill_nodes and args.nodes != 1:
         cli.error("--nodes (colocated backends) and --prefill-nodes/--decode-nodes (disaggregated) exclude each other")
     if args.redis_cluster and not args.redis_url:
@@ -159,10 +177,10 @@ def main(argv: list[str]) -> int:
 
     global _JSON_LINES
     _JSON_LINES = args.log_format == "json"
-    gateway_cli.setup_logging(args.log_format)
     try:
+        gateway_cli.setup_logging(args.log_format)
         obs.setup_tracing("edgeinfer-gateway", args.otlp_endpoint)
-    except RuntimeError as e:
+    except (RuntimeError, ValueError) as e:
         print(f"edgeinfer serve: error: {e}", file=sys.stderr)
         return 2
     try:
@@ -240,12 +258,19 @@ def _start(args: argparse.Namespace, cfg, children: Children) -> int:
     store_args = ["--host-store-bytes", "0"] if redis_url else ["--store-tier", "none"]
     roles = (["prefill"] * args.prefill_nodes + ["decode"] * args.decode_nodes) if args.prefill_nodes else \
         ["both"] * args.nodes
+    ports: list[int] = []
+    while len(ports) < len(roles):     # every backend's port known first: decode nodes are told the prefill nodes'
+        port = args.backend_port or gateway_cli.free_port()
+        if port not in ports or args.backend_port:
+            ports.append(port)
+    prefill_urls = ",".join(f"http://127.0.0.1:{p}" for p, r in zip(ports, roles, strict=True) if r == "prefill")
     started = []
     for i, role in enumerate(roles):
-        bport = args.backend_port or gateway_cli.free_port()
+        bport = ports[i]
         node_id = f"local-{i}" if role == "both" else f"local-{role}-{sum(r == role for r in roles[:i])}"
         cmd = [sys.executable, "-m", "edgeinfer.backend.server", "--model", str(model_dir), "--host", "127.0.0.1",
                "--port", str(bport), "--node-id", node_id, *store_args, *(["--role", role] if role != "both" else []),
+               *(["--handoff-peers", prefill_urls] if role == "decode" else []),
                *(["--speculative", args.speculative] if args.speculative else []),
                *(["--redis-cluster"] if args.redis_cluster else []),
                *(["--log-format", "json"] if args.log_format == "json" else []),

@@ -31,6 +31,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 
 LOG_FORMATS = ("text", "json")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("edgeinfer_request_id", default=None)
 TRACER_NAME = "edgeinfer"
 
@@ -154,6 +155,10 @@ def configure_logging(fmt: str = "text", level: str | int = "INFO",
     """Root logging to stderr, as text lines or JSON lines (`fmt`); replaces handlers set before."""
     if fmt not in LOG_FORMATS:
         raise ValueError(f"log format {fmt!r} is invalid: expected one of {', '.join(LOG_FORMATS)}")
+    if isinstance(level, str):
+        if level.upper() not in LOG_LEVELS:
+            raise ValueError(f"log level {level!r} is invalid: expected one of {', '.join(LOG_LEVELS)}")
+        level = level.upper()
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonLogFormatter() if fmt == "json" else logging.Formatter(text_format))
     root = logging.getLogger()

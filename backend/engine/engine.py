@@ -17,7 +17,7 @@ from edgeinfer.backend.engine.backlog import Backlog
 from edgeinfer.backend.engine.block_manager import BlockManager
 from edgeinfer.backend.engine.engine_config import EngineConfig
 from edgeinfer.backend.engine.fair import make_scheduler
-from edgeinfer.backend.engine.grammar import GrammarCompiler, GrammarError
+from edgeinfer.backend.engine.grammar import GrammarCompiler, GrammarError, GrammarLimits, budget_message
 from edgeinfer.backend.engine.isolation import isolate
 from edgeinfer.backend.engine.kv_integrity import KVIntegrity
 from edgeinfer.backend.engine.kv_port import EngineKVPort
@@ -67,7 +67,9 @@ class LLMEngine:
         self.fingerprint = fingerprint or f"{model.cfg.architecture}-{model.cfg.num_layers}-{model.cfg.hidden_size}"
         eos = set(model.cfg.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer else set())
         self.eos_ids = eos
-        self.grammars = GrammarCompiler(tokenizer, model.cfg.vocab_size) if tokenizer else None
+        self.grammars = GrammarCompiler(tokenizer, model.cfg.vocab_size,
+                                        GrammarLimits(mask_budget_s=self.cfg.grammar_mask_budget_s)) \
+            if tokenizer else None
         self.observers: list[EngineObserver] = []
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._seqs: dict[str, Sequence] = {}
@@ -499,8 +501,15 @@ class LLMEngine:
         the next free token. No model step per forced token."""
         m = seq.matcher
         assert m is not None
+        budget = self.cfg.grammar_mask_budget_s
         while seq.status != SeqStatus.FINISHED and not m.is_stopped():
+            t0 = time.perf_counter()
             forced = m.compute_ff_tokens()
+            took = time.perf_counter() - t0
+            if budget > 0 and took > budget:     # measured per request, in the step: twice over it and it ends
+                seq.grammar_over_budget += 1
+                if seq.grammar_over_budget >= 2:
+                    raise GrammarFailed(budget_message("grammar", took, budget))
             if not forced:
                 return
             for tok in forced:

@@ -45,6 +45,8 @@ class EngineConfig:
     spec_max_batch: int = 64                # no drafts in a step with more decoding sequences than this
     spec_adaptive: bool = True              # draft tokens only where they raise tokens/s (speculative.plan)
     grammar_fast_forward: bool = True       # tokens a grammar forces are emitted without a model step each
+    grammar_mask_budget_s: float = 0.02     # one request's grammar work per token (mask, forced-token scan); over
+                                            # it at compile or twice running, the request fails with a 400 (0: none)
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,6 +39,8 @@ class GrammarLimits:
     max_grammar_size: int = 200_000
     max_lexer_states: int = 100_000
     cache_entries: int = 256
+    mask_budget_s: float = 0.02            # one token's mask (or forced-token scan) for one request; 0: no budget
+    probe_steps: int = 4                   # masks computed at compile time to measure the per-token cost
 
     def parser_limits(self) -> llg.LLParserLimits:
         return llg.LLParserLimits(initial_lexer_fuel=self.initial_lexer_fuel, step_lexer_fuel=self.step_lexer_fuel,
@@ -77,7 +81,8 @@ class GrammarCompiler:
         self._tok_lock = threading.Lock()
         self._cache: OrderedDict[str, llg.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(2, thread_name_prefix="edgeinfer-grammar")
+        self._refused: OrderedDict[str, str] = OrderedDict()     # constraint key -> why (a costly grammar: once)
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="edgeinfer-grammar", initializer=_lower_priority)
         self.executor = llg.LLExecutor(num_threads=2)
         self.compiles = 0
         self.hits = 0
@@ -100,6 +105,9 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 self.hits += 1
                 return proto
+            refused = self._refused.get(key)
+        if refused is not None:
+            raise GrammarError(refused)
         if len(c.spec.encode()) > self.limits.max_spec_bytes:
             raise GrammarError(f"the {c.kind} is {len(c.spec.encode())} bytes: at most "
                                f"{self.limits.max_spec_bytes} are accepted")
@@ -108,12 +116,44 @@ class GrammarCompiler:
             proto.compute_bitmask()     # the first mask builds the lexer: its limits are hit now, not mid-stream
         if proto.is_error():
             raise GrammarError(_explain(c, proto.get_error()))
+        why = self._too_costly(c, proto)
+        if why is not None:
+            with self._lock:
+                self._refused[key] = why
+                while len(self._refused) > self.limits.cache_entries:
+                    self._refused.popitem(last=False)
+            raise GrammarError(why)
         with self._lock:
             self.compiles += 1
             self._cache[key] = proto
             while len(self._cache) > self.limits.cache_entries:
                 self._cache.popitem(last=False)
         return proto
+
+    def _too_costly(self, c: Constraint, proto: llg.LLMatcher) -> str | None:
+        """Why a compiled grammar costs more per token than the budget, or None. Measured here, on the grammar
+        pool (off the engine's step): a few masks and forced-token scans along the grammar's first allowed tokens.
+        Measured on the default model: ((x{60}){60}){60} costs 63 ms a mask and 82 ms a scan on one core, a JSON
+        schema or a tool call under 1 ms (benchmarks/engine/grammar_budget.py)."""
+        budget = self.limits.mask_budget_s
+        if budget <= 0:
+            return None
+        m = proto.deep_copy()
+        worst = 0.0
+        for _ in range(self.limits.probe_steps):
+            t0 = time.perf_counter()
+            mask = m.compute_bitmask()
+            t1 = time.perf_counter()
+            m.deep_copy().compute_ff_tokens()
+            worst = max(worst, t1 - t0, time.perf_counter() - t1)
+            if worst > budget or m.is_error() or m.is_stopped():
+                break
+            tok = _first_allowed(mask)
+            if tok is None or not m.consume_token(tok):
+                break
+        if worst <= budget:
+            return None
+        return budget_message(c.kind, worst, budget)
 
     def matcher(self, c: Constraint) -> llg.LLMatcher:
         return self.compile(c).deep_copy()
@@ -135,6 +175,30 @@ class GrammarCompiler:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def budget_message(kind: str, took_s: float, budget_s: float) -> str:
+    return (f"the {kind} is too costly per token: {took_s * 1e3:.0f} ms to compute one token's mask (the budget is "
+            f"{budget_s * 1e3:.0f} ms, so that other requests' tokens are not held up); simplify it")
+
+
+def _first_allowed(mask) -> int | None:
+    """The lowest token id a bitmask (bytes or int32 words from compute_bitmask) allows."""
+    words = np.frombuffer(bytes(mask), dtype=np.uint32)
+    nz = np.flatnonzero(words)
+    if not len(nz):
+        return None
+    w = int(words[nz[0]])
+    return int(nz[0]) * 32 + ((w & -w).bit_length() - 1)
+
+
+def _lower_priority() -> None:
+    """Grammar-pool threads run at a lower CPU priority than the engine's step (Linux: per-thread nice), so a costly
+    compile takes spare cycles, not the neighbours' steps."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
 
 
 def _explain(c: Constraint, error: str) -> str:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import numpy as np
 
 log = logging.getLogger("edgeinfer.kv_integrity")
-WHERE = ("step", "prefix_hit", "resume", "store_receive", "swap_in", "free")
+WHERE = ("step", "prefix_hit", "resume", "store_receive", "swap_in", "free", "handoff_send", "handoff_receive")
 EXTERNAL = -1          # owner of a page fetched from an outer tier (or of a free page)
 
 

@@ -65,6 +65,7 @@ class Sequence:
         self.generator: torch.Generator | None = None       # for seeded sampling
         self.stop_checker: StopChecker | None = None        # set by the engine (stop strings, detokenizer)
         self.matcher: LLMatcher | None = None               # grammar state of a constrained request
+        self.grammar_over_budget = 0                         # steps whose grammar work took over the budget
         self.spec: Any = None                               # speculative.SpecState once it has drafted
 
     @property

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from edgeinfer.backend.engine.kv_port import KVPort
@@ -70,7 +70,7 @@ class PageStoreBridge(EngineObserver):
                  fetch_chunk_bytes: int = 96 << 20, max_pending_bytes: int = 256 << 20,
                  publish_batch_bytes: int = 16 << 20, published_memory: int = 1 << 16,
                  unindex_interval_s: float = 0.5, handoff_timeout_s: float = 5.0,
-                 internal_secret: str | None = None, role: str = "both") -> None:
+                 internal_secret: str | None = None, role: str = "both", handoff_peers: Sequence[str] = ()) -> None:
         self.port = port = engine.kv_port
         self.node_id = node_id
         self.store = store
@@ -86,7 +86,7 @@ class PageStoreBridge(EngineObserver):
                                        unindex_interval_s=unindex_interval_s)
         self.prefetcher = PagePrefetcher(ctx, fetch_timeout_s=fetch_timeout_s, fetch_chunk_bytes=fetch_chunk_bytes)
         self.handoff = KVHandoff(ctx, self.prefetcher, timeout_s=handoff_timeout_s, internal_secret=internal_secret,
-                                 metrics=metrics)
+                                 metrics=metrics, peers=handoff_peers, registry=registry)
         self.registration = None if registry is None else NodeRegistration(
             port, registry, node_id=node_id, url=url, version=version, state_fn=state_fn or (lambda: "active"),
             role=role)

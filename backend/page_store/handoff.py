@@ -22,10 +22,11 @@ hop (milliseconds); a page evicted in it is recomputed on the decode node.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import aiohttp
 import msgspec
@@ -34,12 +35,70 @@ from prometheus_client import Counter
 from edgeinfer.backend.page_store.context import StoreContext, StorePart
 from edgeinfer.backend.page_store.prefetch import PagePrefetcher
 from edgeinfer.cache_store.codec import encode
+from edgeinfer.cache_store.node_auth import NodeRecordKey
+from edgeinfer.cache_store.registry import NodeRegistry
 from edgeinfer.protocol.wire import KVPagesRequest, KVSource
 
 log = logging.getLogger("edgeinfer.handoff")
 _FRAME = struct.Struct("<I")
 PEER_TIER = "peer"          # ExternalPage.source of a handed-off page (kv_port.RECEIVED_AS -> "handoff_receive")
-HANDOFF_EVENTS = ("sent", "received", "rejected", "pulls", "pull_failures", "pull_timeouts")
+HANDOFF_EVENTS = ("sent", "received", "rejected", "pulls", "pull_failures", "pull_timeouts", "pull_refused")
+SEND_BATCH_PAGES = 16       # pages read from the pool, sealed and written per step of a /internal/kv/pages answer
+
+
+BLOB_SLACK = 64 << 10      # a sealed page's bytes beyond its body: envelope, header (tokens, fields), salt and MAC
+
+
+class PeerPages:
+    """A prefill node as a page source (prefetch.PageSource): one POST per chunk of keys. Its answer is read frame
+    by frame with every size checked before it is buffered: at most one frame per key asked, each at most
+    `max_blob` bytes (a page's body + BLOB_SLACK); a frame over that, or bytes past the last frame asked, end the
+    read (HandoffFailed: the hop fails, this node computes), so a broken or hostile node cannot grow our memory."""
+
+    def __init__(self, session: aiohttp.ClientSession, source: KVSource, headers: dict[str, str],
+                 max_blob: int) -> None:
+        self.session = session
+        self.source = source
+        self.url = source.url.rstrip("/") + "/internal/kv/pages"
+        self.headers = headers
+        self.max_blob = max_blob
+        self.rejected = 0            # pages that failed verification (the prefetcher reports each here)
+
+    async def get_many_sourced(self, keys: Sequence[bytes],
+                               timeout_s: float | None = None) -> list[tuple[bytes, str] | None]:
+        body = msgspec.json.encode(KVPagesRequest(list(keys)))
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        blobs: list[bytes] = []
+        async with self.session.post(self.url, data=body, headers=self.headers, timeout=timeout) as r:
+            if r.status != 200:
+                raise HandoffFailed(f"prefill node {self.source.node_id}: HTTP {r.status}: "
+                                    f"{(await r.content.read(200)).decode(errors='replace')}")
+            declared = r.content_length
+            if declared is not None and declared > len(keys) * (self.max_blob + _FRAME.size):
+                raise HandoffFailed(f"prefill node {self.source.node_id}: an answer of {declared} bytes for "
+                                    f"{len(keys)} pages of at most {self.max_blob} bytes")
+            while len(blobs) < len(keys):
+                try:
+                    head = await r.content.readexactly(_FRAME.size)
+                except asyncio.IncompleteReadError as e:
+                    if e.partial:
+                        log.debug("prefill node %s: a truncated frame length", self.source.node_id)
+                    break      # the end (or a truncated last frame): the pages so far, the rest missed
+                (n,) = _FRAME.unpack(head)
+                if n > self.max_blob:
+                    raise HandoffFailed(f"prefill node {self.source.node_id}: a frame of {n} bytes; a page is at "
+                                        f"most {self.max_blob}")
+                try:
+                    blobs.append(await r.content.readexactly(n))
+                except asyncio.IncompleteReadError:
+                    break
+            if len(blobs) == len(keys) and await r.content.read(1):
+                raise HandoffFailed(f"prefill node {self.source.node_id}: bytes past the {len(keys)} pages asked")
+        return [(b, PEER_TIER) for b in blobs] + [None] * (len(keys) - len(blobs))
+
+    async def delete_from(self, name: str, keys: Sequence[bytes]) -> None:
+        """A page that failed verification: not ours to delete on the prefill node; counted, dropped, recomputed."""
+        self.rejected += len(keys)
 
 
 def unframe(data: bytes | memoryview, limit: int) -> list[memoryview]:
@@ -57,40 +116,13 @@ def unframe(data: bytes | memoryview, limit: int) -> list[memoryview]:
     return out
 
 
-class PeerPages:
-    """A prefill node as a page source (prefetch.PageSource): one POST per chunk of keys."""
-
-    def __init__(self, session: aiohttp.ClientSession, source: KVSource, headers: dict[str, str]) -> None:
-        self.session = session
-        self.source = source
-        self.url = source.url.rstrip("/") + "/internal/kv/pages"
-        self.headers = headers
-        self.rejected = 0            # pages that failed verification (the prefetcher reports each here)
-
-    async def get_many_sourced(self, keys: Sequence[bytes],
-                               timeout_s: float | None = None) -> list[tuple[bytes, str] | None]:
-        body = msgspec.json.encode(KVPagesRequest(list(keys)))
-        timeout = aiohttp.ClientTimeout(total=timeout_s)
-        async with self.session.post(self.url, data=body, headers=self.headers, timeout=timeout) as r:
-            if r.status != 200:
-                raise HandoffFailed(f"prefill node {self.source.node_id}: HTTP {r.status}: "
-                                    f"{(await r.text())[:200]}")
-            data = await r.read()
-        blobs = unframe(data, len(keys))
-        return [(bytes(b), PEER_TIER) for b in blobs] + [None] * (len(keys) - len(blobs))
-
-    async def delete_from(self, name: str, keys: Sequence[bytes]) -> None:
-        """A page that failed verification: not ours to delete on the prefill node; counted, dropped, recomputed."""
-        self.rejected += len(keys)
-
-
 class HandoffFailed(Exception):
     """The prefill node answered the page request with an error."""
 
 
 class HandoffCounters:
     """edgeinfer_backend_kv_handoff_pages_total{direction=sent|received|rejected} and
-    edgeinfer_backend_kv_handoff_pulls_total{outcome=ok|failed|timeout} (with backend metrics); `stats` always."""
+    edgeinfer_backend_kv_handoff_pulls_total{outcome=ok|failed|timeout|refused} (with backend metrics); `stats` always."""
 
     def __init__(self, model: str, metrics=None) -> None:
         self.model = model
@@ -104,6 +136,10 @@ class HandoffCounters:
             self._pulls = Counter("edgeinfer_backend_kv_handoff_pulls",
                                   "Decode-side pulls of a prompt's pages from its prefill node, by outcome",
                                   ["model", "outcome"], registry=metrics.registry)
+            for direction in ("sent", "received", "rejected"):     # known label values at 0 from the start
+                self._pages.labels(model, direction)
+            for outcome in ("ok", "failed", "timeout", "refused"):
+                self._pulls.labels(model, outcome)
 
     def pages(self, direction: str, n: int) -> None:
         self.stats[direction] += n
@@ -111,7 +147,7 @@ class HandoffCounters:
             self._pages.labels(self.model, direction).inc(n)
 
     def pull(self, outcome: str) -> None:
-        key = {"ok": "pulls", "failed": "pull_failures", "timeout": "pull_timeouts"}[outcome]
+        key = {"ok": "pulls", "failed": "pull_failures", "timeout": "pull_timeouts", "refused": "pull_refused"}[outcome]
         self.stats[key] += 1
         if self._pulls is not None:
             self._pulls.labels(self.model, outcome).inc()
@@ -119,12 +155,16 @@ class HandoffCounters:
 
 class KVHandoff(StorePart):
     def __init__(self, ctx: StoreContext, prefetcher: PagePrefetcher, *, timeout_s: float,
-                 internal_secret: str | None, metrics=None, chunk_bytes: int = 96 << 20) -> None:
+                 internal_secret: str | None, metrics=None, chunk_bytes: int = 96 << 20,
+                 peers: Sequence[str] = (), registry: NodeRegistry | None = None) -> None:
         super().__init__(ctx)
         self.prefetcher = prefetcher
         self.timeout_s = timeout_s
         self.chunk_pages = max(1, chunk_bytes // self.page_bytes)
         self.headers = {"authorization": f"Bearer {internal_secret}"} if internal_secret else {}
+        self.verifier = NodeRecordKey(internal_secret) if internal_secret else None
+        self.peers = frozenset(u.rstrip("/") for u in peers)
+        self.registry = registry
         self.handoff = HandoffCounters(self.model, metrics)
         self._session: aiohttp.ClientSession | None = None
 
@@ -137,29 +177,55 @@ class KVHandoff(StorePart):
             self._session = None
 
     # ------------------------------------------------------------ prefill side
-    async def send(self, hashes: list[bytes]) -> list[bytes]:
-        """The sealed pages this pool holds of the chain `hashes` (leading run), each framed as the length (4 bytes)
-        and the blob: a list of buffers for the response to write one after another (no join of ~190 KB pages)."""
-        held, buf = await self.port.call_in_engine(self.port.read_sealed, hashes)
-        if not held or buf is None:
-            return []
-        rows = buf.numpy()
+    async def send(self, hashes: list[bytes]) -> AsyncIterator[bytes]:
+        """The sealed pages this pool holds of the chain `hashes` (leading run, each page's parent the hash before
+        it), each framed as the length (4 bytes) and the blob, SEND_BATCH_PAGES pages at a time: read on the engine
+        thread, sealed, yielded for the response to write; the answer is never built whole in memory."""
+        prev: bytes | None = None
         fmt = self.format
-        out: list[bytes] = []
-        for j, (h, hit) in enumerate(held):
-            blob = encode(fmt.header(h, hit.parent, hit.tokens), rows[j], self.page_key)
-            out += (_FRAME.pack(len(blob)), blob)
-        self.handoff.pages("sent", len(held))
-        return out
+        for start in range(0, len(hashes), SEND_BATCH_PAGES):
+            part = hashes[start:start + SEND_BATCH_PAGES]
+            held, buf = await self.port.call_in_engine(self.port.read_sealed, part)
+            if not held or buf is None or (prev is not None and held[0][1].parent != prev):
+                return
+            rows = buf.numpy()
+            for j, (h, hit) in enumerate(held):
+                blob = encode(fmt.header(h, hit.parent, hit.tokens), rows[j], self.page_key)
+                yield _FRAME.pack(len(blob))
+                yield blob
+            self.handoff.pages("sent", len(held))
+            if len(held) < len(part):
+                return
+            prev = held[-1][0]
 
     # ------------------------------------------------------------ decode side
+    async def known_peer(self, source: KVSource) -> bool:
+        """Whether `source` names a node this one may send the internal secret to: a URL of --handoff-peers, or a
+        prefill node's signed, current record in the registry (same node id and URL). Never a URL only because a
+        request names it."""
+        url = source.url.rstrip("/")
+        if url in self.peers:
+            return True
+        if self.registry is None or self.verifier is None:
+            return False
+        for rec in await self.registry.list_nodes():
+            if rec.node_id == source.node_id and rec.url.rstrip("/") == url and rec.role in ("prefill", "both") \
+                    and self.verifier.refusal(rec) is None:
+                return True
+        return False
+
     async def receive(self, req) -> int:
         """Pull the prompt's pages beyond the local prefix from req.kv_source. Returns pages written; never raises."""
         source: KVSource | None = req.kv_source
         if source is None or not self.port.prefix_cache or self._session is None or (req.tenant and not req.tenant.retain):
             return 0    # a no-retain tenant's pages are never cached, so a prefill node holds none to hand over
+        if not await self.known_peer(source):
+            self.handoff.pull("refused")
+            log.warning("request %s: kv_source %s (%s) is not a known prefill node (--handoff-peers, the signed "
+                        "registry); not pulled, computing the prompt", req.request_id, source.node_id, source.url)
+            return 0
         t0 = time.monotonic()
-        peer = PeerPages(self._session, source, self.headers)
+        peer = PeerPages(self._session, source, self.headers, self.page_bytes + BLOB_SLACK)
         try:
             got = await self.prefetcher.fetch_into_pool(req, peer, t0 + self.timeout_s, self.chunk_pages)
         except TimeoutError:

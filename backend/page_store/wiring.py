@@ -44,6 +44,8 @@ class StoreSettings(Protocol):
     def role(self) -> str: ...
     @property
     def handoff_timeout(self) -> float: ...
+    @property
+    def handoff_peers(self) -> list[str]: ...
 
 
 def page_key_from_config(cfg: StoreSettings) -> PageKey:
@@ -91,7 +93,7 @@ def attach_page_store(st, cfg: StoreSettings) -> PageStoreBridge | None:
                              registry=registry, metrics=st.metrics, url=st.url, version=st.version,
                              state_fn=lambda: st.state, redis_client=client,
                              fetch_timeout_s=cfg.store_fetch_timeout, handoff_timeout_s=cfg.handoff_timeout,
-                             internal_secret=cfg.internal_secret, role=cfg.role)
+                             internal_secret=cfg.internal_secret, role=cfg.role, handoff_peers=cfg.handoff_peers)
     st.engine.observers.append(bridge)
     st.extensions.append(bridge)
     log.info("page store on: tiers %s, index %s, node %s", [n for n, _ in tiers],

@@ -1,4 +1,5 @@
-"""The backend's internal API answers only the gateway (its internal secret) or the operator (operator key).
+"""The backend's internal API answers only the gateway and other nodes (the internal secret); the operator key
+opens only /admin/*.
 
 Real engine (SmolLM2) behind the real aiohttp app over loopback HTTP. The engine's generate/abort are
 wrapped by a recorder that delegates to them, so a test can tell that a refused request never reached it.
@@ -127,14 +128,35 @@ async def test_a_wrong_secret_cannot_abort_another_request(backend):
     assert chunks[-1].finish_reason == "abort"
 
 
-async def test_the_operator_key_also_opens_the_internal_api(backend):
-    """ops: the canary and the rollout health gate (/internal/info) carry the operator key."""
-    _, http, rec = backend
-    async with http.post("/internal/generate", json=body("canary"), headers=OPERATOR) as r:
-        assert r.status == 200 and (await _stream(r))[-1].finish_reason == "length"
+async def test_the_operator_key_opens_only_the_operators_endpoints(backend):
+    """Issue 53: the operator key (drain, undrain, info, canary) never opens /internal/*, so whoever holds it cannot
+    make a node pull pages from a URL of theirs (and send it the internal secret). The canary has its own endpoint,
+    whose request cannot name a kv_source, a tenant or a grammar."""
+    st, http, rec = backend
+    for path, payload in (("/internal/generate", body("op-gen") | {"kv_source": {"node_id": "p", "url": "http://x"}}),
+                          ("/internal/kv/pages", {"hashes": []}), ("/internal/abort", {"request_id": "x"})):
+        async with http.post(path, json=payload, headers=OPERATOR) as r:
+            assert r.status == 401, path
     async with http.get("/internal/info", headers=OPERATOR) as r:
-        assert r.status == 200
-    assert rec.calls == ["generate:canary"]
+        assert r.status == 401
+    async with http.post("/admin/canary", json={"prompt_token_ids": list(range(100, 110)), "max_tokens": 3},
+                         headers=OPERATOR) as r:
+        assert r.status == 200 and (await _stream(r))[-1].finish_reason == "length"
+    async with http.post("/admin/canary", json={"prompt_token_ids": [1, 2], "kv_source": {"node_id": "p", "url": "x"}},
+                         headers=OPERATOR) as r:
+        assert r.status == 400 and "kv_source" in (await r.json())["error"]["message"]
+    for payload in ({"prompt_token_ids": [], "max_tokens": 3}, {"prompt_token_ids": [1], "max_tokens": 10_000}):
+        async with http.post("/admin/canary", json=payload, headers=OPERATOR) as r:
+            assert r.status == 400
+    async with http.post("/admin/canary", json={"prompt_token_ids": [1, 2]}, headers=GATEWAY) as r:
+        assert r.status == 401          # the gateway's secret is not the operator's key either
+    async with http.get("/admin/info", headers=OPERATOR) as r:
+        assert r.status == 200 and (await r.json())["node_id"] == "n-auth"
+    st.state = "draining"               # the canary reaches a drained node (a rollout's gate before undrain)
+    async with http.post("/admin/canary", json={"prompt_token_ids": [5, 6, 7], "max_tokens": 2},
+                         headers=OPERATOR) as r:
+        assert r.status == 200 and (await _stream(r))[-1].finish_reason == "length"
+    assert len(rec.calls) == 2 and all(c.startswith("generate:ops-canary-") for c in rec.calls)
 
 
 async def test_health_ready_metrics_stay_open_and_admin_keeps_its_own_key(backend):

@@ -81,3 +81,117 @@ def test_serve_flags_come_from_the_environment_too(monkeypatch):
     a = parser().parse_args(["--decode-nodes", "1"])
     assert (a.prefill_nodes, a.decode_nodes, a.backend_arg) == (2, 1, ["--spec-tokens", "2"])
     assert "EDGEINFER_ARG_VALKEY_MAXMEMORY" in parser().format_help().replace("\n", "").replace(" ", "")
+
+
+def _options(p) -> set[str]:
+    return {a.dest for a in p._actions if a.option_strings and a.dest != "help"}
+
+
+def test_the_shared_option_lists_match_both_parsers():
+    """protocol.defaults names each command's options (serve's environment reaches its backends); they must not
+    drift from the parsers."""
+    import argparse
+
+    from edgeinfer.ops.serve import parser
+    from edgeinfer.protocol.defaults import BACKEND_OPTIONS, SERVE_OPTIONS
+
+    captured = {}
+
+    def grab(self, args=None, namespace=None):
+        captured["p"] = self
+        raise SystemExit(0)
+    orig = argparse.ArgumentParser.parse_args
+    argparse.ArgumentParser.parse_args = grab   # type: ignore[method-assign]
+    try:
+        with pytest.raises(SystemExit):
+            parse_args([])
+    finally:
+        argparse.ArgumentParser.parse_args = orig  # type: ignore[method-assign]
+    assert _options(captured["p"]) == BACKEND_OPTIONS
+    assert _options(parser()) == SERVE_OPTIONS
+
+
+# Issue 53, item 7: each value the option refuses, set from the environment, is refused naming the variable; the
+# numeric options are range-checked in either form.
+REFUSED = [("PORT", "99999"), ("PORT", "0"), ("HEARTBEAT", "-1"), ("KV_CACHE_BYTES", "-5"), ("MAX_NUM_SEQS", "0"),
+           ("SPEC_TOKENS", "40"), ("SPEC_MAX_BATCH", "-1"), ("HANDOFF_TIMEOUT", "0"), ("KEEPALIVE_S", "-1"),
+           ("MAX_QUEUE_WAIT_S", "inf"), ("CONTENDED_STEP_TOKENS", "-3"), ("CONTENDED_STEP_RATIO", "-1"),
+           ("CONTENDED_WINDOW_S", "-2"), ("KV_VERIFY_FRACTION", "2"), ("ADVERTISE_URL", "ftp://x"),
+           ("NUM_PAGES", "0"), ("MAX_NUM_BATCHED_TOKENS", "0"), ("STORE_FETCH_TIMEOUT", "0"),
+           ("PREFILL_TOKEN_WEIGHT", "0"), ("HOST_STORE_BYTES", "-1"), ("TENSOR_PARALLEL", "0"),
+           ("LOG_LEVEL", "LOUD"), ("GRAMMAR_MASK_BUDGET_MS", "-1"), ("HANDOFF_PEERS", "10.0.0.1:8100")]
+
+
+@pytest.mark.parametrize(("name", "value"), REFUSED)
+def test_a_refused_environment_value_names_the_variable(monkeypatch, capsys, name, value):
+    monkeypatch.setenv(f"EDGEINFER_ARG_{name}", value)
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--insecure-no-internal-auth"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"EDGEINFER_ARG_{name}=" in err, err
+    monkeypatch.delenv(f"EDGEINFER_ARG_{name}")
+    flag = "--" + name.lower().replace("_", "-")
+    with pytest.raises(SystemExit):
+        parse_args(["--insecure-no-internal-auth", flag, value])
+    err = capsys.readouterr().err
+    assert flag in err and "EDGEINFER_ARG_" not in err.split("error:")[-1], err
+
+
+def test_a_misspelt_variable_is_refused_not_ignored(monkeypatch, capsys):
+    monkeypatch.setenv("EDGEINFER_ARG_SPECULATIV", "off")
+    with pytest.raises(SystemExit):
+        parse_args(["--insecure-no-internal-auth"])
+    err = capsys.readouterr().err
+    assert "EDGEINFER_ARG_SPECULATIV: no option" in err and "EDGEINFER_ARG_SPECULATIVE" in err
+    monkeypatch.delenv("EDGEINFER_ARG_SPECULATIV")
+    monkeypatch.setenv("EDGEINFER_ARG_NODES", "2")      # serve's: its backends inherit its environment
+    assert parse_args(["--insecure-no-internal-auth"]).port == 8100
+
+
+@pytest.mark.parametrize(("name", "value"), [("PORT", "99999"), ("READY_TIMEOUT", "-1"), ("NODES", "0"),
+                                             ("BACKEND_PORT", "70000"), ("VALKEY_MAXMEMORY", "5"),
+                                             ("PREFILL_NODES", "-1")])
+def test_serve_refuses_a_bad_environment_value_naming_it(monkeypatch, capsys, name, value):
+    from edgeinfer.ops.serve import main
+
+    monkeypatch.setenv(f"EDGEINFER_ARG_{name}", value)
+    with pytest.raises(SystemExit) as e:
+        main([])
+    assert e.value.code == 2 and f"EDGEINFER_ARG_{name}=" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_misspelt_variable(monkeypatch, capsys):
+    from edgeinfer.ops.serve import main
+
+    monkeypatch.setenv("EDGEINFER_ARG_PREFIL_NODES", "1")
+    with pytest.raises(SystemExit):
+        main([])
+    assert "EDGEINFER_ARG_PREFIL_NODES: no option" in capsys.readouterr().err
+    monkeypatch.delenv("EDGEINFER_ARG_PREFIL_NODES")
+    monkeypatch.setenv("EDGEINFER_ARG_MAX_NUM_SEQS", "abc")   # a backend's: serve leaves it to its backends
+    monkeypatch.setenv("EDGEINFER_ARG_PORT", "123456")
+    with pytest.raises(SystemExit):
+        main([])
+    assert "EDGEINFER_ARG_PORT='123456'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("cmd", "env"), [
+    (["backend", "--insecure-no-internal-auth"], {"EDGEINFER_ARG_LOG_LEVEL": "LOUD"}),
+    (["backend", "--insecure-no-internal-auth"], {"EDGEINFER_ARG_KV_CACHE_BYTES": "-5"}),
+    (["gateway"], {"EDGEINFER_LOG_LEVEL": "LOUD"}),
+    (["gateway"], {"EDGEINFER_LOG_FORMAT": "xml"}),
+    (["serve"], {"EDGEINFER_LOG_FORMAT": "xml"}),
+    (["serve"], {"EDGEINFER_LOG_LEVEL": "noisy"}),
+])
+def test_the_commands_end_with_one_line_not_a_traceback(tmp_path, cmd, env):
+    """Through the real `edgeinfer` entry point, as an operator starts it."""
+    import os
+    import subprocess
+    import sys
+
+    full = {**os.environ, "EDGEINFER_HOME": str(tmp_path), **env}
+    r = subprocess.run([sys.executable, "-m", "edgeinfer.ops.cli", *cmd], env=full, capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and next(iter(env)) in r.stderr, r.stderr

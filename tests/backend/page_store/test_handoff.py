@@ -12,10 +12,13 @@ fp32 KV; no page store tier (the hand-off needs none).
 
 from __future__ import annotations
 
+import asyncio
+import resource
 import struct
 
 import msgspec
 import pytest
+from aiohttp import web
 
 from edgeinfer.backend.engine.engine import LLMEngine
 from edgeinfer.backend.engine.engine_config import EngineConfig
@@ -23,7 +26,7 @@ from edgeinfer.backend.engine.kv_faults import ENV, KVFaults
 from edgeinfer.backend.metrics import BackendMetrics
 from edgeinfer.backend.model.loader import load_model
 from edgeinfer.backend.page_store.bridge import PageStoreBridge
-from edgeinfer.backend.page_store.handoff import unframe
+from edgeinfer.backend.page_store.handoff import BLOB_SLACK, unframe
 from edgeinfer.backend.server import BackendState
 from edgeinfer.cache_store.codec import PageKey
 from edgeinfer.protocol.page_id import page_hashes
@@ -40,16 +43,16 @@ def tiny(tmp_path_factory):
     return load_model(tiny_llama(tmp_path_factory.mktemp("tiny")))
 
 
-def node(model, node_id: str, role: str) -> BackendState:
+def node(model, node_id: str, role: str, **bridge) -> BackendState:
     engine = LLMEngine(model, None, EngineConfig(num_pages=64, page_size=PAGE, kv_dtype="fp32",
                                                  max_num_batched_tokens=64))
     metrics = BackendMetrics("tiny")
     engine.observers.append(metrics)
     st = BackendState(engine=engine, metrics=metrics, node_id=node_id, role=role)
-    bridge = PageStoreBridge(engine, node_id=node_id, store=None, page_key=KEY, metrics=metrics, role=role,
-                             handoff_timeout_s=5.0)
-    engine.observers.append(bridge)
-    st.extensions.append(bridge)
+    ext = PageStoreBridge(engine, node_id=node_id, store=None, page_key=KEY, metrics=metrics, role=role,
+                          handoff_timeout_s=5.0, **bridge)
+    engine.observers.append(ext)
+    st.extensions.append(ext)
     return st
 
 
@@ -69,6 +72,11 @@ def handoff(st: BackendState):
     return st.extensions[0].handoff.handoff.stats
 
 
+def trust(d: BackendState, *urls: str) -> None:
+    """What --handoff-peers URL,... sets: the prefill nodes decode node `d` may pull from."""
+    d.extensions[0].handoff.peers = frozenset(u.rstrip("/") for u in urls)
+
+
 async def test_prefill_then_pull_gives_the_cold_tokens_and_moves_every_full_page(tiny):
     p, d = node(tiny, "p", "prefill"), node(tiny, "d", "decode")
     ids = prompt(1, 16 * 5 + 3)     # 5 full pages + 3 tokens
@@ -78,6 +86,7 @@ async def test_prefill_then_pull_gives_the_cold_tokens_and_moves_every_full_page
         assert len(first) == 1 and first[0].finish_reason == "prefilled" and first[0].token_ids == []
         assert first[0].usage.prompt_tokens == len(ids)
         url = str(ph._base_url)
+        trust(d, url)
         out = await generate(dh, ids, "ns", kv_source={"node_id": "p", "url": url})
     assert tokens(out) == cold
     assert out[-1].usage.cached_tokens == 5 * PAGE            # the handed-off pages hit d's prefix cache
@@ -96,6 +105,7 @@ async def test_a_page_corrupted_in_the_prefill_pool_is_never_sent(tiny, monkeypa
         ctx = p.engine.key_context("ns")
         third = p.engine.blocks.lookup(page_hashes(ctx, ids[:6 * PAGE])[2]).page
         KVFaults(p.engine).corrupt_page(third)
+        trust(d, str(ph._base_url))
         out = await generate(dh, ids, "ns", kv_source={"node_id": "p", "url": str(ph._base_url)})
     assert tokens(out) == cold
     assert handoff(p)["sent"] == 2 and handoff(d)["received"] == 2       # the two pages before the bad one
@@ -127,3 +137,134 @@ def test_frames_round_trip_and_a_truncated_frame_is_dropped():
     assert [bytes(b) for b in unframe(data, 10)] == blobs
     assert [bytes(b) for b in unframe(data, 2)] == blobs[:2]
     assert [bytes(b) for b in unframe(data[:-1], 10)] == blobs[:2]
+
+
+async def _listener(seen: list[dict]):
+    """A server of the attacker's: records what reaches it (method, path, headers)."""
+    async def any_request(request: web.Request) -> web.Response:
+        seen.append({"path": request.path, "authorization": request.headers.get("authorization")})
+        return web.Response(body=b"")
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", any_request)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+
+
+async def test_a_kv_source_the_node_does_not_know_is_never_contacted(tiny):
+    """Issue 53, item 1: a decode node sends the internal secret only to prefill nodes it knows (--handoff-peers or
+    the signed registry), never to a URL because a request names it: the request is computed instead."""
+    secret = "handoff-test-internal-secret-0123456789"
+    d = node(tiny, "d", "decode", internal_secret=secret)
+    seen: list[dict] = []
+    runner, evil = await _listener(seen)
+    ids = prompt(3, 16 * 4 + 1)
+    try:
+        async with serve(d) as dh:
+            cold = tokens(await generate(dh, ids, "cold"))
+            trust(d, "http://127.0.0.1:1")        # another peer is known; this URL is not
+            out = await generate(dh, ids, "ns", kv_source={"node_id": "p", "url": evil})
+    finally:
+        await runner.cleanup()
+    assert seen == []                            # no connection, so no secret
+    assert tokens(out) == cold and handoff(d)["pull_refused"] == 1 and handoff(d)["pulls"] == 0
+
+
+async def test_a_prefill_node_in_the_signed_registry_is_known(tiny, valkey):
+    from edgeinfer.cache_store.node_auth import NodeRecordKey
+    from edgeinfer.cache_store.node_record import NodeRecord
+    from edgeinfer.cache_store.wiring import wire_redis
+
+    secret = "handoff-test-internal-secret-0123456789"
+    wiring = wire_redis(valkey.url, "hand")
+    registry = wiring.registry(heartbeat_s=2.0, signer=NodeRecordKey(secret))
+    d = node(tiny, "d", "decode", internal_secret=secret, registry=registry)
+    kv = d.extensions[0].handoff
+    from edgeinfer.protocol.wire import KVSource
+
+    await registry.register(NodeRecord("p1", "http://10.0.0.7:8100", "tiny", "1", role="prefill"))
+    assert await kv.known_peer(KVSource("p1", "http://10.0.0.7:8100/"))
+    assert not await kv.known_peer(KVSource("p1", "http://10.0.0.8:8100"))     # the id's record names another URL
+    assert not await kv.known_peer(KVSource("p2", "http://10.0.0.7:8100"))
+    forged = NodeRecord("p3", "http://evil:1", "tiny", "1", role="prefill")  # written without the secret: unsigned
+    unsigned = wiring.registry(heartbeat_s=2.0)
+    await unsigned.register(forged)
+    assert not await kv.known_peer(KVSource("p3", "http://evil:1"))
+    await wiring.client.aclose()
+
+
+async def test_a_page_request_names_each_page_of_one_chain_once(tiny):
+    """Issue 53, item 2: one hash repeated is refused (it made a node build 4,096 copies, 779 MB); more hashes than one
+    context's pages are refused; hashes of two chains answer the first chain's run only; the answer is streamed."""
+    p = node(tiny, "p", "prefill")
+    ids = prompt(4, 16 * 3 + 1)
+    other = prompt(5, 16 * 3 + 1)
+    async with serve(p) as ph:
+        await generate(ph, ids, "ns", prefill_only=True)
+        await generate(ph, other, "ns", prefill_only=True)
+        ctx = p.engine.key_context("ns")
+        chain, chain2 = page_hashes(ctx, ids[:3 * PAGE]), page_hashes(ctx, other[:3 * PAGE])
+        async with ph.post("/internal/kv/pages", json=msgspec.to_builtins({"hashes": [chain[0]] * 8})) as r:
+            assert r.status == 400 and "repeated" in (await r.json())["error"]["message"]
+        most = -(-p.engine.max_model_len // PAGE)
+        fake = [i.to_bytes(16, "little") for i in range(most + 1)]
+        async with ph.post("/internal/kv/pages", json=msgspec.to_builtins({"hashes": fake})) as r:
+            assert r.status == 400 and "one context" in (await r.json())["error"]["message"]
+        async with ph.post("/internal/kv/pages", json=msgspec.to_builtins({"hashes": chain})) as r:
+            assert r.status == 200 and r.headers.get("transfer-encoding") == "chunked"
+            assert len(unframe(await r.read(), 10)) == 3
+        mixed = [chain[0], chain2[1], chain[1]]          # the second is held, but not the first's child
+        async with ph.post("/internal/kv/pages", json=msgspec.to_builtins({"hashes": mixed})) as r:
+            assert len(unframe(await r.read(), 10)) == 1
+
+
+@pytest.mark.parametrize("answer", ["oversized_frame", "appended_512mb"])
+async def test_a_prefill_nodes_answer_is_bounded_before_it_is_buffered(tiny, answer):
+    """Issue 53, item 3: a prefill node (the attacker here, a real HTTP server) that answers a frame bigger than a
+    page, or the right pages with 512 MB appended, fails the hop (counted); the decode node computes the prompt,
+    and its peak memory does not follow the attacker's bytes (it read 1.5 GB before)."""
+    p, d = node(tiny, "p", "prefill"), node(tiny, "d", "decode")
+    ids = prompt(6, 16 * 4 + 1)
+    async with serve(p) as ph, serve(d) as dh:
+        cold = tokens(await generate(dh, ids, "cold"))
+        await generate(ph, ids, "ns", prefill_only=True)
+        ctx = p.engine.key_context("ns")
+        async with ph.post("/internal/kv/pages", json=msgspec.to_builtins(
+                {"hashes": page_hashes(ctx, ids[:4 * PAGE])})) as r:
+            genuine = await r.read()
+        page_bytes = d.extensions[0].handoff.page_bytes
+
+        async def pages(request: web.Request) -> web.StreamResponse:
+            resp = web.StreamResponse()
+            await resp.prepare(request)
+            if answer == "oversized_frame":
+                await resp.write(struct.pack("<I", page_bytes + BLOB_SLACK + 1))
+            else:
+                await resp.write(genuine)
+            chunk = b"\0" * (1 << 20)
+            try:
+                for _ in range(512):
+                    await resp.write(chunk)
+            except (ConnectionResetError, asyncio.CancelledError):
+                pass
+            return resp
+
+        app = web.Application()
+        app.router.add_post("/internal/kv/pages", pages)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        trust(d, url)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        try:
+            out = await generate(dh, ids, "ns", kv_source={"node_id": "p", "url": url})
+        finally:
+            await runner.cleanup()
+        grew_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert tokens(out) == cold
+    assert handoff(d)["pull_failures"] == 1 and handoff(d)["received"] == 0
+    assert grew_mib < 128, f"peak RSS grew {grew_mib:.0f} MiB while the peer sent 512 MiB"
