@@ -193,8 +193,8 @@ class LLMEngine:
             raise RequestError("constrained decoding needs the model's tokenizer; this engine has none")
         try:
             return await self.grammars.matcher_async(req.constraint)
-        except GrammarError as e:
-            raise RequestError(str(e)) from e
+        except GrammarError as e:      # the request's own grammar: 422, which the gateway answers as a 400 naming it
+            raise RequestError(str(e), GrammarFailed.code) from e
 
     async def call_in_engine(self, fn, *args):
         """Run fn(*args) on the engine thread between steps (safe access to blocks/runner); await its result."""

@@ -40,6 +40,8 @@ class StubBehaviour:
     burst: bool = False                  # every chunk in one write at the end (a relay that fell behind)
     ready: bool = True
     phrase: str = PHRASE
+    usage_claim: tuple[int, int, int] | None = None   # (prompt, completion, cached) claimed instead of the truth
+    endless_line_bytes: int = 0          # first write this many bytes with no newline (1 MiB writes), then stop
 
 
 @dataclass
@@ -57,6 +59,7 @@ class StubBackend:
     secret: str = ""                     # when set, /internal/* wants `authorization: Bearer <secret>` (else 401)
     auth_seen: list[tuple[str, str | None]] = field(default_factory=list)   # (path, authorization) per call
     history: dict[str, list[list[int]]] = field(default_factory=dict)
+    sent_bytes: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def cached_tokens(self, namespace: str, ids: list[int]) -> int:
@@ -84,6 +87,16 @@ class StubBackend:
         await resp.prepare(request)
         if b.drop_before_first:
             request.transport.close()
+            return resp
+        if b.endless_line_bytes:
+            chunk = b"x" * (1 << 20)
+            try:
+                for _ in range(b.endless_line_bytes >> 20):
+                    await resp.write(chunk)
+                    with self.lock:
+                        self.sent_bytes += len(chunk)
+            except (ConnectionResetError, asyncio.CancelledError):
+                self.disconnects.append(req.request_id)
             return resp
         if b.error_chunk:
             code, msg = b.error_chunk
@@ -131,7 +144,7 @@ class StubBackend:
                 produced += 1
             with self.lock:
                 self.history.setdefault(req.cache_namespace, []).append(list(req.prompt_token_ids))
-            usage = Usage(len(req.prompt_token_ids), produced, cached)
+            usage = Usage(*b.usage_claim) if b.usage_claim else Usage(len(req.prompt_token_ids), produced, cached)
             await resp.write(b"".join(held) + encode(StreamChunk(req.request_id, finish_reason=finish, usage=usage))
                              + b"\n")
             self.completed.append(req.request_id)
