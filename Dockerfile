@@ -1,7 +1,7 @@
 # edgeinfer: the gateway and a backend in one image (`edgeinfer serve` by default; `edgeinfer gateway` and
 # `edgeinfer backend` for a split deployment: compose.yaml, deploy/k8s/).
 #
-#   CPU (default):  podman build -t edgeinfer:cpu .
+#   CPU (default):  podman build --build-arg VERSION=0.1.0 -t edgeinfer:0.1.0 -t edgeinfer:cpu .
 #   from Debian's own packages, no registry:  ops/container/make_base.sh, then
 #                   podman build --build-arg BASE=localhost/edgeinfer-base:bookworm -t edgeinfer:cpu .
 #   CUDA:           --build-arg BASE=docker.io/nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 \
@@ -46,6 +46,10 @@ import edgeinfer.kernels.cpu.attn as a; load_model(m()); print('kernels.cpu', k.
 
 FROM ${BASE} AS runtime
 ARG DEBIAN_FRONTEND=noninteractive
+ARG VERSION=0.1.0
+LABEL org.opencontainers.image.title="edgeinfer" org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.description="multi-tenant LLM inference: gateway + backend (edgeinfer serve)" \
+      org.opencontainers.image.licenses="Apache-2.0"
 # g++: torch's extension loader checks the compiler before it loads the prebuilt kernels (it does not rebuild them)
 RUN apt-get update && apt-get install -y --no-install-recommends python3 g++ ca-certificates \
  && rm -rf /var/lib/apt/lists/* \
@@ -53,9 +57,13 @@ RUN apt-get update && apt-get install -y --no-install-recommends python3 g++ ca-
 COPY --from=build /opt/edgeinfer /opt/edgeinfer
 COPY --from=build --chown=10001:10001 /var/lib/edgeinfer /var/lib/edgeinfer
 ENV PATH=/opt/edgeinfer/bin:$PATH EDGEINFER_HOME=/var/lib/edgeinfer \
-    TORCH_EXTENSIONS_DIR=/var/lib/edgeinfer/torch_extensions PYTHONUNBUFFERED=1
+    TORCH_EXTENSIONS_DIR=/var/lib/edgeinfer/torch_extensions PYTHONUNBUFFERED=1 EDGEINFER_VERSION=${VERSION} \
+    PYTHONDONTWRITEBYTECODE=1 TMPDIR=/tmp
 USER 10001
 WORKDIR /var/lib/edgeinfer
 EXPOSE 8080 8081
 ENTRYPOINT ["edgeinfer"]
+# the built-in demo tenant's key is public: serve refuses it on 0.0.0.0 unless told so. To try the image:
+#   podman run -p 127.0.0.1:8080:8080 -e EDGEINFER_ARG_ALLOW_PUBLIC_DEMO_KEY=1 localhost/edgeinfer:0.1.0
+# to serve for real: mount a gateway config with your tenants (--config), or use compose.yaml / deploy/k8s.
 CMD ["serve", "--host", "0.0.0.0", "--port", "8080"]

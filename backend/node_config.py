@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,11 +22,11 @@ from edgeinfer.protocol.defaults import (
     named,
 )
 from edgeinfer.protocol.observability import LOG_LEVELS
+from edgeinfer.protocol.secrets import is_loopback, weak_secret
 from edgeinfer.protocol.wire import ROLES
 
 VERSION = os.environ.get("EDGEINFER_VERSION", "0.1.0")
 INTERNAL_SECRET_ENV = "EDGEINFER_INTERNAL_SECRET"
-MIN_SECRET_CHARS = 16
 
 
 @dataclass(frozen=True)
@@ -281,6 +282,7 @@ def parse_args(argv: list[str] | None) -> BackendConfig:
             bad(dest, f"a finite number of {what}" if "seconds" in what else f"a finite {what}")
     if not (0.0 <= args.kv_verify_fraction <= 1.0):
         bad("kv_verify_fraction", "a fraction 0 <= f <= 1")
+    _check_secrets(p, args, argv)
     if args.start_drained and not args.operator_key:
         p.error("--start-drained needs --operator-key (or EDGEINFER_OPERATOR_KEY): without it the node could "
                 "never be undrained")
@@ -299,6 +301,36 @@ def _internal_secret(p: argparse.ArgumentParser, args: argparse.Namespace) -> st
         if not secret:
             p.error(f"no internal secret: set {INTERNAL_SECRET_ENV} or --internal-secret-file (the gateway sends "
                     "it on /internal/*), or pass --insecure-no-internal-auth on an isolated network")
-    if len(secret) < MIN_SECRET_CHARS:
-        p.error(f"internal secret from {origin} is {len(secret)} characters; at least {MIN_SECRET_CHARS} needed")
+    if (why := weak_secret(secret)) is not None:
+        p.error(f"internal secret from {origin} refused: {why}")
     return secret
+
+
+def _check_secrets(p: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str] | None) -> None:
+    """The operator key, the page key and the cache seed: no placeholder, no documented default, not too weak (one
+    line naming the setting). The built-in cache seed is a development default: refused on a non-loopback --host."""
+    if args.operator_key and (why := weak_secret(args.operator_key)) is not None:
+        p.error(f"operator key ({_origin(args, argv, 'operator_key', 'EDGEINFER_OPERATOR_KEY')}) refused: {why}")
+    page_key = os.environ.get("EDGEINFER_PAGE_KEY")
+    if not args.page_key_file and page_key and (why := weak_secret(page_key)) is not None:
+        p.error(f"page key ($EDGEINFER_PAGE_KEY) refused: {why}")
+    if args.page_key_file:
+        try:
+            text = Path(args.page_key_file).read_text().strip()
+        except OSError as e:
+            p.error(f"--page-key-file: {e}")
+        if (why := weak_secret(text)) is not None:
+            p.error(f"page key from {args.page_key_file} refused: {why}")
+    seed_origin = _origin(args, argv, "cache_seed", CACHE_SEED_ENV)
+    if args.cache_seed == CACHE_SEED:
+        if not is_loopback(args.host):
+            p.error(f"cache seed: the built-in development seed on --host {args.host} (reachable from other "
+                    f"machines): set {CACHE_SEED_ENV} or --cache-seed to a secret (edgeinfer ops gen-secrets)")
+    elif (why := weak_secret(args.cache_seed)) is not None and "characters" not in why:
+        p.error(f"cache seed ({seed_origin}) refused: {why}")
+
+
+def _origin(args: argparse.Namespace, argv: list[str] | None, dest: str, env: str) -> str:
+    flag = "--" + dest.replace("_", "-")
+    given = sys.argv[1:] if argv is None else argv
+    return flag if any(t == flag or t.startswith(flag + "=") for t in given) else f"${env}"

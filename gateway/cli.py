@@ -136,6 +136,7 @@ def _gateway(argv: list[str]) -> int:
     try:
         cfg = with_env(load_config(args.config))
         cfg = override(cfg, args.host, args.port, args.model, args.backend)
+        config_mod.check_secrets(cfg)
     except config_mod.ConfigError as e:
         print(f"edgeinfer gateway: error: {e}", file=sys.stderr)
         return 2

@@ -14,6 +14,7 @@ from pathlib import Path
 import msgspec
 
 from edgeinfer.protocol.defaults import CACHE_SEED, CACHE_SEED_ENV, KEY_PREFIX
+from edgeinfer.protocol.secrets import is_loopback, weak_secret
 from edgeinfer.protocol.wire import TenantSpec
 
 DEFAULT_CONFIG = Path(__file__).with_name("default_config.toml")
@@ -45,6 +46,9 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     page_seed: str = CACHE_SEED   # the env var wins; must equal the backends' --cache-seed
     internal_secret_env: str = "EDGEINFER_INTERNAL_SECRET"  # same variable backend.server reads
     internal_secret: str = ""               # the env var wins; sent to backends on /internal/* (empty: nothing sent)
+    tenants_file: str = ""                  # more [[tenants]] from this TOML (relative to the config; deploys keep
+                                            # tenant key hashes in a Secret: edgeinfer ops gen-secrets writes one)
+    allow_public_demo_key: bool = False     # serve the public demo key (sk-edgeinfer-demo) on a non-loopback host
     redis_url: str = ""                     # empty: single-node mode (in-process limiter and index)
     redis_cluster: bool = False             # redis_url names a node of a Redis/valkey Cluster (every tier on it)
     key_prefix: str = KEY_PREFIX
@@ -205,6 +209,42 @@ def _check(cfg: GatewayConfig) -> GatewayConfig:
     return cfg
 
 
+PLACEHOLDER_KEYS = ("sk-change-me", "sk-replace-me", "sk-your-key", "sk-xxx")   # keys documented as stand-ins
+
+
+def check_secrets(cfg: GatewayConfig) -> None:
+    """No placeholder or documented secret where the gateway listens beyond loopback, and none anywhere for the
+    internal secret (ConfigError naming the setting): issue 54."""
+    s = cfg.server
+    secret = cfg.internal_secret
+    if secret and (why := weak_secret(secret)) is not None:
+        raise ConfigError(f"the internal secret (${s.internal_secret_env} or server.internal_secret) refused: {why}")
+    seed = (os.environ.get(s.page_seed_env) or s.page_seed)
+    if seed != CACHE_SEED and (why := weak_secret(seed)) is not None and "characters" not in why:
+        raise ConfigError(f"the page seed (${s.page_seed_env} or server.page_seed) refused: {why}")
+    if not is_loopback(s.host) and seed == CACHE_SEED:
+        raise ConfigError(f"the page seed is the built-in development seed and the gateway listens on {s.host}: set "
+                          f"${s.page_seed_env} (the same on every backend; edgeinfer ops gen-secrets)")
+    check_tenant_keys(cfg)
+
+
+def check_tenant_keys(cfg: GatewayConfig) -> None:
+    """No tenant key that is a documented placeholder; the public demo key only on loopback unless allowed."""
+    s = cfg.server
+    placeholders = {hash_key(k): k for k in PLACEHOLDER_KEYS}
+    demo = hash_key(DEMO_API_KEY)
+    for t in cfg.tenants:
+        for h in t.api_key_sha256:
+            if h.lower() in placeholders:
+                raise ConfigError(f"tenant {t.id!r}: api_key_sha256 {h[:12]}... is the hash of the documented "
+                                  f"placeholder key {placeholders[h.lower()]!r}; give the tenant a key of its own "
+                                  "(edgeinfer ops gen-secrets)")
+            if h.lower() == demo and not is_loopback(s.host) and not s.allow_public_demo_key:
+                raise ConfigError(f"tenant {t.id!r} has the public demo key {DEMO_API_KEY!r} and the gateway listens on "
+                                  f"{s.host} (beyond this machine): configure your own tenants (--config), or say "
+                                  "so explicitly (serve --allow-public-demo-key; server.allow_public_demo_key = true)")
+
+
 def parse(data: dict, source: str = "") -> GatewayConfig:
     try:
         cfg = msgspec.convert({**data, "source": source}, GatewayConfig)
@@ -221,8 +261,18 @@ def load(path: str | Path) -> GatewayConfig:
         raise ConfigError(f"{path}: {e}") from e
     if "source" in data:   # the file's own path, filled in by parse(): a `source` key in a file is not a setting
         raise ConfigError(f"{path}: Object contains unknown field `source`")
-    cfg = parse(data, str(path))
     base = path.parent
+    tenants_file = data.get("server", {}).get("tenants_file", "")
+    if tenants_file:
+        tpath = Path(tenants_file) if Path(tenants_file).is_absolute() else base / tenants_file
+        try:
+            more = tomllib.loads(tpath.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"{path}: server.tenants_file: {e}") from e
+        if set(more) - {"tenants"}:
+            raise ConfigError(f"{tpath}: expected only [[tenants]] tables, got {sorted(set(more) - {'tenants'})}")
+        data = {**data, "tenants": [*data.get("tenants", []), *more.get("tenants", [])]}
+    cfg = parse(data, str(path))
     models = [m if m.tokenizer == "default" or Path(m.tokenizer).is_absolute()
               else msgspec.structs.replace(m, tokenizer=str(base / m.tokenizer)) for m in cfg.models]
     return msgspec.structs.replace(cfg, models=models)

@@ -4,6 +4,7 @@
   edgeinfer ops drain NODE [--deadline S]
   edgeinfer ops undrain NODE
   edgeinfer ops rollout --model M --to VERSION --command 'TEMPLATE' [--dry-run] [--nodes a,b]
+  edgeinfer ops gen-secrets (--compose [DIR] | --k8s [DIR])   fresh secrets + a tenant key (ops/gen_secrets.py)
 
 NODE is a node id from the registry or a backend URL (http://host:port). The registry is
 --redis-url (EDGEINFER_REDIS_URL) with --redis-key-prefix (default ei). Admin calls use
@@ -21,6 +22,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import msgspec
 
@@ -78,7 +80,28 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--canary-prompt-ids", default=",".join(map(str, CANARY_PROMPT_IDS)))
     r.add_argument("--settle", type=float, default=2.0,
                    help="seconds between re-enabling one node and draining the next (routers catch up)")
+    g = sub.add_parser("gen-secrets", help="fresh secrets and a tenant key for compose.yaml or deploy/k8s")
+    where = g.add_mutually_exclusive_group(required=True)
+    where.add_argument("--compose", nargs="?", const=".", metavar="DIR",
+                       help="write DIR/.env and DIR/deploy/compose/tenants.toml (DIR: the repository, default .)")
+    where.add_argument("--k8s", nargs="?", const="deploy/k8s", metavar="DIR",
+                       help="write DIR/secrets.env and DIR/tenants.toml (default deploy/k8s)")
     return p
+
+
+def gen_secrets(args: argparse.Namespace) -> int:
+    from edgeinfer.ops.gen_secrets import GenSecretsError, generate
+
+    kind, root = ("compose", args.compose) if args.compose is not None else ("k8s", args.k8s)
+    try:
+        paths, api_key = generate(kind, Path(root))
+    except GenSecretsError as e:
+        raise OpsError(str(e)) from e
+    for p in paths:
+        print(f"wrote {p} (0600)", file=sys.stderr)
+    print(f"tenant API key (shown once; its sha256 is in {paths[-1]}): {api_key}", file=sys.stderr)
+    print(api_key)
+    return 0
 
 
 def _shown(url: str) -> str:
@@ -219,7 +242,7 @@ def rollout(args: argparse.Namespace) -> int:
     return job.run()
 
 
-_ACTIONS = {"status": status, "drain": drain, "undrain": undrain, "rollout": rollout}
+_ACTIONS = {"status": status, "drain": drain, "undrain": undrain, "rollout": rollout, "gen-secrets": gen_secrets}
 
 
 def run(cmd: str, argv: list[str]) -> int:

@@ -189,6 +189,13 @@ def main(argv: list[str]) -> int:
         print(f"edgeinfer serve: error: {e}", file=sys.stderr)
         return 2
     host, port = args.host or cfg.server.host, args.port or cfg.server.port
+    cfg = msgspec.structs.replace(cfg, server=msgspec.structs.replace(
+        cfg.server, host=host, allow_public_demo_key=args.allow_public_demo_key or cfg.server.allow_public_demo_key))
+    try:
+        config_mod.check_tenant_keys(cfg)      # before anything starts: the demo key beyond loopback, placeholders
+    except config_mod.ConfigError as e:
+        print(f"edgeinfer serve: error: {e}", file=sys.stderr)
+        return 2
     for what, h, p in (("gateway", host, port), ("backend", "127.0.0.1", args.backend_port)):
         why = port_in_use(h, p) if p else None
         if why:
@@ -248,6 +255,7 @@ def _start(args: argparse.Namespace, cfg, children: Children) -> int:
     if not env.get(secret_env):   # the backend reads only the env var; a fresh one unless the config has one
         env[secret_env] = cfg.server.internal_secret or secrets.token_hex(32)
         os.environ[secret_env] = env[secret_env]
+    config_mod.check_secrets(cfg)    # the operator's own secrets (env or config), now that the defaults are set
     if redis_url:   # in the environment, not argv: the URL holds valkey's password and argv is in `ps`
         env[REDIS_URL_ENV] = redis_url
     else:

@@ -9,6 +9,10 @@ OUT="${OUT:-benchmarks/results/container.compose.json}"
 ARGS=(--podman-args "${PODMAN_GLOBAL_ARGS:---runtime runc}"
       --podman-run-args "${PODMAN_RUN_ARGS:---ulimit nofile=4096:4096 --ulimit nproc=4096:4096}")
 "$PC" "${ARGS[@]}" down >/dev/null 2>&1 || true
+# fresh secrets and a tenant key, as a new operator makes them (kept only for this run)
+rm -f .env deploy/compose/tenants.toml
+KEY=$(python3 -m edgeinfer.ops.cli ops gen-secrets --compose . 2>/dev/null)
+trap 'rm -f .env deploy/compose/tenants.toml' EXIT
 t0=$(date +%s)
 "$PC" "${ARGS[@]}" up -d >/tmp/edgeinfer-compose.log 2>&1
 nodes=0
@@ -20,7 +24,7 @@ done
 t1=$(date +%s)
 ANSWERS=()
 for q in "What is the capital of France?" "What is the capital of Italy?" "Name a color."; do
-  ANSWERS+=("$(curl -s http://127.0.0.1:8080/v1/chat/completions -H "Authorization: Bearer sk-change-me" \
+  ANSWERS+=("$(curl -s http://127.0.0.1:8080/v1/chat/completions -H "Authorization: Bearer $KEY" \
     -H "Content-Type: application/json" -d "{\"model\": \"SmolLM2-135M-Instruct\", \"max_tokens\": 30, \
     \"temperature\": 0, \"messages\": [{\"role\": \"user\", \"content\": \"$q\"}]}")")
 done

@@ -8,7 +8,8 @@
 # (PODMAN_BUILD_ARGS / PODMAN_GLOBAL_ARGS / PODMAN_RUN_ARGS override these defaults elsewhere).
 set -euo pipefail
 BASE="${BASE:-localhost/edgeinfer-base:bookworm}"
-TAG="${TAG:-localhost/edgeinfer:cpu}"
+VERSION="${VERSION:-$(python3 -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])')}"
+TAG="${TAG:-localhost/edgeinfer:$VERSION}"
 PORT="${PORT:-18480}"
 OUT="${OUT:-benchmarks/results/container.json}"
 LOG="$(mktemp /tmp/edgeinfer-container.XXXXXX.log)"
@@ -19,12 +20,12 @@ for d in ${PIP_FIND_LINKS:-} $(pip config get global.find-links 2>/dev/null || t
 done
 [ -f "${PIP_CERT:-}" ] && cp "$PIP_CERT" .container-wheels/ca.crt   # this machine's CA bundle, for the build only
 t0=$(date +%s)
-podman build ${PODMAN_BUILD_ARGS:---isolation chroot} --build-arg BASE="$BASE" --build-arg TORCH_INDEX="${TORCH_INDEX:-https://pypi.org/simple}" \
+podman build ${PODMAN_BUILD_ARGS:---isolation chroot} --build-arg BASE="$BASE" --build-arg VERSION="$VERSION" -t localhost/edgeinfer:cpu --build-arg TORCH_INDEX="${TORCH_INDEX:-https://pypi.org/simple}" \
   -t "$TAG" . >"$LOG" 2>&1 || { tail -30 "$LOG"; echo "build failed: $LOG"; exit 1; }
 t1=$(date +%s)
 SIZE=$(podman image inspect "$TAG" --format '{{.Size}}')
 podman rm -f edgeinfer-record >/dev/null 2>&1 || true
-podman ${PODMAN_GLOBAL_ARGS:---runtime runc} run ${PODMAN_RUN_ARGS:---ulimit nofile=4096:4096 --ulimit nproc=4096:4096} -d --name edgeinfer-record -p "127.0.0.1:$PORT:8080" "$TAG" >/dev/null
+podman ${PODMAN_GLOBAL_ARGS:---runtime runc} run ${PODMAN_RUN_ARGS:---ulimit nofile=4096:4096 --ulimit nproc=4096:4096} -d --name edgeinfer-record -p "127.0.0.1:$PORT:8080" -e EDGEINFER_ARG_ALLOW_PUBLIC_DEMO_KEY=1 "$TAG" >/dev/null
 USER_ID=$(podman exec edgeinfer-record id -u)
 ready=""
 for _ in $(seq 1 180); do

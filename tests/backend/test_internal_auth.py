@@ -208,7 +208,7 @@ def test_no_secret_configured_means_open_only_by_explicit_choice(monkeypatch, ca
     monkeypatch.setenv("EDGEINFER_INTERNAL_SECRET", "short")
     with pytest.raises(SystemExit):
         parse_args([])
-    assert "5 characters; at least 16" in capsys.readouterr().err
+    assert "5 characters; at least 16 needed" in capsys.readouterr().err
     monkeypatch.setenv("EDGEINFER_INTERNAL_SECRET", SECRET)
     assert parse_args([]).internal_secret == SECRET
     f = tmp_path / "secret"

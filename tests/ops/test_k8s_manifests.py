@@ -50,7 +50,7 @@ def test_every_resource_validates_against_the_kubernetes_schema():
         checked += 1
     assert checked >= 9
     with pytest.raises(kubernetes_validate.ValidationError):    # the validator does refuse what is wrong
-        bad = _one("StatefulSet")
+        bad = _one("StatefulSet", "edgeinfer-backend")
         bad["spec"]["template"]["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]["comand"] = ["x"]
         kubernetes_validate.validate(bad, version, strict=True)
 
@@ -67,24 +67,53 @@ def test_the_service_monitor_scrapes_named_ports_of_our_services():
     assert wanted == covered == {"gateway", "backend"}
 
 
-def _env(monkeypatch) -> dict[str, str]:
-    """The containers' environment: the ConfigMap's variables and the Secret's values."""
-    cm, secret = _one("ConfigMap", "edgeinfer-config"), _one("Secret", "edgeinfer-secrets")
-    env = {k: v for k, v in cm["data"].items() if re.fullmatch(r"[A-Z_]+", k)} | secret["stringData"]
+def _generated(tmp_path: Path, kind: str = "k8s") -> tuple[dict[str, str], str, Path]:
+    """What `edgeinfer ops gen-secrets` writes for a new operator: ({variable: value}, tenant key, directory)."""
+    from edgeinfer.ops.gen_secrets import generate
+
+    paths, key = generate(kind, tmp_path)
+    env_file = paths[0]
+    values = dict(line.split("=", 1) for line in env_file.read_text().splitlines() if line and not line.startswith("#"))
+    return values, key, tmp_path
+
+
+def _env(monkeypatch, tmp_path) -> dict[str, str]:
+    """The containers' environment: the ConfigMap's variables and the generated Secret's values (the
+    kustomization's secretGenerator reads the file gen-secrets writes)."""
+    kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    gen = {g["name"]: g for g in kust["secretGenerator"]}
+    assert gen["edgeinfer-secrets"]["envs"] == ["secrets.env"] and gen["edgeinfer-tenants"]["files"] == ["tenants.toml"]
+    secret, _, _ = _generated(tmp_path)
+    cm = _one("ConfigMap", "edgeinfer-config")
+    env = {k: v for k, v in cm["data"].items() if re.fullmatch(r"[A-Z_]+", k)} | secret
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     return env
 
 
-def test_the_gateway_config_parses_and_reaches_redis(monkeypatch):
+def _gateway_config(tmp_path: Path):
+    """The ConfigMap's gateway.toml with the Secret's tenants.toml where the pod mounts it (tenants_file)."""
+    from edgeinfer.gateway import config as config_mod
+
+    cm = _one("ConfigMap", "edgeinfer-config")
+    text = cm["data"]["gateway.toml"]
+    dep = _one("Deployment", "edgeinfer-gateway")
+    mounts = {m["name"]: m["mountPath"] for m in dep["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]}
+    wanted = tomllib.loads(text)["server"]["tenants_file"]
+    assert wanted == mounts["tenants"] + "/tenants.toml"
+    (tmp_path / "gateway.toml").write_text(text.replace(wanted, str(tmp_path / "tenants.toml")))
+    return config_mod.load(tmp_path / "gateway.toml")
+
+
+def test_the_gateway_config_parses_and_reaches_redis(monkeypatch, tmp_path):
     from edgeinfer.gateway import cli as gateway_cli
     from edgeinfer.gateway import config as config_mod
 
-    env = _env(monkeypatch)
-    cm = _one("ConfigMap", "edgeinfer-config")
-    cfg = gateway_cli.with_env(config_mod.parse(tomllib.loads(cm["data"]["gateway.toml"]), "gateway.toml"))
+    env = _env(monkeypatch, tmp_path)
+    cfg = gateway_cli.with_env(_gateway_config(tmp_path))
     assert cfg.server.redis_url == env["EDGEINFER_REDIS_URL"] and cfg.server.redis_cluster is False
     assert cfg.server.port == 8080 and cfg.tenants and cfg.models
+    config_mod.check_secrets(cfg)          # the generated secrets and tenant key pass the gateway's start checks
     dep = _one("Deployment", "edgeinfer-gateway")
     c = dep["spec"]["template"]["spec"]["containers"][0]
     assert c["args"][:3] == ["gateway", "--config", "/etc/edgeinfer/gateway.toml"]
@@ -97,11 +126,11 @@ def test_the_gateway_config_parses_and_reaches_redis(monkeypatch):
         gateway_cli.with_env(cfg)
 
 
-def test_the_backend_statefulset_drains_before_it_stops(monkeypatch):
+def test_the_backend_statefulset_drains_before_it_stops(monkeypatch, tmp_path):
     from edgeinfer.backend.node_config import parse_args
     from edgeinfer.ops.commands import parser as ops_parser
 
-    env = _env(monkeypatch)
+    env = _env(monkeypatch, tmp_path)
     sts = _one("StatefulSet", "edgeinfer-backend")
     pod = sts["spec"]["template"]["spec"]
     c = pod["containers"][0]
@@ -135,23 +164,36 @@ def test_the_autoscalers_target_what_exists():
     assert set(metric["selector"]["matchLabels"]) == {"model", "role"}
 
 
-def test_compose_wires_valkey_the_gateway_and_two_backends(monkeypatch):
-    """compose.yaml: the gateway's TOML parses, each backend's command parses with the backend's parser and
-    advertises its own service name, the gateway waits for healthy backends."""
+def test_compose_wires_valkey_the_gateway_and_two_backends(monkeypatch, tmp_path):
+    """compose.yaml: it builds the image (tagged with the version), the gateway's TOML parses with the tenants file
+    gen-secrets writes, each backend's command parses with the backend's parser and advertises its own service
+    name, the gateway waits for healthy backends; no secret has a fallback value."""
     from edgeinfer.backend.node_config import parse_args
     from edgeinfer.gateway import config as config_mod
 
     doc = yaml.safe_load((K8S.parents[1] / "compose.yaml").read_text())
     services = doc["services"]
     assert set(services) == {"valkey", "gateway", "backend-0", "backend-1"}
-    mount = services["gateway"]["volumes"][0].split(":")
-    assert mount[1] == "/etc/edgeinfer/gateway.toml" == services["gateway"]["command"][2]
-    toml = K8S.parents[1] / mount[0]
-    cfg = config_mod.parse(tomllib.loads(toml.read_text()), str(toml))
-    assert cfg.server.port == 8080 and cfg.tenants
-    env = {k: re.sub(r"\$\{[A-Z_]+:-(.*)\}", r"\1", v) for k, v in services["backend-0"]["environment"].items()}
+    for svc in services.values():
+        assert svc["build"]["context"] == "." and svc["build"]["dockerfile"] == "Dockerfile"
+        assert re.fullmatch(r"localhost/edgeinfer:\$\{EDGEINFER_VERSION:-\d+\.\d+\.\d+\}", svc["image"])
+    mounts = [v.split(":") for v in services["gateway"]["volumes"]]
+    assert mounts[0][1] == "/etc/edgeinfer/gateway.toml" == services["gateway"]["command"][2]
+    toml = K8S.parents[1] / mounts[0][0]
+    text = tomllib.loads(toml.read_text())
+    tenants_at = dict((m[1], m[0]) for m in mounts)["/etc/edgeinfer/" + text["server"]["tenants_file"]]
+    assert tenants_at == "./deploy/compose/tenants.toml"
+    values, key, root = _generated(tmp_path, "compose")
+    (root / "deploy" / "compose" / "gateway.toml").write_text(toml.read_text())
+    cfg = config_mod.load(root / "deploy" / "compose" / "gateway.toml")
+    assert cfg.server.port == 8080 and cfg.tenants[0].api_key_sha256 == [config_mod.hash_key(key)]
+    raw = services["backend-0"]["environment"]
+    for name in ("EDGEINFER_INTERNAL_SECRET", "EDGEINFER_PAGE_KEY", "EDGEINFER_CACHE_SEED", "EDGEINFER_OPERATOR_KEY"):
+        assert re.fullmatch(r"\$\{%s:\?.+\}" % name, raw[name]), raw[name]      # no fallback: unset stops compose
+    env = {k: values.get(k, v) for k, v in raw.items()}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
+    config_mod.check_secrets(cfg)
     for name in ("backend-0", "backend-1"):
         cmd = services[name]["command"]
         assert cmd[0] == "backend"
@@ -160,3 +202,117 @@ def test_compose_wires_valkey_the_gateway_and_two_backends(monkeypatch):
         assert c.internal_secret == env["EDGEINFER_INTERNAL_SECRET"]
     assert set(services["gateway"]["depends_on"]) == {"backend-0", "backend-1"}
     assert services["gateway"]["ports"] == ["127.0.0.1:8080:8080"]
+
+
+# ---- Pod Security "restricted" (https://kubernetes.io/docs/concepts/security/pod-security-standards/) -------------
+
+ALLOWED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected",
+                   "secret"}
+
+
+def restricted_violations(pod: dict) -> list[str]:
+    """What the restricted profile (and our read-only rule) refuses in a pod spec; [] when it passes."""
+    out = []
+    psc = pod.get("securityContext", {})
+    for flag in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod.get(flag):
+            out.append(flag)
+    for v in pod.get("volumes", []):
+        kinds = set(v) - {"name"}
+        if not kinds <= ALLOWED_VOLUMES:
+            out.append(f"volume {v['name']}: {kinds - ALLOWED_VOLUMES}")
+    for c in pod.get("initContainers", []) + pod["containers"]:
+        sc = c.get("securityContext", {})
+        name = c["name"]
+        if sc.get("privileged"):
+            out.append(f"{name}: privileged")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            out.append(f"{name}: allowPrivilegeEscalation must be false")
+        caps = sc.get("capabilities", {})
+        if "ALL" not in caps.get("drop", []):
+            out.append(f"{name}: capabilities must drop ALL")
+        if set(caps.get("add", [])) - {"NET_BIND_SERVICE"}:
+            out.append(f"{name}: adds capabilities {caps['add']}")
+        if not (sc.get("runAsNonRoot", psc.get("runAsNonRoot")) is True):
+            out.append(f"{name}: runAsNonRoot")
+        if sc.get("runAsUser", psc.get("runAsUser")) == 0:
+            out.append(f"{name}: runAsUser 0")
+        seccomp = sc.get("seccompProfile", psc.get("seccompProfile", {})).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            out.append(f"{name}: seccompProfile {seccomp!r}")
+        if any(p.get("hostPort") for p in c.get("ports", [])):
+            out.append(f"{name}: hostPort")
+        if sc.get("readOnlyRootFilesystem") is not True:
+            out.append(f"{name}: readOnlyRootFilesystem must be true")
+    return out
+
+
+def _pods() -> dict[str, dict]:
+    return {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in _all()
+            if d["kind"] in ("Deployment", "StatefulSet", "DaemonSet", "Job")}
+
+
+def test_every_pod_passes_pod_security_restricted_with_a_read_only_root():
+    pods = _pods()
+    assert set(pods) == {"edgeinfer-gateway", "edgeinfer-backend", "valkey"}
+    for name, pod in pods.items():
+        assert restricted_violations(pod) == [], name
+    ns = _one("Namespace")
+    assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    # the checker does refuse what the profile refuses
+    bad = _pods()["edgeinfer-backend"]
+    bad["containers"][0]["securityContext"].pop("allowPrivilegeEscalation")
+    bad["securityContext"].pop("seccompProfile")
+    bad["volumes"].append({"name": "h", "hostPath": {"path": "/"}})
+    assert len(restricted_violations(bad)) == 3
+
+
+def test_only_the_gateway_and_the_backends_reach_the_backends_and_valkey():
+    policies = {d["metadata"]["name"]: d for d in _all() if d["kind"] == "NetworkPolicy"}
+    backend = policies["edgeinfer-backend"]["spec"]
+    assert backend["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "edgeinfer-backend"}
+    sources = [f.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/name")
+               for rule in backend["ingress"] for f in rule["from"]]
+    assert sources == ["edgeinfer-gateway", "edgeinfer-backend", "prometheus"]
+    valkey = policies["valkey"]["spec"]
+    assert [f["podSelector"]["matchLabels"]["app.kubernetes.io/name"] for f in valkey["ingress"][0]["from"]] == \
+        ["edgeinfer-gateway", "edgeinfer-backend"]
+    port = {p["containerPort"] for p in _one("StatefulSet", "edgeinfer-backend")["spec"]["template"]["spec"][
+        "containers"][0]["ports"]}
+    assert {p["port"] for r in backend["ingress"] for p in r["ports"]} == port
+
+
+def test_valkey_is_deployed_with_persistence_and_the_config_points_at_it():
+    sts = _one("StatefulSet", "valkey")
+    args = " ".join(sts["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert "--appendonly yes" in args and "--dir /data" in args
+    assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    svc = _one("Service", "valkey")
+    url = _one("ConfigMap", "edgeinfer-config")["data"]["EDGEINFER_REDIS_URL"]
+    assert url.startswith(f"redis://{svc['metadata']['name']}.edgeinfer.svc.cluster.local:"
+                          f"{svc['spec']['ports'][0]['port']}/")
+
+
+def test_no_manifest_holds_a_secret_or_a_placeholder():
+    from edgeinfer.protocol.secrets import weak_secret
+
+    assert not any(d["kind"] == "Secret" for d in _all())
+    text = "\n".join((K8S / n).read_text() for n in yaml.safe_load((K8S / "kustomization.yaml").read_text())[
+        "resources"]) + (K8S.parents[1] / "compose.yaml").read_text()
+    assert "REPLACE-with" not in text and "change-me" not in text
+    assert weak_secret("REPLACE-with-64-hex-chars") and weak_secret("compose-internal-secret-change-me-0123456789ab")
+
+
+def test_gen_secrets_writes_strong_values_once(tmp_path, capsys):
+    from edgeinfer.ops.commands import run
+    from edgeinfer.protocol.secrets import weak_secret
+
+    assert run("ops", ["gen-secrets", "--k8s", str(tmp_path)]) == 0
+    key = capsys.readouterr().out.strip()
+    values, _, _ = _generated(tmp_path / "again")
+    for k, v in values.items():
+        assert weak_secret(v) is None, k
+    assert (tmp_path / "secrets.env").stat().st_mode & 0o777 == 0o600
+    assert key.startswith("sk-") and weak_secret(key) is None
+    assert run("ops", ["gen-secrets", "--k8s", str(tmp_path)]) == 2     # never overwritten
+    assert "exists" in capsys.readouterr().err
