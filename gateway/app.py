@@ -120,6 +120,15 @@ async def edge_middleware(request: web.Request, handler) -> web.StreamResponse:
         status, error = e.status, "http_error"
         if e.status < 400:
             raise
+        if e.status == 404:       # no such route: OpenAI's shape, naming the path
+            error = "unknown_url"
+            return _error_response(APIError(404, f"Invalid URL ({request.method} {request.path})",
+                                            code="unknown_url"), rid)
+        if e.status == 405:
+            error = "method_not_allowed"
+            return _error_response(APIError(405, f"Method {request.method} is not allowed on {request.path}",
+                                            code="method_not_allowed", headers={"allow": e.headers.get("allow", "")}),
+                                   rid)
         return _error_response(APIError(e.status, e.reason or "error", code=str(e.status)), rid)
     except ConnectionResetError as e:
         if not _client_gone(request):
@@ -317,9 +326,11 @@ def create_app(cfg: GatewayConfig, *, state: GatewayState | None = None, **overr
     app.router.add_post("/v1/chat/completions", serving_chat.chat_completions)
     app.router.add_post("/v1/completions", serving_completions.completions)
     app.router.add_get("/v1/models", serving_models.list_models)
+    app.router.add_get("/v1/models/{model:.+}", serving_models.retrieve_model)
     app.router.add_post("/v1/responses", serving_responses.create_response)
     app.router.add_post("/tokenize", serving_tokenize.tokenize)
     app.router.add_post("/detokenize", serving_tokenize.detokenize)
+    app.router.add_get("/tokenizer_info", serving_tokenize.tokenizer_info)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)

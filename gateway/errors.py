@@ -46,8 +46,10 @@ _AT = re.compile(r" - at `\$\.?([^`]*)`$")
 
 
 def from_validation_error(e: msgspec.ValidationError) -> APIError:
-    """msgspec's 'Expected `int`, got `str` - at `$.n`' -> 422 with param='n'; an unknown field -> 400 naming
-    it, as OpenAI answers ('Unrecognized request argument supplied: foo')."""
+    """msgspec's 'Expected `int`, got `str` - at `$.n`' -> 400 with param='n', as OpenAI answers every request
+    validation error (a 422 is UnprocessableEntityError in the openai SDK, which code written for OpenAI does not
+    catch as BadRequestError); a missing field -> 400 naming it (param); an unknown field -> 400 naming it
+    ('Unrecognized request argument supplied: foo')."""
     text = str(e)
     m = _AT.search(text)
     param = m.group(1) if m else None
@@ -55,7 +57,11 @@ def from_validation_error(e: msgspec.ValidationError) -> APIError:
         where = f"{param}.{u.group(1)}" if param else u.group(1)
         return APIError(400, f"Unrecognized request argument supplied: {where}", code="unknown_parameter",
                         param=where)
-    return APIError(422, text, code="invalid_type" if "Expected" in text else "invalid_field", param=param)
+    if miss := re.search(r"missing required field `([^`]*)`", text):
+        where = f"{param}.{miss.group(1)}" if param else miss.group(1)
+        return APIError(400, f"Missing required parameter: '{where}'.", code="missing_required_parameter",
+                        param=where)
+    return APIError(400, text, code="invalid_type" if "Expected" in text else "invalid_field", param=param)
 
 
 def bad_value(param: str, message: str, code: str = "invalid_value") -> APIError:

@@ -56,6 +56,7 @@ class Run:
     constraint: Constraint | None = None      # response_format / tool_choice grammar (gateway/structured.py)
     constraint_param: str | None = None       # the request field it came from: named in a 400 when it fails
     handoff: Handoff | None = None            # the prefill hop, when disaggregated (decided once per run)
+    discard_output: bool = False              # max_tokens 0 (completions' echo): the node's one token is dropped
 
 
 @dataclass

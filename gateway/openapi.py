@@ -19,7 +19,7 @@ def _errors(*codes: int) -> dict:
     return {str(c): {"description": d, "content": {"application/json": {"schema": _ref("ErrorBody")}}}
             for c, d in ((400, "invalid value or unsupported feature"), (401, "missing or invalid API key"),
                          (403, "model not enabled for this key"), (404, "unknown model"),
-                         (413, "request body too large"), (422, "wrong type or missing field (an unknown field is a 400)"),
+                         (413, "request body too large"),
                          (429, "rate or concurrency limit; see Retry-After and x-ratelimit-*"),
                          (503, "no healthy backend or shutting down")) if c in codes}
 
@@ -33,7 +33,7 @@ def _generate(request: str, response: str, chunk: str) -> dict:
         "responses": {"200": {"description": "completion (JSON) or, with stream=true, SSE of chunks then [DONE]",
                               "content": {"application/json": {"schema": _ref(response)},
                                           "text/event-stream": {"schema": _ref(chunk)}}},
-                      **_errors(400, 401, 403, 404, 413, 422, 429, 503)}}}
+                      **_errors(400, 401, 403, 404, 413, 429, 503)}}}
 
 
 def openapi_document() -> dict:

@@ -131,7 +131,8 @@ def served_model(st: GatewayState, tenant: TenantConfig, name: str) -> ServedMod
     return model
 
 
-def sampling_params(req, max_tokens: int, seed: int | None, logprobs: bool, top_logprobs: int) -> SamplingParams:
+def sampling_params(req, max_tokens: int, seed: int | None, logprobs: bool, top_logprobs: int,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     bias = logit_bias_ids(req.logit_bias)
     sp = SamplingParams(
@@ -144,7 +145,7 @@ def sampling_params(req, max_tokens: int, seed: int | None, logprobs: bool, top_
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         seed=seed, stop=stop, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
-        logprobs=logprobs, top_logprobs=top_logprobs, logit_bias=bias)
+        logprobs=logprobs, top_logprobs=top_logprobs, logit_bias=bias, prompt_logprobs=prompt_logprobs)
     try:
         sp.validate()
     except ValueError as e:
@@ -276,6 +277,14 @@ def checked_usage(run: Run, u: Usage, on_clamp: Callable[[str], None] | None = N
                  _clamp(u.cached_tokens, prompt, "cached_tokens", on_clamp))
 
 
+def output_view(run: Run, chunk: StreamChunk) -> StreamChunk:
+    """The chunk as the client sees it: a run that asked max_tokens 0 (echo: the prompt's logprobs only) ran one
+    token on the node, which is dropped here."""
+    if not run.discard_output or not (chunk.token_ids or chunk.text or chunk.logprobs):
+        return chunk
+    return msgspec.structs.replace(chunk, token_ids=[], text="", logprobs=None)
+
+
 class Tally:
     """Per-request token accounting, fed by the final chunk of each run."""
 
@@ -291,7 +300,7 @@ class Tally:
         if u is None:
             return
         u = checked_usage(run, u, self.on_clamp)
-        self.completion += u.completion_tokens
+        self.completion += 0 if run.discard_output else u.completion_tokens
         if run.index % self.n == 0:  # prompt counted once per prompt, as OpenAI does
             self.prompt += u.prompt_tokens
             h = run.handoff     # disaggregated: the decode node's hits include the pages handed to it
@@ -380,7 +389,8 @@ async def _stream(job: Job, runs: list[Run], tally: Tally, include_usage: bool, 
                 await resp.write(b"".join(held))
                 return resp
             tally.add(run, chunk)
-            if chunk.text or chunk.finish_reason is not None or chunk.logprobs:
+            chunk = output_view(run, chunk)
+            if chunk.text or chunk.finish_reason is not None or chunk.logprobs or chunk.prompt_logprobs is not None:
                 held.append(_event(job, run, chunk, chat, started, offsets, tool_streams))
             last = chunk.finish_reason is not None and len(runs) == 1     # written with the usage and [DONE]
             if held and not last and not more_ready(runs):
@@ -416,12 +426,18 @@ def _event(job: Job, run: Run, chunk: StreamChunk, chat: bool, started: set[int]
         out = ChatCompletionChunk(job.id, "chat.completion.chunk", job.created, model.name,
                                   [ChatChunkChoice(run.index, delta, chat_lp, reason)])
     else:
-        lp = model.completion_logprobs(chunk.logprobs, offsets[run.index]) if chunk.logprobs else None
-        offsets[run.index] += len(chunk.text)
         text = chunk.text
-        if job.echo and run.index not in started:
-            text = job.echo[run.index] + text
+        if job.echo and run.index not in started:      # the first event of an echoed choice: the prompt first
+            echo = job.echo[run.index]
+            text = echo + text
             started.add(run.index)
+            lp = model.echo_logprobs(run.prompt_ids, chunk.prompt_logprobs, chunk.logprobs or [], len(echo)) \
+                if chunk.prompt_logprobs is not None else \
+                model.completion_logprobs(chunk.logprobs, len(echo)) if chunk.logprobs else None
+            offsets[run.index] = len(echo) + len(chunk.text)
+        else:
+            lp = model.completion_logprobs(chunk.logprobs, offsets[run.index]) if chunk.logprobs else None
+            offsets[run.index] += len(chunk.text)
         out = Completion(job.id, "text_completion", job.created, model.name,
                          [CompletionChoice(run.index, text, lp, chunk.finish_reason)])
     return b"data: " + encode(out) + b"\n\n"
@@ -450,6 +466,7 @@ async def _collect(job: Job, runs: list[Run], tally: Tally, t0: float) -> web.Re
     st, model = job.st, job.model
     texts: dict[int, list[str]] = {r.index: [] for r in runs}
     lps: dict[int, list] = {r.index: [] for r in runs}
+    prompt_lps: dict[int, list] = {}
     reasons: dict[int, str | None] = {}
     latency = _Latency(st.metrics.series(job.tenant.id, model.name), t0)
     try:
@@ -459,9 +476,12 @@ async def _collect(job: Job, runs: list[Run], tally: Tally, t0: float) -> web.Re
             if chunk.error is not None or chunk.finish_reason in ("abort", "error"):
                 raise chunk_error(run, chunk)
             tally.add(run, chunk)
+            chunk = output_view(run, chunk)
             texts[run.index].append(chunk.text)
             if chunk.logprobs:
                 lps[run.index].extend(chunk.logprobs)
+            if chunk.prompt_logprobs is not None:
+                prompt_lps[run.index] = chunk.prompt_logprobs
             if chunk.finish_reason is not None:
                 reasons[run.index] = chunk.finish_reason
     except UpstreamBroken as e:
@@ -474,8 +494,16 @@ async def _collect(job: Job, runs: list[Run], tally: Tally, t0: float) -> web.Re
             chat_choices.append(ChatChoice(i, message, model.chat_logprobs(lps[i]) if want_lp else None, reason))
         body = encode(ChatCompletion(job.id, job.created, model.name, chat_choices, tally.usage()))
     else:
-        choices = [CompletionChoice(i, job.echo.get(i, "") + "".join(texts[i]),
-                                    model.completion_logprobs(lps[i], 0) if want_lp else None, reasons.get(i))
+        by_index = {r.index: r for r in runs}
+
+        def logprobs(i: int):
+            if not want_lp:
+                return None
+            if i in prompt_lps:        # echo + logprobs: the prompt's tokens first (the first one's logprob null)
+                return model.echo_logprobs(by_index[i].prompt_ids, prompt_lps[i], lps[i], len(job.echo.get(i, "")))
+            return model.completion_logprobs(lps[i], len(job.echo.get(i, "")))
+
+        choices = [CompletionChoice(i, job.echo.get(i, "") + "".join(texts[i]), logprobs(i), reasons.get(i))
                    for i in texts]
         body = encode(Completion(job.id, "text_completion", job.created, model.name, choices, tally.usage()))
     return web.Response(body=body, content_type="application/json",

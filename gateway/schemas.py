@@ -1,7 +1,7 @@
 """OpenAI-compatible wire schema (requests and responses), validated with msgspec at the HTTP boundary.
 
 Rule: a body that is not JSON -> 400; an unknown field -> 400 naming it (OpenAI's answer); a wrong type or a
-missing field -> 422 (msgspec); a value out of range or an unsupported feature -> 400 (checked in check_*).
+missing field -> 400 naming it (msgspec, as OpenAI answers); a value out of range or an unsupported feature -> 400 (checked in check_*).
 
 Fields today's SDKs send that change nothing here are accepted with a documented meaning (docs/GATEWAY.md):
 `prompt_cache_key` is the routing affinity key (as the x-session-affinity header); `safety_identifier`, `user`,
@@ -152,8 +152,9 @@ def check_common(req: _Sampling, max_n: int) -> None:
         raise bad_value(guided[0], f"{guided[0]} cannot be combined with response_format")
     if req.guided_choice is not None and not req.guided_choice:
         raise bad_value("guided_choice", "guided_choice must list at least one string")
-    if req.max_tokens is not None and req.max_tokens < 1:
-        raise bad_value("max_tokens", f"max_tokens={req.max_tokens} is invalid: expected an integer >= 1")
+    if req.max_tokens is not None and req.max_tokens < (0 if getattr(req, "echo", False) else 1):
+        raise bad_value("max_tokens", f"max_tokens={req.max_tokens} is invalid: expected an integer >= 1 (0 only "
+                                      "with echo on /v1/completions: the prompt's logprobs, no new token)")
 
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
@@ -188,9 +189,6 @@ def check_chat(req: ChatCompletionRequest, max_n: int) -> None:
 
 def check_completion(req: CompletionRequest, max_n: int) -> None:
     check_common(req, max_n)
-    if req.echo and req.logprobs is not None:
-        raise bad_value("echo", "echo=true with logprobs is not supported (the prompt's logprobs are not "
-                                "computed); echo alone is", code="unsupported_parameter")
     if req.suffix:
         raise bad_value("suffix", "suffix is not supported", code="unsupported_parameter")
     if req.best_of not in (None, req.n):
@@ -254,8 +252,8 @@ class ChatLogprobs(msgspec.Struct):
 
 class CompletionLogprobs(msgspec.Struct):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]            # None: the first prompt token of an echo (no context)
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

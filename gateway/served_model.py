@@ -97,8 +97,32 @@ class ServedModel:
             out.append(ChatTokenLogprob(s, lp.logprob, list(s.encode()), top))
         return ChatLogprobs(out)
 
+    def echo_logprobs(self, prompt_ids: list[int], prompt: list[TokenLogprob | None], items: list[TokenLogprob],
+                      generated_offset: int) -> CompletionLogprobs:
+        """Completions' echo + logprobs: every prompt token (the first one's logprob and top null, as OpenAI and vLLM
+        answer), then the generated ones; text offsets from the start of the echoed prompt."""
+        tokens: list[str] = []
+        lps: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+        offset = 0
+        for tok, lp in zip(prompt_ids, prompt, strict=True):
+            s = self.token_str(tok)
+            tokens.append(s)
+            lps.append(None if lp is None else lp.logprob)
+            tops.append(None if lp is None else {self.token_str(t): v for t, v in lp.top} or
+                        {s: lp.logprob})
+            offsets.append(offset)
+            offset += len(s)
+        rest = self.completion_logprobs(items, generated_offset)
+        return CompletionLogprobs([*tokens, *rest.tokens], [*lps, *rest.token_logprobs],
+                                  [*tops, *rest.top_logprobs], [*offsets, *rest.text_offset])
+
     def completion_logprobs(self, items: list[TokenLogprob], offset: int) -> CompletionLogprobs:
-        tokens, lps, tops, offsets = [], [], [], []
+        tokens: list[str] = []
+        lps: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
         for lp in items:
             s = self.token_str(lp.token_id)
             tokens.append(s)

@@ -60,16 +60,21 @@ async def completions(request: web.Request) -> web.StreamResponse:
         if not texts:
             for ids in prompts:
                 model.check_ids(ids)  # type: ignore[arg-type]
-        max_tokens = job.limits(prompts, 16 if req.max_tokens is None else req.max_tokens)
+        echo_only = req.echo and req.max_tokens == 0      # the prompt's logprobs, no token: one is run, dropped
+        max_tokens = job.limits(prompts, 16 if req.max_tokens is None else max(req.max_tokens, 1))
         prompt_tokens = sum(len(x) for x in prompts)
         job.check_budget(prompt_tokens)
         await job.charge_prompt(prompt_tokens)
 
+        prompt_lps = top if req.echo and req.logprobs is not None else None
+
         def make(i: int) -> SamplingParams:
             return sampling_params(req, max_tokens, None if req.seed is None else req.seed + i,
-                                   req.logprobs is not None, top)
+                                   req.logprobs is not None, top, prompt_lps)
 
         runs = job.runs(prompts, req.n, make, constraint)
+        for r in runs:
+            r.discard_output = echo_only
         if req.echo:   # each choice starts with its prompt, as text (token-id prompts decoded)
             job.echo = {r.index: (texts[r.index // req.n] if texts else model.tokenizer.decode(r.prompt_ids, False))
                         for r in runs}

@@ -11,10 +11,11 @@ from aiohttp import web
 from edgeinfer.gateway import pipeline
 from edgeinfer.gateway.errors import bad_value, from_validation_error
 from edgeinfer.gateway.schemas import ChatMessage, message_dicts
+from edgeinfer.gateway.state import STATE
 
 
 class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    model: str
+    model: str = ""          # "" (as vLLM allows): the one model this key may use
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
@@ -23,7 +24,7 @@ class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    model: str
+    model: str = ""
     tokens: list[int]
 
 
@@ -33,7 +34,7 @@ _detokenize_decoder = msgspec.json.Decoder(DetokenizeRequest)
 
 async def tokenize(request: web.Request) -> web.Response:
     st, tenant, req = await pipeline.read_request(request, _tokenize_decoder)
-    model = pipeline.served_model(st, tenant, req.model)
+    model = pipeline.served_model(st, tenant, req.model or _only_model(st, tenant))
     if (req.prompt is None) == (req.messages is None):
         raise bad_value("prompt", "give exactly one of prompt (text) or messages (a chat)")
     pipeline.check_nesting(st.schema_limits, messages=req.messages, chat_template_kwargs=req.chat_template_kwargs)
@@ -66,7 +67,7 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def detokenize(request: web.Request) -> web.Response:
     st, tenant, req = await pipeline.read_request(request, _detokenize_decoder)
-    model = pipeline.served_model(st, tenant, req.model)
+    model = pipeline.served_model(st, tenant, req.model or _only_model(st, tenant))
     model.check_ids(req.tokens)
     job = pipeline.Job(request, st, tenant, model, "detokenize")
     async with job.admitted():
@@ -74,3 +75,27 @@ async def detokenize(request: web.Request) -> web.Response:
     job.check_chars(len(text), "tokens")
     return web.json_response({"prompt": text}, headers=job.headers)
 
+
+
+def _only_model(st, tenant) -> str:
+    visible = sorted(m for m in st.models if tenant.allows(m))
+    if len(visible) != 1:
+        raise bad_value("model", f"model is required: this key may use {', '.join(visible) or 'no model'}",
+                        code="missing_required_parameter")
+    return visible[0]
+
+
+async def tokenizer_info(request: web.Request) -> web.Response:
+    """GET /tokenizer_info[?model=M] (vLLM's): the served model's special tokens, context and chat template, what a
+    client that tokenizes through the server needs (lm-evaluation-harness' tokenizer_backend=remote)."""
+    st = request.app[STATE]
+    tenant = st.authenticate(request)
+    model = pipeline.served_model(st, tenant, request.query.get("model") or _only_model(st, tenant))
+    tok = model.tokenizer
+    nodes = st.pool.for_model(model.name)
+    max_len = min((n.info.max_model_len for n in nodes if n.info), default=None)
+    pad = tok.config.get("pad_token")
+    return web.json_response({"model": model.name, "eos_token": tok.eos_token, "bos_token": tok.bos_token,
+                              "pad_token": pad if isinstance(pad, str) else None, "model_max_length": max_len,
+                              "add_bos_token": tok.add_bos, "vocab_size": tok.vocab_size,
+                              "chat_template": tok.chat_template})

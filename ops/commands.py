@@ -28,6 +28,7 @@ import msgspec
 
 from edgeinfer.cache_store.node_auth import NodeRecordKey
 from edgeinfer.cache_store.wiring import wire_redis
+from edgeinfer.ops.gen_secrets import GenSecretsError, generate
 from edgeinfer.ops.local_state import running_redis_url
 from edgeinfer.ops.node_client import CANARY_PROMPT_IDS, NodeClient, NodeError
 from edgeinfer.ops.rollout import Rollout, RolloutOptions, Target
@@ -90,8 +91,6 @@ def parser() -> argparse.ArgumentParser:
 
 
 def gen_secrets(args: argparse.Namespace) -> int:
-    from edgeinfer.ops.gen_secrets import GenSecretsError, generate
-
     kind, root = ("compose", args.compose) if args.compose is not None else ("k8s", args.k8s)
     try:
         paths, api_key = generate(kind, Path(root))

@@ -39,6 +39,9 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
     logprobs: bool = False
     top_logprobs: int = 0
     logit_bias: dict[int, float] = {}   # token id -> added to its logit before the grammar mask, in [-100, 100]
+    # the prompt's own logprobs (completions' echo + logprobs; vLLM's prompt_logprobs): None off, else each prompt
+    # token's logprob given the tokens before it and this many top alternatives; the first token has none
+    prompt_logprobs: int | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field and what was expected."""
@@ -67,6 +70,8 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True):
             bad("frequency_penalty", self.frequency_penalty, "a number in [-2, 2]")
         if not 0 <= self.top_logprobs <= 20:
             bad("top_logprobs", self.top_logprobs, "an integer in [0, 20]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            bad("prompt_logprobs", self.prompt_logprobs, "null or an integer in [0, 20]")
         if len(self.stop) > 16:
             bad("stop", f"{len(self.stop)} strings", "at most 16 stop strings")
         for tok, bias in self.logit_bias.items():
@@ -147,6 +152,8 @@ class StreamChunk(msgspec.Struct, omit_defaults=True):
     token_ids: list[int] = []
     text: str = ""
     logprobs: list[TokenLogprob] | None = None
+    # SamplingParams.prompt_logprobs: one entry per prompt token (the first None), in the request's first chunk
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     finish_reason: str | None = None   # "stop" | "length" | "abort" | "error" | "prefilled" (prefill_only)
     usage: Usage | None = None
     error: str | None = None

@@ -88,7 +88,11 @@ class BlockManager:
     # ---- prefix cache
     def match_prefix(self, seq: Sequence, hashes: list[bytes]) -> PrefixMatch:
         """seq's leading pages in the prefix cache whose entries still name them (verify_taken checks content)."""
-        n = self.cached_prefix_len(hashes, seq.all_ids, seq.key_ctx.root) if self.enable_prefix_cache else 0
+        # a request for its prompt's logprobs computes every prompt position (a hit would skip their logits): the
+        # same logprobs as a cold prefill, whatever the cache holds (as vLLM does)
+        wants_logits = seq.prompt_lps is not None
+        n = self.cached_prefix_len(hashes, seq.all_ids, seq.key_ctx.root) \
+            if self.enable_prefix_cache and not wants_logits else 0
         if not self.check_identity:
             return PrefixMatch([self.cache[h].page for h in hashes[:n]], hashes[:n])
         where = self._hit_where(seq)

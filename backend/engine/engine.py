@@ -243,8 +243,11 @@ class LLMEngine:
             usage = None
             if reason is not None:
                 usage = Usage(len(seq.prompt_ids), len(seq.output_ids), seq.num_cached_prompt_tokens)
-            emit(StreamChunk(seq.request_id, token_ids=ids, text=text, logprobs=lps, finish_reason=reason,
-                             usage=usage, error=error, error_code=error_code if error else None))
+            prompt_lps = None
+            if seq.prompt_lps is not None and len(seq.prompt_lps) == len(seq.prompt_ids) and error is None:
+                prompt_lps, seq.prompt_lps = seq.prompt_lps, None    # whole, once, with the first chunk
+            emit(StreamChunk(seq.request_id, token_ids=ids, text=text, logprobs=lps, prompt_logprobs=prompt_lps,
+                             finish_reason=reason, usage=usage, error=error, error_code=error_code if error else None))
 
         seq = Sequence(req.request_id, req.prompt_token_ids, sp, self.key_context(req.cache_namespace), emit_seq,
                        req.tenant)
@@ -361,6 +364,8 @@ class LLMEngine:
         if batch.empty:
             return
         seqs, logits = self.runner.execute(batch)
+        for s, start, rows in self.runner.prompt_logits:
+            self._prompt_logprobs(s, start, rows)
         verified = [self._verify(s, d, rows) for (s, d), rows in zip(batch.verifies, self.runner.verify_logits)]
         pending = {id(s): d[:s.num_computed_tokens - s.num_tokens] for (s, d) in batch.verifies}   # accepted drafts
         sealed: list[int] = []
@@ -397,6 +402,28 @@ class LLMEngine:
         self.step_cost.observe(decodes, prefill, dt)
         for o in self.observers:
             o.on_step(self, batch, dt)
+
+    @staticmethod
+    def _prompt_logprobs(seq: Sequence, start: int, rows: torch.Tensor) -> None:
+        """Entries start+1.. of seq's prompt logprobs from the logits at positions start.. (rows [n, vocab]); an entry
+        it already has (a chunk recomputed after a preemption) is kept."""
+        lps = seq.prompt_lps
+        assert lps is not None
+        skip = len(lps) - 1 - start           # positions already turned into entries
+        if skip >= rows.shape[0]:
+            return
+        rows = rows[max(skip, 0):]
+        first = start + max(skip, 0)
+        targets = torch.tensor(seq.prompt_ids[first + 1:first + 1 + rows.shape[0]], dtype=torch.long)
+        logp = torch.log_softmax(rows.float(), dim=-1)
+        chosen = logp.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+        k = seq.sampling.prompt_logprobs or 0
+        if k:
+            v, ix = logp.topk(k, dim=-1)
+            tops = [list(zip(i, x)) for i, x in zip(ix.tolist(), v.tolist())]
+        else:
+            tops = [[] for _ in chosen]
+        lps += [TokenLogprob(t, c, top) for t, c, top in zip(targets.tolist(), chosen, tops)]
 
     def _draft(self, batch) -> None:
         """Speculative decoding (backend/engine/speculative.py): decodes with an n-gram draft become verify chunks of

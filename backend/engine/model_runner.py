@@ -95,6 +95,7 @@ class ModelRunner:
         nd0 = len(batch.decodes)                 # decode rows of decoding sequences; verify rows follow them
         nd = nd0 + sum(len(d) + 1 for _, d in batch.verifies)
         self.verify_logits: list[torch.Tensor] = []
+        self.prompt_logits: list[tuple[Sequence, int, torch.Tensor]] = []    # (seq, first position, [n, vocab])
         if self.graphs is not None and not batch.prefills and not batch.verifies and self.mtp_kv is None:
             logits = self.graphs.run(stage, dec_tables)
             if logits is not None:
@@ -126,6 +127,15 @@ class ModelRunner:
                 rows.append(nd + cu[j + 1] - 1)
                 need.append(s)
         rows += range(nd0, nd)
+        # prompt logprobs: the logits at each prompt position of the chunk that predict the next prompt token
+        wanted: list[tuple[Sequence, int, int]] = []     # (seq, first position, rows)
+        for j, (s, n) in enumerate(batch.prefills):
+            if s.prompt_lps is not None:
+                start = s.num_computed_tokens
+                last = min(start + n, len(s.prompt_ids) - 1)       # positions whose next token is a prompt token
+                if last > start and len(s.prompt_lps) < last + 1:
+                    wanted.append((s, start, last - start))
+                    rows += range(nd + cu[j], nd + cu[j] + last - start)
         hidden = self.model(ids, pos, self.kv, meta)
         if self.mtp_kv is not None:
             self._keep_rows(batch, hidden, cu, nd0, nd)
@@ -142,6 +152,9 @@ class ModelRunner:
         for _, d in batch.verifies:
             self.verify_logits.append(logits[at:at + len(d) + 1])
             at += len(d) + 1
+        for s, start, count in wanted:
+            self.prompt_logits.append((s, start, logits[at:at + count]))
+            at += count
         return need, logits[:len(need)]
 
     # ---- the MTP draft layer (speculative 'mtp', backend/model/mtp.py)

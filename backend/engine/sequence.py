@@ -66,6 +66,9 @@ class Sequence:
         self.stop_checker: StopChecker | None = None        # set by the engine (stop strings, detokenizer)
         self.matcher: LLMatcher | None = None               # grammar state of a constrained request
         self.grammar_over_budget = 0                         # steps whose grammar work took over the budget
+        # SamplingParams.prompt_logprobs: one entry per prompt token computed so far (the first None); sent whole
+        # with the first chunk (then None)
+        self.prompt_lps: list | None = [None] if sampling.prompt_logprobs is not None else None
         self.spec: Any = None                               # speculative.SpecState once it has drafted
 
     @property

@@ -52,14 +52,14 @@ CASES = [
     ("empty body", b"", 400, "invalid_json", None),
     ("NaN literal", b'{"model": "stub-model", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400, "invalid_json", None),
     ("truncated json", b'{"model": "stub-model", "messages": [', 400, "invalid_json", None),
-    ("json array", b"[1, 2]", 422, None, None),
-    ("json null", b"null", 422, None, None),
-    ("deep nesting", b'{"model": "m", "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", 422, None, None),
+    ("json array", b"[1, 2]", 400, None, None),
+    ("json null", b"null", 400, None, None),
+    ("deep nesting", b'{"model": "m", "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, None, None),
     ("Infinity literal", {**CHAT, "temperature": 1e999}, 400, "invalid_json", None),   # json.dumps -> Infinity
     ("inf temperature", b'{"model": "stub-model", "messages": [{"role": "user", "content": "x"}], '
-                        b'"temperature": 1e999}', 422, None, "temperature"),
+                        b'"temperature": 1e999}', 400, None, "temperature"),
     ("-inf top_p", b'{"model": "stub-model", "messages": [{"role": "user", "content": "x"}], "top_p": -1e400}',
-     422, None, "top_p"),
+     400, None, "top_p"),
     ("negative temperature", {**CHAT, "temperature": -0.5}, 400, "invalid_value", "temperature"),
     ("negative top_p", {**CHAT, "top_p": -1}, 400, "invalid_value", "top_p"),
     ("top_p > 1", {**CHAT, "top_p": 1.5}, 400, "invalid_value", "top_p"),
@@ -75,7 +75,7 @@ CASES = [
     ("huge max_completion_tokens", {**CHAT, "max_completion_tokens": 2**62}, 400, "context_length_exceeded",
      "max_tokens"),
     ("negative max_tokens", {**CHAT, "max_tokens": -5}, 400, "invalid_value", "max_tokens"),
-    ("float max_tokens", {**CHAT, "max_tokens": 1.5}, 422, "invalid_type", "max_tokens"),
+    ("float max_tokens", {**CHAT, "max_tokens": 1.5}, 400, "invalid_type", "max_tokens"),
     ("17 stop strings", {**CHAT, "stop": [str(i) for i in range(17)]}, 400, "invalid_value", "stop"),
     ("top_logprobs 21", {**CHAT, "logprobs": True, "top_logprobs": 21}, 400, "invalid_value", "top_logprobs"),
     # an unknown field is OpenAI's 400 naming it (issue 27), not a 422
@@ -84,9 +84,9 @@ CASES = [
      "unknown_parameter", "messages[0].foo"),
     ("unknown stream_options field", {**CHAT, "stream": True, "stream_options": {"include_usage": True, "x": 1}},
      400, "unknown_parameter", "stream_options.x"),
-    ("missing model", {"messages": MSGS}, 422, None, None),
-    ("bool n", {**CHAT, "n": True}, 422, "invalid_type", "n"),
-    ("string stream", {**CHAT, "stream": "yes"}, 422, "invalid_type", "stream"),
+    ("missing model", {"messages": MSGS}, 400, "missing_required_parameter", "model"),
+    ("bool n", {**CHAT, "n": True}, 400, "invalid_type", "n"),
+    ("string stream", {**CHAT, "stream": "yes"}, 400, "invalid_type", "stream"),
 ]
 
 
@@ -110,7 +110,7 @@ COMPLETION_CASES = [
     ("empty inner list", {"model": MODEL, "prompt": [[]]}, 400),
     ("prompts x n over max_n", {"model": MODEL, "prompt": ["a"] * 3, "n": 2}, 400),
     ("logprobs 6", {"model": MODEL, "prompt": "a", "logprobs": 6}, 400),
-    ("prompt is an object", {"model": MODEL, "prompt": {"a": 1}}, 422),
+    ("prompt is an object", {"model": MODEL, "prompt": {"a": 1}}, 400),
 ]
 
 

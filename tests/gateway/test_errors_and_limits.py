@@ -1,4 +1,4 @@
-"""Status codes and OpenAI error bodies: 400/403/404/413/422/429/503, rate limits in Redis and in-process."""
+"""Status codes and OpenAI error bodies: 400/403/404/413/429/503 (no 422: OpenAI answers 400), rate limits in Redis and in-process."""
 
 from __future__ import annotations
 
@@ -44,11 +44,11 @@ def test_model_not_allowed_is_403_and_unknown_model_404(harness):
     ({"response_format": {"type": "yaml"}}, 400, "response_format.type"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integr"}}}},
      400, "response_format.json_schema.schema.type"),
-    ({"n": "two"}, 422, "n"),
-    ({"temperature": "hot"}, 422, "temperature"),
+    ({"n": "two"}, 400, "n"),
+    ({"temperature": "hot"}, 400, "temperature"),
     ({"not_a_field": 1}, 400, "not_a_field"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, 422, "messages[0].role"),
-    ({"messages": []}, 422, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
+    ({"messages": []}, 400, "messages"),
 ])
 def test_bad_params(harness, extra, status, param):
     gw = harness.gateway([harness.stub()])
@@ -58,12 +58,24 @@ def test_bad_params(harness, extra, status, param):
     assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
 
 
-def test_openai_client_sees_400_and_422(harness):
+def test_openai_client_sees_bad_request_for_every_validation_error(harness):
+    """Issue 54, item 4: OpenAI answers 400 to a wrong type or a missing field; a 422 is UnprocessableEntityError
+    in the SDK, which code written for OpenAI does not catch as BadRequestError."""
     gw = harness.gateway([harness.stub()])
     with pytest.raises(openai.BadRequestError):
         client(gw).chat.completions.create(model=MODEL, messages=MSGS, temperature=-3)
-    with pytest.raises(openai.UnprocessableEntityError):
+    with pytest.raises(openai.BadRequestError) as e:
         client(gw).chat.completions.create(model=MODEL, messages=MSGS, extra_body={"top_k": "many"})
+    assert e.value.body["param"] == "top_k"
+    with pytest.raises(openai.BadRequestError) as e:
+        client(gw).chat.completions.create(model=MODEL, messages=MSGS, max_tokens="x")   # type: ignore[arg-type]
+    assert e.value.body["param"] == "max_tokens"
+    for body, param in (({"model": MODEL}, "messages"), ({"messages": MSGS}, "model")):
+        r = post(gw, body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert r.json()["error"]["code"] == "missing_required_parameter"
+    r = post(gw, {"model": MODEL}, path="/v1/completions")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
 
 
 def test_not_json_is_400(harness):

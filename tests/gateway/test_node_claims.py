@@ -25,7 +25,7 @@ from tests.gateway.stub_backend import StubBehaviour
 
 def _corrected(gw, field: str) -> float:
     text = requests.get(gw.url + "/metrics", timeout=5).text
-    m = re.search(r'^edgeinfer_gateway_node_usage_corrected_total\{field="%s",model="[^"]+"\} (\S+)$' % field, text,
+    m = re.search(rf'^edgeinfer_gateway_node_usage_corrected_total\{{field="{field}",model="[^"]+"\}} (\S+)$', text,
                   re.M)
     return float(m.group(1)) if m else 0.0
 

@@ -410,6 +410,6 @@ def test_integrity_counters_are_exported_at_zero_from_the_start(backend):
     """Issue 53, item 9: an alert on kv_integrity_failures_total{where} can be written before the first failure."""
     text = requests.get(backend.url + "/metrics", timeout=5).text
     for where in ("step", "prefix_hit", "store_receive", "swap_in", "handoff_send", "handoff_receive"):
-        assert f'edgeinfer_backend_kv_integrity_failures_total{{model="' in text
+        assert 'edgeinfer_backend_kv_integrity_failures_total{model="' in text
         assert f'where="{where}"}} 0.0' in text, where
     assert 'edgeinfer_backend_integrity_failures_total{model="' in text and 'source="redis"} 0.0' in text

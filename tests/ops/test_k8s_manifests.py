@@ -189,7 +189,7 @@ def test_compose_wires_valkey_the_gateway_and_two_backends(monkeypatch, tmp_path
     assert cfg.server.port == 8080 and cfg.tenants[0].api_key_sha256 == [config_mod.hash_key(key)]
     raw = services["backend-0"]["environment"]
     for name in ("EDGEINFER_INTERNAL_SECRET", "EDGEINFER_PAGE_KEY", "EDGEINFER_CACHE_SEED", "EDGEINFER_OPERATOR_KEY"):
-        assert re.fullmatch(r"\$\{%s:\?.+\}" % name, raw[name]), raw[name]      # no fallback: unset stops compose
+        assert re.fullmatch(rf"\$\{{{name}:\?.+\}}", raw[name]), raw[name]      # no fallback: unset stops compose
     env = {k: values.get(k, v) for k, v in raw.items()}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -233,7 +233,7 @@ def restricted_violations(pod: dict) -> list[str]:
             out.append(f"{name}: capabilities must drop ALL")
         if set(caps.get("add", [])) - {"NET_BIND_SERVICE"}:
             out.append(f"{name}: adds capabilities {caps['add']}")
-        if not (sc.get("runAsNonRoot", psc.get("runAsNonRoot")) is True):
+        if sc.get("runAsNonRoot", psc.get("runAsNonRoot")) is not True:
             out.append(f"{name}: runAsNonRoot")
         if sc.get("runAsUser", psc.get("runAsUser")) == 0:
             out.append(f"{name}: runAsUser 0")

@@ -110,7 +110,7 @@ def test_the_backend_refuses_a_split_the_model_cannot_take_in_one_line(smol_dir,
     import sys
 
     r = subprocess.run([sys.executable, "-m", "edgeinfer.backend.server", "--model", str(smol_dir), "--tensor-parallel",
-                        "2", "--port", "0", "--store-tier", "none", "--insecure-no-internal-auth"],
+                        "2", "--port", "18123", "--store-tier", "none", "--insecure-no-internal-auth"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1
     assert "error: --tensor-parallel 2: num_attention_heads=9 is not divisible by 2" in r.stderr
