@@ -377,7 +377,7 @@ async def _stream(job: Job, runs: list[Run], tally: Tally, include_usage: bool, 
     latency = _Latency(st.metrics.series(job.tenant.id, model.name), t0)
     started: set[int] = set()
     offsets = {r.index: 0 for r in runs}
-    tool_streams = {r.index: ToolStream() for r in runs} if job.tools is not None else {}
+    tool_streams = {r.index: ToolStream(job.tools.forced_names) for r in runs} if job.tools is not None else {}
     held: list[bytes] = []      # events not written yet: the next chunk is already buffered (one write for all)
     try:
         async for run, chunk, t in merged(runs):
@@ -514,7 +514,7 @@ def _message(text: str, reason: str | None, tools: ToolPlan | None) -> tuple[Ass
     """The assistant message and finish_reason of one choice ("tool_calls" when it called tools)."""
     if tools is None:
         return AssistantMessage("assistant", text), reason
-    content, calls = split_output(text, reason)
+    content, calls = split_output(text, reason, tools.forced_names)
     if not calls:
         return AssistantMessage("assistant", content or ""), reason
     return AssistantMessage("assistant", content, calls), "tool_calls" if reason == "stop" else reason

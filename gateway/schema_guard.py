@@ -17,6 +17,7 @@ import hashlib
 import logging
 import multiprocessing
 import os
+import signal
 from collections import OrderedDict
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -31,6 +32,7 @@ _NICE = 5
 
 
 def _init() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the gateway's to handle: one line, no traceback
     try:
         os.nice(_NICE)
     except OSError:

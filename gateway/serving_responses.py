@@ -204,7 +204,7 @@ class ResponseBuilder:
     def output(self, text: str, reason: str | None) -> list[dict]:
         if self.tools is None:
             return [self.message(text)]
-        content, calls = split_output(text, reason)
+        content, calls = split_output(text, reason, self.tools.forced_names)
         out = [self.message(content)] if content else []
         return out + [self.function_call(c) for c in calls]
 
@@ -249,7 +249,7 @@ async def stream(job, runs, tally, builder: ResponseBuilder) -> web.StreamRespon
     job.request["cut_event"] = lambda: b.event("error", code="shutting_down", message=pipeline.SHUTDOWN_MESSAGE, param=None)
     await resp.write(b.event("response.created", response=b.obj("in_progress", [], None, None))
                      + b.event("response.in_progress", response=b.obj("in_progress", [], None, None)))
-    tool_stream = ToolStream() if b.tools is not None else None
+    tool_stream = ToolStream(b.tools.forced_names) if b.tools is not None else None
     text, opened, calls, reason = "", False, [], None
 
     def open_message() -> bytes:

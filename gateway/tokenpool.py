@@ -13,6 +13,7 @@ import asyncio
 import logging
 import multiprocessing
 import os
+import signal
 from array import array
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -35,6 +36,7 @@ def _init(sources: dict[str, str]) -> None:
     from edgeinfer.gateway.prompt_ids import PromptEncoder
     from edgeinfer.protocol.tokenizer import Tokenizer
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the gateway's to handle: one line, no traceback
     try:
         os.nice(_NICE)
     except OSError:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,27 @@ _SYSTEM = ("You are a function calling AI model. You may call one or more functi
            "query. Here are the available functions:\n<tools>\n{tools}\n</tools>\nFor each function call, "
            "return a JSON object with the function name and arguments within <tool_call></tool_call> tags:\n"
            "<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>")
+
+
+NO_ARGS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+def strict_schema(schema: Any) -> Any:
+    """A function's parameters schema as a forced call must follow it: every object that declares its properties
+    and says nothing of others gets additionalProperties false (JSON Schema would let the model add keys, and a
+    small model does: `{"city": "Paris", "type": "string", ...` ran past max_tokens). A schema that allows more
+    (additionalProperties true or a schema, patternProperties) keeps it."""
+    if isinstance(schema, list):
+        return [strict_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in ("const", "enum", "default", "examples") else strict_schema(v)) for k, v in schema.items()}
+    if isinstance(schema.get("properties"), dict):
+        out["properties"] = {k: strict_schema(v) for k, v in schema["properties"].items()}
+    is_object = schema.get("type") == "object" or "properties" in schema
+    if is_object and "additionalProperties" not in schema and "patternProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
 
 
 def _bad(param: str, message: str) -> APIError:
@@ -64,13 +86,21 @@ class ToolPlan:
             return None
         chosen = [f for f in self.functions if self.mode == "required" or f["name"] == self.name]
         bodies = [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                                    "arguments": f.get("parameters") or {"type": "object"}},
+                                                    "arguments": strict_schema(f.get("parameters") or NO_ARGS)},
                    "required": ["name", "arguments"], "additionalProperties": False} for f in chosen]
-        body = bodies[0] if len(bodies) == 1 else {"anyOf": bodies}
+        body: dict[str, Any] = dict(bodies[0]) if len(bodies) == 1 else {"anyOf": bodies}
+        body["x-guidance"] = {"whitespace_flexible": False}     # compact JSON: no room for endless blanks
         start = 'start: call ("\\n" call)*' if self.parallel else "start: call"
         lark = (f'{start}\ncall: "{OPEN}\\n" body "\\n{CLOSE}"\n'
                 f"body: %json {json.dumps(body, separators=(',', ':'))}\n")
         return Constraint("lark", lark)
+
+    @property
+    def forced_names(self) -> tuple[str, ...]:
+        """The functions a forced call (required / named) may name; () when the model is free."""
+        if self.mode == "auto":
+            return ()
+        return tuple(f["name"] for f in self.functions if self.mode == "required" or f["name"] == self.name)
 
     def system_text(self) -> str:
         listed = "\n".join(json.dumps({"type": "function", "function": f}, ensure_ascii=False)
@@ -165,14 +195,41 @@ def _parse_call(body: str) -> FunctionCall | None:
     return FunctionCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
+_NAME = re.compile(r'^\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"(.*)$', re.S)
+_ARGS = re.compile(r'^\s*,\s*"arguments"\s*:\s*(.*)$', re.S)
+
+
+_NAME_SO_FAR = re.compile(r'^\s*(?:\{\s*(?:"(?:n(?:a(?:m(?:e(?:"\s*(?::\s*(?:"((?:[^"\\]|\\.)*))?)?)?)?)?)?)?)?)?$', re.S)
+
+
+def _partial_call(body: str, names: tuple[str, ...] = ()) -> FunctionCall | None:
+    """A call max_tokens cut off: its name and the arguments' JSON text so far ("" if none yet). A name cut off
+    (or not begun) counts when it can only be one of `names`."""
+    body = body[:len(body) - _partial_suffix(body, "\n" + CLOSE)] if not body.endswith("}") else body
+    whole = _parse_call(body.strip())
+    if whole is not None:             # only the closing tag was cut off
+        return whole
+    m = _NAME.match(body)
+    if m is not None:
+        args = _ARGS.match(m.group(2))
+        return FunctionCall(json.loads(f'"{m.group(1)}"'), args.group(1).rstrip() if args else "")
+    so_far = _NAME_SO_FAR.match(body)
+    if so_far is None:
+        return None
+    fits = [n for n in names if n.startswith(so_far.group(1) or "")]
+    return FunctionCall(fits[0], "") if len(fits) == 1 else None
+
+
 def new_call_id() -> str:
     return "call_" + os.urandom(12).hex()
 
 
 class ToolCallParser:
-    """Splits one choice's streamed text into content and complete tool calls."""
+    """Splits one choice's streamed text into content and complete tool calls. `names`: the functions a forced
+    call may name (a call cut off inside its name is completed to the one name it can only be)."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: tuple[str, ...] = ()) -> None:
+        self.names = names
         self.buf = ""
         self.inside = False
         self.calls: list[ToolCall] = []
@@ -207,11 +264,19 @@ class ToolCallParser:
         return self._content(content), calls
 
     def finish(self, reason: str | None = None) -> str:
-        """The rest as content. A call cut off by max_tokens (reason "length": inside a call, or the start of
-        its tag) is dropped, never shown as markup in content; an unterminated call at a natural stop is left
-        as text (the model wrote it that way)."""
-        if reason == "length" and (self.inside or self.buf):
-            self.buf, self.inside = "", False
+        """The rest as content. A call cut off by max_tokens (reason "length", inside a call) is kept as a tool call
+        whose arguments are the partial JSON written so far, as OpenAI answers (finish "length", the partial call
+        visible): never an empty answer; a call cut before its name is complete stays as text. The start of a tag
+        cut off is dropped; an unterminated call at a natural stop is left as text (the model wrote it that way)."""
+        if reason == "length" and self.inside:
+            body, self.buf, self.inside = self.buf, "", False
+            partial = _partial_call(body, self.names)
+            if partial is not None:
+                self.calls.append(ToolCall(new_call_id(), partial))
+                return ""
+            return self._content(OPEN + body)
+        if reason == "length" and self.buf:
+            self.buf = ""
             return ""
         rest = (OPEN if self.inside else "") + self.buf
         self.buf, self.inside = "", False
@@ -227,14 +292,16 @@ class ToolCallParser:
 class ToolStream:
     """One streamed choice: content deltas, then each tool call as one OpenAI tool_calls delta."""
 
-    def __init__(self) -> None:
-        self.parser = ToolCallParser()
+    def __init__(self, names: tuple[str, ...] = ()) -> None:
+        self.parser = ToolCallParser(names)
 
     def step(self, text: str, reason: str | None) -> tuple[str | None, list[ToolCallDelta] | None, str | None]:
         base = len(self.parser.calls)
         content, calls = self.parser.push(text)
         if reason is not None:
+            before = len(self.parser.calls)
             content += self.parser.finish(reason)
+            calls = [*calls, *self.parser.calls[before:]]       # a call cut off by max_tokens, partial
             if self.parser.calls and reason == "stop":
                 reason = "tool_calls"
         deltas = [ToolCallDelta(base + k, c.id, c.function) for k, c in enumerate(calls)]
@@ -248,10 +315,13 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def split_output(text: str, reason: str | None = None) -> tuple[str | None, list[ToolCall]]:
-    """Whole output -> (content or None, tool calls); reason is the choice's finish_reason."""
-    p = ToolCallParser()
-    content, calls = p.push(text)
+def split_output(text: str, reason: str | None = None,
+                 names: tuple[str, ...] = ()) -> tuple[str | None, list[ToolCall]]:
+    """Whole output -> (content or None, tool calls); reason is the choice's finish_reason; names: see
+    ToolCallParser."""
+    p = ToolCallParser(names)
+    content, _ = p.push(text)
     content += p.finish(reason)
+    calls = p.calls                  # with a call max_tokens cut off (partial arguments)
     content = content.strip() if calls else content
     return (content or None), calls

@@ -45,13 +45,15 @@ def children_of(pid: int) -> list[int]:
 class Serve:
     """One `edgeinfer serve` process, its output collected line by line on a thread."""
 
-    def __init__(self, home: Path, cwd: Path, *args: str) -> None:
+    def __init__(self, home: Path, cwd: Path, *args: str, terminal_group: bool = False) -> None:
         self.port = free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith("EDGEINFER_")}
         env["EDGEINFER_HOME"] = str(home)
         self.env = env
+        # terminal_group: its own process group, as a shell's foreground job (Ctrl-C: SIGINT to the whole group)
         self.proc = subprocess.Popen([str(EDGEINFER), "serve", "--port", str(self.port), *args], cwd=cwd, env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=terminal_group)
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -164,6 +166,33 @@ def test_a_stop_signal_during_the_first_start_stops_every_child(tmp_path, sig):
     assert rc == 128 + sig, "".join(serve.lines)[-2000:]
     assert "stopped by" in "".join(serve.lines)
     assert not any(alive(p) for p in kids), kids
+
+
+def test_ctrl_c_after_long_prompts_and_schemas_prints_no_traceback(home, tmp_path):
+    """Issue 54, item 8: once the gateway's worker pools ran (a prompt over 8,192 characters: the tokenizer pool; a
+    json_schema: the schema-check pool), Ctrl-C (SIGINT to the terminal's whole foreground group) printed ~20
+    lines of KeyboardInterrupt traceback per worker. The workers ignore SIGINT; serve stops as on any Ctrl-C."""
+    serve = Serve(home, tmp_path, "--no-page-store", terminal_group=True)
+    try:
+        serve.wait_for("ready:")
+        _ask(serve, [{"role": "user", "content": "Summarise: " + "the quick brown fox jumps. " * 400}])
+        r = requests.post(f"http://127.0.0.1:{serve.port}/v1/chat/completions", timeout=180,
+                          headers={"authorization": f"Bearer {DEMO_KEY}"},
+                          json={"model": "SmolLM2-135M-Instruct", "temperature": 0, "max_tokens": 24,
+                                "messages": [{"role": "user", "content": "A city as JSON."}],
+                                "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": {
+                                    "type": "object", "properties": {"name": {"type": "string"}},
+                                    "required": ["name"]}}}})
+        assert r.status_code == 200, r.text
+        workers = [p for p in children_of(serve.proc.pid)]
+        assert len(workers) >= 3, workers          # the backend and at least one worker of each pool
+        os.killpg(serve.proc.pid, signal.SIGINT)
+        rc = serve.proc.wait(timeout=90)
+    finally:
+        serve.stop()
+    out = "".join(serve.lines)
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    assert rc in (0, 128 + signal.SIGINT), out[-2000:]
 
 
 LONG = [{"role": "user", "content": "Here is a ship's log. " + "Day 3: wind from the north, we sailed past two "
