@@ -110,6 +110,9 @@ async def test_start_drained_node_takes_only_the_operator_canary(smol_model, smo
             assert r.status == 503
         async with http.post("/internal/generate", json=body("canary", [1, 2, 3], max_tokens=2,
                                                                ignore_eos=True), headers=op) as r:
+            assert r.status == 503                       # routed requests wait for undrain; the canary has its own door
+        async with http.post("/admin/canary", json={"prompt_token_ids": [1, 2, 3], "max_tokens": 2},
+                             headers=op) as r:
             assert r.status == 200
             chunks = [msgspec.json.decode(line, type=StreamChunk) async for line in r.content]
         assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 2
@@ -128,4 +131,4 @@ def test_start_drained_needs_an_operator_key(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         parse_args(["--start-drained"])
     assert e.value.code == 2 and "--start-drained needs --operator-key" in capsys.readouterr().err
-    assert parse_args(["--start-drained", "--operator-key", "k"]).start_drained
+    assert parse_args(["--start-drained", "--operator-key", "operator-key-0123456789abcdef"]).start_drained

@@ -8,7 +8,6 @@ import pytest
 import requests
 
 from edgeinfer.gateway import config as config_mod
-
 from tests.gateway.conftest import DEMO_KEY, OTHER_KEY, client, tenant
 
 MODEL = "stub-model"

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import openai
 import pytest
-import requests
 import torch
 
 from tests.gateway.conftest import DEMO_KEY
