@@ -93,16 +93,16 @@ def main(argv: list[str] | None = None) -> int:
         env = {**os.environ, "EDGEINFER_INTERNAL_SECRET": SECRET, "EDGEINFER_CACHE_SEED": "disagg-transfer-seed",
                "EDGEINFER_PAGE_KEY": "disagg-transfer-page-key-0123456789", "PYTHONPATH": str(ROOT)}
         env.pop("EDGEINFER_REDIS_URL", None)
-        urls = {}
+        urls = {name: f"http://127.0.0.1:{free_port()}" for name in ("prefill-direct", "prefill-store", "decode")}
         try:
             for name, flags in (("prefill-direct", ["--role", "prefill", "--store-tier", "none"]),
                                 ("prefill-store", ["--redis-url", valkey.url, "--host-store-bytes", "0"]),
                                 ("decode", ["--role", "decode", "--redis-url", valkey.url, "--host-store-bytes", "0",
-                                            "--store-fetch-timeout", "30", "--handoff-timeout", "30"])):
-                port = free_port()
-                urls[name] = f"http://127.0.0.1:{port}"
+                                            "--store-fetch-timeout", "30", "--handoff-timeout", "30",
+                                            "--handoff-peers", urls["prefill-direct"]])):
+                port = urls[name].rsplit(":", 1)[1]
                 procs.start(name, [sys.executable, "-m", "edgeinfer.backend.server", "--model", str(model_dir),
-                                   "--port", str(port), "--node-id", name, "--log-level", "WARNING", *flags], env)
+                                   "--port", port, "--node-id", name, "--log-level", "WARNING", *flags], env)
             for url, (_, proc) in zip(urls.values(), procs.procs, strict=True):
                 wait_http(url + "/ready", proc, 600.0)
             d, pd, ps = urls["decode"], urls["prefill-direct"], urls["prefill-store"]

@@ -264,12 +264,15 @@ class ToolCallParser:
         return self._content(content), calls
 
     def finish(self, reason: str | None = None) -> str:
-        """The rest as content. A call cut off by max_tokens (reason "length", inside a call) is kept as a tool call
-        whose arguments are the partial JSON written so far, as OpenAI answers (finish "length", the partial call
-        visible): never an empty answer; a call cut before its name is complete stays as text. The start of a tag
+        """The rest as content. A call cut off by max_tokens (reason "length", inside a call) with no complete call
+        before it is kept as a tool call whose arguments are the partial JSON written so far, as OpenAI answers
+        (finish "length", the partial call visible): never an empty answer; after complete calls (parallel calls)
+        the cut one is dropped (a client cannot run it). A call cut before its name is known stays as text. The start of a tag
         cut off is dropped; an unterminated call at a natural stop is left as text (the model wrote it that way)."""
         if reason == "length" and self.inside:
             body, self.buf, self.inside = self.buf, "", False
+            if self.calls:        # complete calls came before it: they are the answer, the cut one is dropped
+                return ""
             partial = _partial_call(body, self.names)
             if partial is not None:
                 self.calls.append(ToolCall(new_call_id(), partial))

@@ -76,9 +76,10 @@ def nodes(smol_dir, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("disagg")
     key_file = log_dir / "other.key"
     key_file.write_text("another deployment's page key, 32+ chars long")
-    made = {"p1": Node(smol_dir, "p1", "prefill", log_dir), "p2": Node(smol_dir, "p2", "prefill", log_dir),
-            "d1": Node(smol_dir, "d1", "decode", log_dir), "d2": Node(smol_dir, "d2", "decode", log_dir),
-            "other_key": Node(smol_dir, "other-key", "decode", log_dir, ["--page-key-file", str(key_file)])}
+    made = {"p1": Node(smol_dir, "p1", "prefill", log_dir), "p2": Node(smol_dir, "p2", "prefill", log_dir)}
+    peers = ["--handoff-peers", f"{made['p1'].url},{made['p2'].url}"]     # the prefill nodes a decode node trusts
+    made |= {"d1": Node(smol_dir, "d1", "decode", log_dir, peers), "d2": Node(smol_dir, "d2", "decode", log_dir, peers),
+             "other_key": Node(smol_dir, "other-key", "decode", log_dir, ["--page-key-file", str(key_file), *peers])}
     try:
         for n in made.values():
             n.wait_ready(timeout_s=240)
