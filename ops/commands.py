@@ -97,7 +97,7 @@ def gen_secrets(args: argparse.Namespace) -> int:
     except GenSecretsError as e:
         raise OpsError(str(e)) from e
     for p in paths:
-        print(f"wrote {p} (0600)", file=sys.stderr)
+        print(f"wrote {p} ({p.stat().st_mode & 0o777:o})", file=sys.stderr)
     print(f"tenant API key (shown once; its sha256 is in {paths[-1]}): {api_key}", file=sys.stderr)
     print(api_key)
     return 0

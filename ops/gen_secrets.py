@@ -5,7 +5,8 @@
 
 Each run draws the internal secret, the page key, the cache seed and the operator key from `secrets.token_hex`,
 and one tenant API key, whose sha256 goes into tenants.toml and whose value is printed once (it is stored nowhere
-else). Existing files are never overwritten (exit 2). The files are written 0600.
+else). Existing files are never overwritten (exit 2). The secrets file is written 0600; tenants.toml, which holds only
+key hashes, 0644 (a container's own user, uid 10001, reads it through compose's bind mount).
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ def tenants_toml(api_key: str, tenant_id: str = "default") -> str:
             f"tokens_per_min = 200000\nmax_concurrent_streams = 16\n")
 
 
-def _write_new(path: Path, text: str) -> None:
+def _write_new(path: Path, text: str, mode: int) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     except FileExistsError as e:
         raise GenSecretsError(f"{path} exists; not overwritten (remove it first to rotate every secret)") from e
     with os.fdopen(fd, "w") as f:
@@ -59,5 +60,6 @@ def generate(kind: str, root: Path) -> tuple[list[Path], str]:
         if path.exists():
             raise GenSecretsError(f"{path} exists; not overwritten (remove it first to rotate every secret)")
     for path, text in files:
-        _write_new(path, text)
+        _write_new(path, text, 0o644 if path.name == "tenants.toml" else 0o600)
+        os.chmod(path, 0o644 if path.name == "tenants.toml" else 0o600)     # whatever the umask
     return [p for p, _ in files], api_key

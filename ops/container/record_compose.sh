@@ -5,16 +5,18 @@
 #   ops/container/record_compose.sh       (needs podman-compose: pip install podman-compose)
 set -euo pipefail
 PC="${PODMAN_COMPOSE:-podman-compose}"
+export EDGEINFER_BASE="${EDGEINFER_BASE:-localhost/edgeinfer-base:bookworm}"   # ops/container/make_base.sh's
 OUT="${OUT:-benchmarks/results/container.compose.json}"
 ARGS=(--podman-args "${PODMAN_GLOBAL_ARGS:---runtime runc}"
+      --podman-build-args "${PODMAN_BUILD_ARGS:---isolation chroot}"
       --podman-run-args "${PODMAN_RUN_ARGS:---ulimit nofile=4096:4096 --ulimit nproc=4096:4096}")
 "$PC" "${ARGS[@]}" down >/dev/null 2>&1 || true
 # fresh secrets and a tenant key, as a new operator makes them (kept only for this run)
 rm -f .env deploy/compose/tenants.toml
-KEY=$(python3 -m edgeinfer.ops.cli ops gen-secrets --compose . 2>/dev/null)
+KEY=$(edgeinfer ops gen-secrets --compose . 2>/dev/null)
 trap 'rm -f .env deploy/compose/tenants.toml' EXIT
 t0=$(date +%s)
-"$PC" "${ARGS[@]}" up -d >/tmp/edgeinfer-compose.log 2>&1
+"$PC" "${ARGS[@]}" up -d --build >/tmp/edgeinfer-compose.log 2>&1   # compose.yaml builds the image
 nodes=0
 for _ in $(seq 1 120); do
   nodes=$(curl -s http://127.0.0.1:8080/metrics 2>/dev/null | awk '/^edgeinfer_gateway_pool_nodes\{/ {print int($2)}' | head -1 || true)

@@ -174,9 +174,14 @@ def test_compose_wires_valkey_the_gateway_and_two_backends(monkeypatch, tmp_path
     doc = yaml.safe_load((K8S.parents[1] / "compose.yaml").read_text())
     services = doc["services"]
     assert set(services) == {"valkey", "gateway", "backend-0", "backend-1"}
-    for svc in services.values():
-        assert svc["build"]["context"] == "." and svc["build"]["dockerfile"] == "Dockerfile"
+    built = [name for name, svc in services.items() if "build" in svc]
+    assert built == ["valkey"] and services["valkey"]["build"]["dockerfile"] == "Dockerfile"
+    assert services["valkey"]["build"]["context"] == "." and "VERSION" in services["valkey"]["build"]["args"]
+    for svc in services.values():                 # one image, built here, never pulled from a registry
         assert re.fullmatch(r"localhost/edgeinfer:\$\{EDGEINFER_VERSION:-\d+\.\d+\.\d+\}", svc["image"])
+        assert svc["pull_policy"] == "never"
+    for name in ("gateway", "backend-0", "backend-1"):      # read-only roots, as on Kubernetes
+        assert services[name]["read_only"] is True and services[name]["tmpfs"] == ["/tmp"]
     mounts = [v.split(":") for v in services["gateway"]["volumes"]]
     assert mounts[0][1] == "/etc/edgeinfer/gateway.toml" == services["gateway"]["command"][2]
     toml = K8S.parents[1] / mounts[0][0]
@@ -313,6 +318,7 @@ def test_gen_secrets_writes_strong_values_once(tmp_path, capsys):
     for k, v in values.items():
         assert weak_secret(v) is None, k
     assert (tmp_path / "secrets.env").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "tenants.toml").stat().st_mode & 0o777 == 0o644      # hashes only; read by uid 10001
     assert key.startswith("sk-") and weak_secret(key) is None
     assert run("ops", ["gen-secrets", "--k8s", str(tmp_path)]) == 2     # never overwritten
     assert "exists" in capsys.readouterr().err
