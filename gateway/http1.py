@@ -55,6 +55,9 @@ class Connection(asyncio.Protocol):
         self._reset()
 
     def _reset(self) -> None:
+        if self.paused and self.transport is not None:    # back in the pool: the next response must be read
+            self.paused = False
+            self.transport.resume_reading()
         self.state = _HEAD
         self.status = 0
         self.headers: dict[str, str] = {}
