@@ -196,6 +196,12 @@ SUITES: list[Suite] = [
              _keys(("decode on / off @32", "decode.32.on_over_off"), ("parts' cost @32", "parts_cost_at_top_level"),
                    ("prefix-hit TTFT on / off", "prefix_hit.hit_ttft_on_over_off"),
                    ("verify us/page", "prefix_hit.verify_us_per_page"), digits=4)),
+        Part("engine.grammar_budget", "what a grammar costs per token (mask, forced-token scan) against the engine's "
+                                      "per-token budget, and which the engine refuses",
+             ["--steps", "3", "--cases", "json_schema,regex ((x{20}){20}){20}"],
+             _keys(("json_schema mask ms (median)", "cases.json_schema.mask_ms_median"),
+                   ("((x{60}){60}){60} mask ms (median)", "cases.regex ((x{60}){60}){60}.mask_ms_median"),
+                   digits=3)),
         Part("engine.verify_rows", "what a draft token costs: steps of B sequences each verifying k draft tokens",
              ["--levels", "1", "--drafts", "0,1", "--reps", "2", "--prompt-len", "32"],
              _keys(("batch 1: a draft token / a plain step", "rows.1x4.draft_token_cost_over_plain_step"),
