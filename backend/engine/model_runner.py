@@ -27,7 +27,11 @@ class ModelRunner:
         self.page_bytes = self.bytes_per_token * cfg.page_size
         # the MTP layer's KV (speculative 'mtp'): one more layer over the same pages, in the same budget
         mtp_bytes = self.kv_format.bytes_per_token(1, c.num_kv_heads, c.head_dim) if model.mtp is not None else 0
-        self.num_pages = cfg.num_pages or max(1, cfg.kv_cache_bytes // (self.page_bytes + mtp_bytes * cfg.page_size))
+        per_page = self.page_bytes + mtp_bytes * cfg.page_size
+        if cfg.num_pages is None and cfg.kv_cache_bytes < per_page:
+            raise ValueError(f"--kv-cache-bytes {cfg.kv_cache_bytes} holds no KV page: one page of {cfg.page_size} "
+                             f"tokens is {per_page} bytes in {self.kv_format.ident}")
+        self.num_pages = cfg.num_pages or cfg.kv_cache_bytes // per_page
         self.kv: list[LayerKV] = allocate_pool(self.kv_format, self.num_pages, cfg.page_size, c, model.device)
         self.mtp_kv: LayerKV | None = None
         if model.mtp is not None:

@@ -27,3 +27,13 @@ def test_a_256_mib_kv_pool_is_not_resident_until_used(smol_model):
 
 def test_the_served_default_kv_budget_is_512_mib():
     assert parse_args(["--insecure-no-internal-auth"]).kv_cache_bytes == 512 << 20 == EngineConfig().kv_cache_bytes
+
+
+def test_a_budget_under_one_page_is_refused_not_rounded_up(smol_model):
+    """Issue 53, item 7: KV_CACHE_BYTES=-5 brought up a ready node with a one-page pool (max(1, ...)); the flag
+    refuses a negative value, and a budget smaller than one page is an error naming it, not a silent page."""
+    import pytest
+
+    with pytest.raises(ValueError, match="--kv-cache-bytes 1000 holds no KV page"):
+        ModelRunner(smol_model, EngineConfig(kv_cache_bytes=1000))
+    assert ModelRunner(smol_model, EngineConfig(num_pages=3)).num_pages == 3
