@@ -68,7 +68,6 @@ class PeerPages:
                                timeout_s: float | None = None) -> list[tuple[bytes, str] | None]:
         body = msgspec.json.encode(KVPagesRequest(list(keys)))
         timeout = aiohttp.ClientTimeout(total=timeout_s)
-        blobs: list[bytes] = []
         async with self.session.post(self.url, data=body, headers=self.headers, timeout=timeout) as r:
             if r.status != 200:
                 raise HandoffFailed(f"prefill node {self.source.node_id}: HTTP {r.status}: "
@@ -77,23 +76,10 @@ class PeerPages:
             if declared is not None and declared > len(keys) * (self.max_blob + _FRAME.size):
                 raise HandoffFailed(f"prefill node {self.source.node_id}: an answer of {declared} bytes for "
                                     f"{len(keys)} pages of at most {self.max_blob} bytes")
-            while len(blobs) < len(keys):
-                try:
-                    head = await r.content.readexactly(_FRAME.size)
-                except asyncio.IncompleteReadError as e:
-                    if e.partial:
-                        log.debug("prefill node %s: a truncated frame length", self.source.node_id)
-                    break      # the end (or a truncated last frame): the pages so far, the rest missed
-                (n,) = _FRAME.unpack(head)
-                if n > self.max_blob:
-                    raise HandoffFailed(f"prefill node {self.source.node_id}: a frame of {n} bytes; a page is at "
-                                        f"most {self.max_blob}")
-                try:
-                    blobs.append(await r.content.readexactly(n))
-                except asyncio.IncompleteReadError:
-                    break
-            if len(blobs) == len(keys) and await r.content.read(1):
-                raise HandoffFailed(f"prefill node {self.source.node_id}: bytes past the {len(keys)} pages asked")
+            try:
+                blobs = await read_frames(r.content, len(keys), self.max_blob)
+            except FrameError as e:
+                raise HandoffFailed(f"prefill node {self.source.node_id}: {e}") from e
         return [(b, PEER_TIER) for b in blobs] + [None] * (len(keys) - len(blobs))
 
     async def delete_from(self, name: str, keys: Sequence[bytes]) -> None:
@@ -101,19 +87,32 @@ class PeerPages:
         self.rejected += len(keys)
 
 
-def unframe(data: bytes | memoryview, limit: int) -> list[memoryview]:
-    """The blobs of a /internal/kv/pages body, at most `limit`; a truncated last frame is dropped (a miss)."""
-    view = memoryview(data)
-    out: list[memoryview] = []
-    off = 0
-    while off + _FRAME.size <= len(view) and len(out) < limit:
-        (n,) = _FRAME.unpack_from(view, off)
-        off += _FRAME.size
-        if off + n > len(view):
-            break
-        out.append(view[off:off + n])
-        off += n
-    return out
+class FrameError(Exception):
+    """A /internal/kv/pages answer that breaks its bounds: a frame over a page's size, or bytes past the pages
+    asked."""
+
+
+async def read_frames(stream: asyncio.StreamReader | aiohttp.StreamReader, limit: int, max_blob: int) -> list[bytes]:
+    """The blobs of a /internal/kv/pages answer (each a 4-byte little-endian length, then the blob), read from
+    `stream` with every size checked before it is buffered: at most `limit` frames, each at most `max_blob` bytes.
+    A truncated last frame ends the read (a miss); a frame over `max_blob`, or bytes after `limit` frames, is a
+    FrameError."""
+    blobs: list[bytes] = []
+    while len(blobs) < limit:
+        try:
+            head = await stream.readexactly(_FRAME.size)
+        except asyncio.IncompleteReadError:
+            return blobs      # the end (or a truncated frame length): the pages so far, the rest missed
+        (n,) = _FRAME.unpack(head)
+        if n > max_blob:
+            raise FrameError(f"a frame of {n} bytes; a page is at most {max_blob}")
+        try:
+            blobs.append(await stream.readexactly(n))
+        except asyncio.IncompleteReadError:
+            return blobs
+    if await stream.read(1):
+        raise FrameError(f"bytes past the {limit} pages asked")
+    return blobs
 
 
 class HandoffFailed(Exception):

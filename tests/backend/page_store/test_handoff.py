@@ -7,7 +7,8 @@ fp32 KV; no page store tier (the hand-off needs none).
   only the tail; the prefill node counts the pages sent, the decode node the pages received;
 - a page corrupted in the prefill node's pool after sealing is never sent (its checksum fails on the way out):
   the pages before it are handed over, the rest recomputed, the output unchanged;
-- bad page requests get a 400 naming what was expected; the framing drops a truncated last frame.
+- bad page requests get a 400 naming what was expected; the frame reader drops a truncated last frame and holds
+  its bounds (frames per page asked, bytes per frame).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import resource
 import struct
+from contextlib import asynccontextmanager
 
 import msgspec
 import pytest
@@ -26,7 +28,7 @@ from edgeinfer.backend.engine.kv_faults import ENV, KVFaults
 from edgeinfer.backend.metrics import BackendMetrics
 from edgeinfer.backend.model.loader import load_model
 from edgeinfer.backend.page_store.bridge import PageStoreBridge
-from edgeinfer.backend.page_store.handoff import BLOB_SLACK, unframe
+from edgeinfer.backend.page_store.handoff import BLOB_SLACK, FrameError, read_frames
 from edgeinfer.backend.server import BackendState
 from edgeinfer.cache_store.codec import PageKey
 from edgeinfer.protocol.page_id import page_hashes
@@ -72,6 +74,35 @@ def handoff(st: BackendState):
     return st.extensions[0].handoff.handoff.stats
 
 
+@asynccontextmanager
+async def prefilled(tiny, seed: int, full_pages: int):
+    """A prefill node and a decode node served, the decode node's cold tokens for a prompt of `full_pages` pages + 1
+    token, and that prompt prefilled on the prefill node: (p, d, ph, dh, ids, cold)."""
+    p, d = node(tiny, "p", "prefill"), node(tiny, "d", "decode")
+    ids = prompt(seed, PAGE * full_pages + 1)
+    async with serve(p) as ph, serve(d) as dh:
+        cold = tokens(await generate(dh, ids, "cold"))
+        await generate(ph, ids, "ns", prefill_only=True)
+        yield p, d, ph, dh, ids, cold
+
+
+async def start_app(app: web.Application) -> tuple[web.AppRunner, str]:
+    """`app` served on a free loopback port: (runner to clean up, its URL)."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+
+
+async def frames(data: bytes, limit: int = 10, max_blob: int = 1 << 20) -> list[bytes]:
+    """read_frames over bytes as a stream would deliver them (the same reader a decode node uses)."""
+    stream = asyncio.StreamReader()
+    stream.feed_data(data)
+    stream.feed_eof()
+    return await read_frames(stream, limit, max_blob)
+
+
 def trust(d: BackendState, *urls: str) -> None:
     """What --handoff-peers URL,... sets: the prefill nodes decode node `d` may pull from."""
     d.extensions[0].handoff.peers = frozenset(u.rstrip("/") for u in urls)
@@ -97,11 +128,7 @@ async def test_prefill_then_pull_gives_the_cold_tokens_and_moves_every_full_page
 
 async def test_a_page_corrupted_in_the_prefill_pool_is_never_sent(tiny, monkeypatch):
     monkeypatch.setenv(ENV, "1")
-    p, d = node(tiny, "p", "prefill"), node(tiny, "d", "decode")
-    ids = prompt(2, 16 * 6 + 1)
-    async with serve(p) as ph, serve(d) as dh:
-        cold = tokens(await generate(dh, ids, "cold"))
-        await generate(ph, ids, "ns", prefill_only=True)
+    async with prefilled(tiny, 2, 6) as (p, d, ph, dh, ids, cold):
         ctx = p.engine.key_context("ns")
         third = p.engine.blocks.lookup(page_hashes(ctx, ids[:6 * PAGE])[2]).page
         KVFaults(p.engine).corrupt_page(third)
@@ -131,12 +158,16 @@ async def test_a_node_without_a_handoff_answers_404(tiny):
         assert r.status == 404 and "no page hand-off" in (await r.json())["error"]["message"]
 
 
-def test_frames_round_trip_and_a_truncated_frame_is_dropped():
+async def test_frames_round_trip_a_truncated_frame_is_dropped_and_the_bounds_hold():
     blobs = [b"a" * 5, b"", b"xyz" * 100]
     data = b"".join(struct.pack("<I", len(b)) + b for b in blobs)     # what /internal/kv/pages writes
-    assert [bytes(b) for b in unframe(data, 10)] == blobs
-    assert [bytes(b) for b in unframe(data, 2)] == blobs[:2]
-    assert [bytes(b) for b in unframe(data[:-1], 10)] == blobs[:2]
+    assert await frames(data) == blobs
+    assert await frames(data[:-1]) == blobs[:2]
+    assert await frames(data[:3]) == []
+    with pytest.raises(FrameError, match="bytes past the 2 pages asked"):
+        await frames(data, limit=2)
+    with pytest.raises(FrameError, match="a frame of 300 bytes; a page is at most 299"):
+        await frames(data, max_blob=299)
 
 
 async def _listener(seen: list[dict]):
@@ -146,11 +177,7 @@ async def _listener(seen: list[dict]):
         return web.Response(body=b"")
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", any_request)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    return await start_app(app)
 
 
 async def test_a_kv_source_the_node_does_not_know_is_never_contacted(tiny):
@@ -214,10 +241,10 @@ async def test_a_page_request_names_each_page_of_one_chain_once(tiny):
             assert r.status == 400 and "one context" in (await r.json())["error"]["message"]
         async with ph.post("/internal/kv/pages", json=msgspec.to_builtins({"hashes": chain})) as r:
             assert r.status == 200 and r.headers.get("transfer-encoding") == "chunked"
-            assert len(unframe(await r.read(), 10)) == 3
+            assert len(await frames(await r.read())) == 3
         mixed = [chain[0], chain2[1], chain[1]]          # the second is held, but not the first's child
         async with ph.post("/internal/kv/pages", json=msgspec.to_builtins({"hashes": mixed})) as r:
-            assert len(unframe(await r.read(), 10)) == 1
+            assert len(await frames(await r.read())) == 1
 
 
 @pytest.mark.parametrize("answer", ["oversized_frame", "appended_512mb"])
@@ -225,11 +252,7 @@ async def test_a_prefill_nodes_answer_is_bounded_before_it_is_buffered(tiny, ans
     """Issue 53, item 3: a prefill node (the attacker here, a real HTTP server) that answers a frame bigger than a
     page, or the right pages with 512 MB appended, fails the hop (counted); the decode node computes the prompt,
     and its peak memory does not follow the attacker's bytes (it read 1.5 GB before)."""
-    p, d = node(tiny, "p", "prefill"), node(tiny, "d", "decode")
-    ids = prompt(6, 16 * 4 + 1)
-    async with serve(p) as ph, serve(d) as dh:
-        cold = tokens(await generate(dh, ids, "cold"))
-        await generate(ph, ids, "ns", prefill_only=True)
+    async with prefilled(tiny, 6, 4) as (p, d, ph, dh, ids, cold):
         ctx = p.engine.key_context("ns")
         async with ph.post("/internal/kv/pages", json=msgspec.to_builtins(
                 {"hashes": page_hashes(ctx, ids[:4 * PAGE])})) as r:
@@ -253,11 +276,7 @@ async def test_a_prefill_nodes_answer_is_bounded_before_it_is_buffered(tiny, ans
 
         app = web.Application()
         app.router.add_post("/internal/kv/pages", pages)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        runner, url = await start_app(app)
         trust(d, url)
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         try:
