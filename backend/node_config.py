@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,9 +19,10 @@ from edgeinfer.protocol.defaults import (
     drop_env_sources,
     env_defaults,
     named,
+    on_command_line,
 )
 from edgeinfer.protocol.observability import LOG_LEVELS
-from edgeinfer.protocol.secrets import is_loopback, weak_secret
+from edgeinfer.protocol.secrets import is_loopback, placeholder, weak_secret
 from edgeinfer.protocol.wire import ROLES
 
 VERSION = os.environ.get("EDGEINFER_VERSION", "0.1.0")
@@ -271,15 +271,18 @@ def parse_args(argv: list[str] | None) -> BackendConfig:
             bad(dest, "an integer >= 1")
     if not 1 <= args.spec_tokens <= 16:
         bad("spec_tokens", "1..16")
-    for dest, what in (("handoff_timeout", "seconds"), ("heartbeat", "seconds"), ("store_fetch_timeout", "seconds"),
-                       ("prefill_token_weight", "a weight"), ("decode_token_weight", "a weight")):
+    seconds = "a finite number of seconds > 0"
+    for dest, expected in (("handoff_timeout", seconds), ("heartbeat", seconds), ("store_fetch_timeout", seconds),
+                           ("prefill_token_weight", "a finite weight > 0"), ("decode_token_weight", "a finite weight > 0")):
         if not (0 < getattr(args, dest) < finite):
-            bad(dest, f"a finite number of {what} > 0" if what == "seconds" else f"{what}: a finite number > 0")
-    for dest, what in (("max_queue_wait_s", "seconds >= 0 (0: off)"), ("keepalive_s", "seconds >= 0 (0: off)"),
-                       ("contended_step_ratio", "number >= 0 (0: fixed cap)"),
-                       ("contended_window_s", "seconds >= 0"), ("grammar_mask_budget_ms", "milliseconds >= 0 (0: off)")):
+            bad(dest, expected)
+    for dest, expected in (("max_queue_wait_s", "a finite number of seconds >= 0 (0: off)"),
+                           ("keepalive_s", "a finite number of seconds >= 0 (0: off)"),
+                           ("contended_step_ratio", "a finite number >= 0 (0: the fixed cap)"),
+                           ("contended_window_s", "a finite number of seconds >= 0"),
+                           ("grammar_mask_budget_ms", "a finite number of milliseconds >= 0 (0: off)")):
         if not (0 <= getattr(args, dest) < finite):
-            bad(dest, f"a finite number of {what}" if "seconds" in what else f"a finite {what}")
+            bad(dest, expected)
     if not (0.0 <= args.kv_verify_fraction <= 1.0):
         bad("kv_verify_fraction", "a fraction 0 <= f <= 1")
     _check_secrets(p, args, argv)
@@ -310,7 +313,7 @@ def _check_secrets(p: argparse.ArgumentParser, args: argparse.Namespace, argv: l
     """The operator key, the page key and the cache seed: no placeholder, no documented default, not too weak (one
     line naming the setting). The built-in cache seed is a development default: refused on a non-loopback --host."""
     if args.operator_key and (why := weak_secret(args.operator_key)) is not None:
-        p.error(f"operator key ({_origin(args, argv, 'operator_key', 'EDGEINFER_OPERATOR_KEY')}) refused: {why}")
+        p.error(f"operator key ({_origin(argv, 'operator_key', 'EDGEINFER_OPERATOR_KEY')}) refused: {why}")
     page_key = os.environ.get("EDGEINFER_PAGE_KEY")
     if not args.page_key_file and page_key and (why := weak_secret(page_key)) is not None:
         p.error(f"page key ($EDGEINFER_PAGE_KEY) refused: {why}")
@@ -321,16 +324,16 @@ def _check_secrets(p: argparse.ArgumentParser, args: argparse.Namespace, argv: l
             p.error(f"--page-key-file: {e}")
         if (why := weak_secret(text)) is not None:
             p.error(f"page key from {args.page_key_file} refused: {why}")
-    seed_origin = _origin(args, argv, "cache_seed", CACHE_SEED_ENV)
+    seed_origin = _origin(argv, "cache_seed", CACHE_SEED_ENV)
     if args.cache_seed == CACHE_SEED:
         if not is_loopback(args.host):
             p.error(f"cache seed: the built-in development seed on --host {args.host} (reachable from other "
                     f"machines): set {CACHE_SEED_ENV} or --cache-seed to a secret (edgeinfer ops gen-secrets)")
-    elif (why := weak_secret(args.cache_seed)) is not None and "characters" not in why:
+    elif (why := placeholder(args.cache_seed)) is not None:
         p.error(f"cache seed ({seed_origin}) refused: {why}")
 
 
-def _origin(args: argparse.Namespace, argv: list[str] | None, dest: str, env: str) -> str:
+def _origin(argv: list[str] | None, dest: str, env: str) -> str:
+    """Where a flag whose default comes from a variable of its own (not EDGEINFER_ARG_*) was set."""
     flag = "--" + dest.replace("_", "-")
-    given = sys.argv[1:] if argv is None else argv
-    return flag if any(t == flag or t.startswith(flag + "=") for t in given) else f"${env}"
+    return flag if on_command_line([flag], argv) else f"${env}"

@@ -14,7 +14,7 @@ from pathlib import Path
 import msgspec
 
 from edgeinfer.protocol.defaults import CACHE_SEED, CACHE_SEED_ENV, KEY_PREFIX
-from edgeinfer.protocol.secrets import is_loopback, weak_secret
+from edgeinfer.protocol.secrets import PLACEHOLDER_KEYS, is_loopback, placeholder, weak_secret
 from edgeinfer.protocol.wire import TenantSpec
 
 DEFAULT_CONFIG = Path(__file__).with_name("default_config.toml")
@@ -209,9 +209,6 @@ def _check(cfg: GatewayConfig) -> GatewayConfig:
     return cfg
 
 
-PLACEHOLDER_KEYS = ("sk-change-me", "sk-replace-me", "sk-your-key", "sk-xxx")   # keys documented as stand-ins
-
-
 def check_secrets(cfg: GatewayConfig) -> None:
     """No placeholder or documented secret where the gateway listens beyond loopback, and none anywhere for the
     internal secret (ConfigError naming the setting): issue 54."""
@@ -220,7 +217,7 @@ def check_secrets(cfg: GatewayConfig) -> None:
     if secret and (why := weak_secret(secret)) is not None:
         raise ConfigError(f"the internal secret (${s.internal_secret_env} or server.internal_secret) refused: {why}")
     seed = (os.environ.get(s.page_seed_env) or s.page_seed)
-    if seed != CACHE_SEED and (why := weak_secret(seed)) is not None and "characters" not in why:
+    if seed != CACHE_SEED and (why := placeholder(seed)) is not None:
         raise ConfigError(f"the page seed (${s.page_seed_env} or server.page_seed) refused: {why}")
     if not is_loopback(s.host) and seed == CACHE_SEED:
         raise ConfigError(f"the page seed is the built-in development seed and the gateway listens on {s.host}: set "

@@ -111,12 +111,17 @@ def named(parser, args: argparse.Namespace, dest: str, argv: list[str] | None = 
     `EDGEINFER_ARG_PORT='99999'` from the environment (after env_defaults)."""
     value = getattr(args, dest)
     flags = next((a.option_strings for a in parser._actions if a.dest == dest), [f"--{dest.replace('_', '-')}"])
-    argv = sys.argv[1:] if argv is None else argv
-    on_command_line = any(t == f or t.startswith(f + "=") for t in argv for f in flags)
     var = getattr(args, _ENV_SOURCES, {}).get(dest)
-    if var is not None and not on_command_line:
+    if var is not None and not on_command_line(flags, argv):
         return f"{var}={str(value)!r}"
     return f"{flags[-1]} {value!r}" if not isinstance(value, bool) else flags[-1]
+
+
+def on_command_line(flags: list[str], argv: list[str] | None = None) -> bool:
+    """Whether one of an option's `flags` is given in `argv` (sys.argv[1:] when None), as `--flag v` or
+    `--flag=v`."""
+    argv = sys.argv[1:] if argv is None else argv
+    return any(t == f or t.startswith(f + "=") for t in argv for f in flags)
 
 
 def drop_env_sources(args: argparse.Namespace) -> argparse.Namespace:

@@ -17,13 +17,15 @@ MIN_DISTINCT_CHARS = 8
 # words that mark a value as a stand-in for a real one (lower case, compared without dashes and underscores)
 PLACEHOLDER_WORDS = ("replace", "changeme", "placeholder", "example", "yoursecret", "yourkey", "secrethere",
                      "notasecret", "insecure", "dummy", "xxxxxx", "todo", "fixme")
-# values this repository documents or ships (sha256 checks below catch them as tenant keys too)
-DOCUMENTED = frozenset({CACHE_SEED, "sk-change-me", "sk-edgeinfer-demo", "secret", "password"})
+# tenant keys documentation uses as stand-ins (the gateway refuses a tenant whose key hash is one of these)
+PLACEHOLDER_KEYS = ("sk-change-me", "sk-replace-me", "sk-your-key", "sk-xxx")
+# values this repository documents or ships
+DOCUMENTED = frozenset({CACHE_SEED, "sk-edgeinfer-demo", "secret", "password", *PLACEHOLDER_KEYS})
 
 
-def weak_secret(value: str, min_chars: int = MIN_SECRET_CHARS) -> str | None:
-    """Why `value` must not be used as a secret (a placeholder, a documented default, too short or too plain), or
-    None."""
+def placeholder(value: str) -> str | None:
+    """Why `value` is public rather than secret (a value documented here, or a placeholder's wording), or None.
+    What a seed is checked for: its length is the operator's choice."""
     v = value.strip()
     if v in DOCUMENTED:
         return "a value documented in edgeinfer's repository (public)"
@@ -31,6 +33,15 @@ def weak_secret(value: str, min_chars: int = MIN_SECRET_CHARS) -> str | None:
     hit = next((w for w in PLACEHOLDER_WORDS if w in squashed), None)
     if hit is not None:
         return f"a placeholder (it contains {hit!r}); generate one: edgeinfer ops gen-secrets"
+    return None
+
+
+def weak_secret(value: str, min_chars: int = MIN_SECRET_CHARS) -> str | None:
+    """Why `value` must not be used as a secret (a placeholder, a documented default, too short or too plain), or
+    None."""
+    if (why := placeholder(value)) is not None:
+        return why
+    v = value.strip()
     if len(v) < min_chars:
         return f"{len(v)} characters; at least {min_chars} needed"
     if len(set(v)) < MIN_DISTINCT_CHARS:
