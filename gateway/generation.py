@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -37,6 +37,7 @@ from edgeinfer.protocol.wire import (
     SamplingParams,
     StreamChunk,
     TenantSpec,
+    Usage,
 )
 
 log = logging.getLogger(__name__)
@@ -175,10 +176,8 @@ async def prefill_hop(st, target: Target, run: Run, decode: Choice) -> Handoff |
     if chunk is None or chunk.finish_reason != "prefilled":
         why = chunk.error if chunk is not None and chunk.error else f"it ended with {chunk!r}"
         return _counted(st, target, Handoff("prefill_failed"), node, why)
-    cached = chunk.usage.cached_tokens if chunk.usage is not None else 0
-    if not 0 <= cached <= len(run.prompt_ids):     # a prefill node's claim held to the prompt the gateway sent
-        st.metrics.usage_corrected.labels(target.model, "cached_tokens").inc()
-        cached = min(max(cached, 0), len(run.prompt_ids))
+    cached = clamp_claim(chunk.usage.cached_tokens if chunk.usage is not None else 0, len(run.prompt_ids),
+                         "cached_tokens", st.metrics.usage_clamp(target.model))   # held to the prompt sent
     return _counted(st, target, Handoff("handed_off", KVSource(node.node_id, node.url), cached))
 
 
@@ -188,6 +187,26 @@ def _counted(st, target: Target, h: Handoff, node: Node | None = None, why: str 
         log.warning("prefill hop on node %s: %s (%s); the decode node computes the prompt", node.node_id, h.outcome,
                     why)
     return h
+
+
+def clamp_claim(value: int, most: int, name: str, on_clamp: Callable[[str], None] | None) -> int:
+    """A node's count held to [0, most]; a correction is reported to on_clamp by the field's name."""
+    if 0 <= value <= most:
+        return value
+    if on_clamp is not None:
+        on_clamp(name)
+    return min(max(value, 0), most)
+
+
+def checked_usage(run: Run, u: Usage, on_clamp: Callable[[str], None] | None = None) -> Usage:
+    """A node's usage claim held to what the gateway knows: the prompt is the ids it sent, cached tokens are at
+    most the prompt, completion tokens at most max_tokens. A claim outside is corrected and reported (a broken
+    or hostile node must not reach the tenant's bill, the access log or the per-tenant metrics)."""
+    prompt = len(run.prompt_ids)
+    if u.prompt_tokens != prompt and on_clamp is not None:
+        on_clamp("prompt_tokens")
+    completion = clamp_claim(u.completion_tokens, max(run.sampling.max_tokens, 0), "completion_tokens", on_clamp)
+    return Usage(prompt, completion, clamp_claim(u.cached_tokens, prompt, "cached_tokens", on_clamp))
 
 
 def finish(st, run: Run) -> None:

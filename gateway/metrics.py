@@ -85,7 +85,7 @@ class Metrics:
         self._pools: set[tuple[str, str]] = set()
 
     def usage_clamp(self, model: str) -> Callable[[str], None]:
-        """Counts a corrected usage claim of a node (gateway/pipeline.checked_usage) by field."""
+        """Counts a corrected usage claim of a node (gateway/generation.checked_usage) by field."""
         return lambda field: self.usage_corrected.labels(model, field).inc()
 
     def series(self, tenant: str, model: str) -> TenantModelSeries:

@@ -19,7 +19,7 @@ from aiohttp.http_exceptions import ContentEncodingError
 from edgeinfer.gateway.admission import Lease
 from edgeinfer.gateway.config import TenantConfig
 from edgeinfer.gateway.errors import APIError, bad_value, from_validation_error
-from edgeinfer.gateway.generation import Run, Target, merged, more_ready, runs_open
+from edgeinfer.gateway.generation import Run, Target, checked_usage, merged, more_ready, runs_open
 from edgeinfer.gateway.nesting import deep_field
 from edgeinfer.gateway.schemas import (
     AssistantMessage,
@@ -43,7 +43,7 @@ from edgeinfer.gateway.structured import SchemaLimits, check_depth
 from edgeinfer.gateway.tools import ToolPlan, ToolStream, split_output
 from edgeinfer.gateway.upstream import GRAMMAR_FAILED, UpstreamBroken, error_code_name
 from edgeinfer.protocol import observability as obs
-from edgeinfer.protocol.wire import Constraint, SamplingParams, StreamChunk, Usage
+from edgeinfer.protocol.wire import Constraint, SamplingParams, StreamChunk
 
 _SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache", "x-accel-buffering": "no"}
 _DONE = b"data: [DONE]\n\n"
@@ -258,25 +258,6 @@ class Job:
                 for p, ids in enumerate(lists) for i in range(n)]
 
 
-def _clamp(value: int, most: int, name: str, on_clamp: Callable[[str], None] | None) -> int:
-    if 0 <= value <= most:
-        return value
-    if on_clamp is not None:
-        on_clamp(name)
-    return min(max(value, 0), most)
-
-
-def checked_usage(run: Run, u: Usage, on_clamp: Callable[[str], None] | None = None) -> Usage:
-    """A node's usage claim held to what the gateway knows: the prompt is the ids it sent, cached tokens are at
-    most the prompt, completion tokens at most max_tokens. A claim outside is corrected and reported (a broken
-    or hostile node must not reach the tenant's bill, the access log or the per-tenant metrics)."""
-    prompt = len(run.prompt_ids)
-    if u.prompt_tokens != prompt and on_clamp is not None:
-        on_clamp("prompt_tokens")
-    return Usage(prompt, _clamp(u.completion_tokens, max(run.sampling.max_tokens, 0), "completion_tokens", on_clamp),
-                 _clamp(u.cached_tokens, prompt, "cached_tokens", on_clamp))
-
-
 def output_view(run: Run, chunk: StreamChunk) -> StreamChunk:
     """The chunk as the client sees it: a run that asked max_tokens 0 (echo: the prompt's logprobs only) ran one
     token on the node, which is dropped here."""
@@ -304,8 +285,8 @@ class Tally:
         if run.index % self.n == 0:  # prompt counted once per prompt, as OpenAI does
             self.prompt += u.prompt_tokens
             h = run.handoff     # disaggregated: the decode node's hits include the pages handed to it
-            cached = h.cached_tokens if h is not None and h.source is not None else u.cached_tokens
-            self.cached += _clamp(cached, u.prompt_tokens, "cached_tokens", self.on_clamp)
+            # both held to the prompt already: checked_usage, and prefill_hop for a handed-off prompt
+            self.cached += h.cached_tokens if h is not None and h.source is not None else u.cached_tokens
 
     def usage(self) -> UsageInfo:
         return UsageInfo(self.prompt, self.completion, self.prompt + self.completion,
