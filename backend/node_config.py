@@ -272,8 +272,9 @@ def parse_args(argv: list[str] | None) -> BackendConfig:
     if not 1 <= args.spec_tokens <= 16:
         bad("spec_tokens", "1..16")
     seconds = "a finite number of seconds > 0"
+    weight = "a finite weight > 0"
     for dest, expected in (("handoff_timeout", seconds), ("heartbeat", seconds), ("store_fetch_timeout", seconds),
-                           ("prefill_token_weight", "a finite weight > 0"), ("decode_token_weight", "a finite weight > 0")):
+                           ("prefill_token_weight", weight), ("decode_token_weight", weight)):
         if not (0 < getattr(args, dest) < finite):
             bad(dest, expected)
     for dest, expected in (("max_queue_wait_s", "a finite number of seconds >= 0 (0: off)"),

@@ -237,9 +237,10 @@ def check_tenant_keys(cfg: GatewayConfig) -> None:
                                   f"placeholder key {placeholders[h.lower()]!r}; give the tenant a key of its own "
                                   "(edgeinfer ops gen-secrets)")
             if h.lower() == demo and not is_loopback(s.host) and not s.allow_public_demo_key:
-                raise ConfigError(f"tenant {t.id!r} has the public demo key {DEMO_API_KEY!r} and the gateway listens on "
-                                  f"{s.host} (beyond this machine): configure your own tenants (--config), or say "
-                                  "so explicitly (serve --allow-public-demo-key; server.allow_public_demo_key = true)")
+                raise ConfigError(f"tenant {t.id!r} has the public demo key {DEMO_API_KEY!r} and the gateway "
+                                  f"listens on {s.host} (beyond this machine): configure your own tenants "
+                                  "(--config), or say so explicitly (serve --allow-public-demo-key; "
+                                  "server.allow_public_demo_key = true)")
 
 
 def parse(data: dict, source: str = "") -> GatewayConfig:

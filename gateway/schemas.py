@@ -1,7 +1,8 @@
 """OpenAI-compatible wire schema (requests and responses), validated with msgspec at the HTTP boundary.
 
 Rule: a body that is not JSON -> 400; an unknown field -> 400 naming it (OpenAI's answer); a wrong type or a
-missing field -> 400 naming it (msgspec, as OpenAI answers); a value out of range or an unsupported feature -> 400 (checked in check_*).
+missing field -> 400 naming it (msgspec, as OpenAI answers); a value out of range or an unsupported feature ->
+400 (checked in check_*).
 
 Fields today's SDKs send that change nothing here are accepted with a documented meaning (docs/GATEWAY.md):
 `prompt_cache_key` is the routing affinity key (as the x-session-affinity header); `safety_identifier`, `user`,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures.process import BrokenProcessPool
 from functools import lru_cache
 from pathlib import Path
@@ -100,34 +100,30 @@ class ServedModel:
     def echo_logprobs(self, prompt_ids: list[int], prompt: list[TokenLogprob | None], items: list[TokenLogprob],
                       generated_offset: int) -> CompletionLogprobs:
         """Completions' echo + logprobs: every prompt token (the first one's logprob and top null, as OpenAI and vLLM
-        answer), then the generated ones; text offsets from the start of the echoed prompt."""
-        tokens: list[str] = []
-        lps: list[float | None] = []
-        tops: list[dict[str, float] | None] = []
-        offsets: list[int] = []
-        offset = 0
-        for tok, lp in zip(prompt_ids, prompt, strict=True):
-            s = self.token_str(tok)
-            tokens.append(s)
-            lps.append(None if lp is None else lp.logprob)
-            tops.append(None if lp is None else {self.token_str(t): v for t, v in lp.top} or
-                        {s: lp.logprob})
-            offsets.append(offset)
-            offset += len(s)
+        answer; a prompt token's top without alternatives asked is itself), then the generated ones; text offsets
+        from the start of the echoed prompt."""
+        out = self._completion_logprobs(zip(prompt_ids, prompt, strict=True), 0, chosen_if_no_top=True)
         rest = self.completion_logprobs(items, generated_offset)
-        return CompletionLogprobs([*tokens, *rest.tokens], [*lps, *rest.token_logprobs],
-                                  [*tops, *rest.top_logprobs], [*offsets, *rest.text_offset])
+        return CompletionLogprobs([*out.tokens, *rest.tokens], [*out.token_logprobs, *rest.token_logprobs],
+                                  [*out.top_logprobs, *rest.top_logprobs], [*out.text_offset, *rest.text_offset])
 
     def completion_logprobs(self, items: list[TokenLogprob], offset: int) -> CompletionLogprobs:
-        tokens: list[str] = []
-        lps: list[float | None] = []
-        tops: list[dict[str, float] | None] = []
-        offsets: list[int] = []
-        for lp in items:
-            s = self.token_str(lp.token_id)
-            tokens.append(s)
-            lps.append(lp.logprob)
-            tops.append({self.token_str(t): v for t, v in lp.top})
-            offsets.append(offset)
+        return self._completion_logprobs(((lp.token_id, lp) for lp in items), offset, chosen_if_no_top=False)
+
+    def _completion_logprobs(self, entries: Iterable[tuple[int, TokenLogprob | None]], offset: int,
+                             chosen_if_no_top: bool) -> CompletionLogprobs:
+        """(token id, its logprob or None) -> the legacy completions shape, text offsets from `offset`."""
+        out = CompletionLogprobs([], [], [], [])
+        for tok, lp in entries:
+            s = self.token_str(tok)
+            out.tokens.append(s)
+            out.text_offset.append(offset)
             offset += len(s)
-        return CompletionLogprobs(tokens, lps, tops, offsets)
+            if lp is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            top = {self.token_str(t): v for t, v in lp.top}
+            out.token_logprobs.append(lp.logprob)
+            out.top_logprobs.append(top or ({s: lp.logprob} if chosen_if_no_top else {}))
+        return out

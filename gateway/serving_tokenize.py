@@ -59,9 +59,7 @@ async def tokenize(request: web.Request) -> web.Response:
             assert req.prompt is not None
             ids = list(await model.encode_prompt(req.prompt)) if req.add_special_tokens else \
                 list(await model.encode_text(req.prompt))
-    nodes = st.pool.for_model(model.name)
-    max_len = min((n.info.max_model_len for n in nodes if n.info), default=None)
-    return web.json_response({"count": len(ids), "max_model_len": max_len, "tokens": ids},
+    return web.json_response({"count": len(ids), "max_model_len": _max_model_len(st, model.name), "tokens": ids},
                              headers=job.headers)
 
 
@@ -75,6 +73,11 @@ async def detokenize(request: web.Request) -> web.Response:
     job.check_chars(len(text), "tokens")
     return web.json_response({"prompt": text}, headers=job.headers)
 
+
+
+def _max_model_len(st, name: str) -> int | None:
+    """The context every healthy node of the model serves (the smallest), None while none is up."""
+    return min((n.info.max_model_len for n in st.pool.for_model(name) if n.info), default=None)
 
 
 def _only_model(st, tenant) -> str:
@@ -92,10 +95,9 @@ async def tokenizer_info(request: web.Request) -> web.Response:
     tenant = st.authenticate(request)
     model = pipeline.served_model(st, tenant, request.query.get("model") or _only_model(st, tenant))
     tok = model.tokenizer
-    nodes = st.pool.for_model(model.name)
-    max_len = min((n.info.max_model_len for n in nodes if n.info), default=None)
     pad = tok.config.get("pad_token")
     return web.json_response({"model": model.name, "eos_token": tok.eos_token, "bos_token": tok.bos_token,
-                              "pad_token": pad if isinstance(pad, str) else None, "model_max_length": max_len,
+                              "pad_token": pad if isinstance(pad, str) else None,
+                              "model_max_length": _max_model_len(st, model.name),
                               "add_bos_token": tok.add_bos, "vocab_size": tok.vocab_size,
                               "chat_template": tok.chat_template})

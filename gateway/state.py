@@ -103,8 +103,9 @@ class GatewayState:
         wanted = [w.lower() for w in (self.cfg.server.metrics_key_sha256, self.cfg.server.admin_key_sha256) if w]
         if any(hmac.compare_digest(digest, w) for w in wanted):
             return True
-        raise APIError(401, "invalid metrics key: per-tenant metrics need `Bearer <key>` with server.metrics_key_sha256's "
-                            "or server.admin_key_sha256's key; without a key /metrics shows the open series",
+        raise APIError(401, "invalid metrics key: per-tenant metrics need `Bearer <key>` with "
+                            "server.metrics_key_sha256's or server.admin_key_sha256's key; without a key /metrics "
+                            "shows the open series",
                        code="invalid_api_key")
 
     def reload_tenants(self) -> int:

@@ -199,9 +199,6 @@ _NAME = re.compile(r'^\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"(.*)$', re.S)
 _ARGS = re.compile(r'^\s*,\s*"arguments"\s*:\s*(.*)$', re.S)
 
 
-_NAME_SO_FAR = re.compile(r'^\s*(?:\{\s*(?:"(?:n(?:a(?:m(?:e(?:"\s*(?::\s*(?:"((?:[^"\\]|\\.)*))?)?)?)?)?)?)?)?)?$', re.S)
-
-
 def _partial_call(body: str, names: tuple[str, ...] = ()) -> FunctionCall | None:
     """A call max_tokens cut off: its name and the arguments' JSON text so far ("" if none yet). A name cut off
     (or not begun) counts when it can only be one of `names`."""
@@ -213,10 +210,8 @@ def _partial_call(body: str, names: tuple[str, ...] = ()) -> FunctionCall | None
     if m is not None:
         args = _ARGS.match(m.group(2))
         return FunctionCall(json.loads(f'"{m.group(1)}"'), args.group(1).rstrip() if args else "")
-    so_far = _NAME_SO_FAR.match(body)
-    if so_far is None:
-        return None
-    fits = [n for n in names if n.startswith(so_far.group(1) or "")]
+    # a forced call is compact JSON (ToolPlan.constraint): what was written is a prefix of {"name":"<function>"
+    fits = [n for n in names if json.dumps({"name": n}, separators=(",", ":")).startswith(body.strip())]
     return FunctionCall(fits[0], "") if len(fits) == 1 else None
 
 
@@ -267,8 +262,9 @@ class ToolCallParser:
         """The rest as content. A call cut off by max_tokens (reason "length", inside a call) with no complete call
         before it is kept as a tool call whose arguments are the partial JSON written so far, as OpenAI answers
         (finish "length", the partial call visible): never an empty answer; after complete calls (parallel calls)
-        the cut one is dropped (a client cannot run it). A call cut before its name is known stays as text. The start of a tag
-        cut off is dropped; an unterminated call at a natural stop is left as text (the model wrote it that way)."""
+        the cut one is dropped (a client cannot run it). A call cut before its name is known stays as text. The
+        start of a tag cut off is dropped; an unterminated call at a natural stop is left as text (the model wrote
+        it that way)."""
         if reason == "length" and self.inside:
             body, self.buf, self.inside = self.buf, "", False
             if self.calls:        # complete calls came before it: they are the answer, the cut one is dropped

@@ -36,12 +36,16 @@ def tenants_toml(api_key: str, tenant_id: str = "default") -> str:
             f"tokens_per_min = 200000\nmax_concurrent_streams = 16\n")
 
 
-def _write_new(path: Path, text: str, mode: int) -> None:
+def _write_new(path: Path, text: str) -> None:
+    """A new file (never over one) with the mode its contents need, whatever the umask: tenants.toml holds only key
+    hashes (0644: a container's own user reads it), the rest secrets (0600)."""
+    mode = 0o644 if path.name == "tenants.toml" else 0o600
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     except FileExistsError as e:
         raise GenSecretsError(f"{path} exists; not overwritten (remove it first to rotate every secret)") from e
+    os.fchmod(fd, mode)
     with os.fdopen(fd, "w") as f:
         f.write(text)
 
@@ -60,6 +64,5 @@ def generate(kind: str, root: Path) -> tuple[list[Path], str]:
         if path.exists():
             raise GenSecretsError(f"{path} exists; not overwritten (remove it first to rotate every secret)")
     for path, text in files:
-        _write_new(path, text, 0o644 if path.name == "tenants.toml" else 0o600)
-        os.chmod(path, 0o644 if path.name == "tenants.toml" else 0o600)     # whatever the umask
+        _write_new(path, text)
     return [p for p, _ in files], api_key

@@ -121,9 +121,10 @@ class EngineKVPort:
 
     def read_sealed(self, hashes: list[bytes]) -> tuple[list[tuple[bytes, CachedPage]], torch.Tensor | None]:
         """The leading pages of a chain this pool holds sealed, and their bodies (host uint8, one row each), for a
-        hand-off to another node; the run ends at the first page not held or whose parent is not the hash before it. With KV integrity on each page's bytes are checked against its sealed checksum
-        first (where "handoff_send"): a page that changed since it was sealed leaves the cache and ends the run,
-        so a corrupt page is never sent. (None, []) when the chain's first page is not held."""
+        hand-off to another node; the run ends at the first page not held or whose parent is not the hash before
+        it. With KV integrity on each page's bytes are checked against its sealed checksum first (where
+        "handoff_send"): a page that changed since it was sealed leaves the cache and ends the run, so a corrupt
+        page is never sent. (None, []) when the chain's first page is not held."""
         blocks = self.engine.blocks
         held: list[tuple[bytes, CachedPage]] = []
         for h in hashes:

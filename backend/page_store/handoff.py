@@ -121,7 +121,8 @@ class HandoffFailed(Exception):
 
 class HandoffCounters:
     """edgeinfer_backend_kv_handoff_pages_total{direction=sent|received|rejected} and
-    edgeinfer_backend_kv_handoff_pulls_total{outcome=ok|failed|timeout|refused} (with backend metrics); `stats` always."""
+    edgeinfer_backend_kv_handoff_pulls_total{outcome=ok|failed|timeout|refused} (with backend metrics); `stats`
+    always."""
 
     def __init__(self, model: str, metrics=None) -> None:
         self.model = model

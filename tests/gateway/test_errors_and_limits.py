@@ -1,4 +1,5 @@
-"""Status codes and OpenAI error bodies: 400/403/404/413/429/503 (no 422: OpenAI answers 400), rate limits in Redis and in-process."""
+"""Status codes and OpenAI error bodies: 400/403/404/413/429/503 (no 422: OpenAI answers 400), rate limits in
+Redis and in-process."""
 
 from __future__ import annotations
 

@@ -141,6 +141,29 @@ def test_split_output():
     assert content == "Sure." and calls[0].function.name == "f"
 
 
+def test_a_call_cut_off_by_max_tokens():
+    """Issue 54, item 7: a forced call max_tokens cut off is the partial call (finish "length"), never an empty
+    answer; a name cut off is completed when one function fits; after complete calls the cut one is dropped."""
+    def cut(text: str, names: tuple[str, ...] = ("get_weather",)):
+        content, calls = split_output(text, "length", names)
+        return content, [(c.function.name, c.function.arguments) for c in calls]
+
+    assert cut('<tool_call>\n{"name":"get_weather","arguments":{"city":"Pa') == \
+        (None, [("get_weather", '{"city":"Pa')])
+    assert cut('<tool_call>\n{"name":"get_weather","argu') == (None, [("get_weather", "")])
+    assert cut('<tool_call>\n{"name":"get_w') == (None, [("get_weather", "")])
+    assert cut('<tool_call>\n') == (None, [("get_weather", "")])
+    assert cut('<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool') == \
+        (None, [("get_weather", '{"city": "Paris"}')])                   # only the closing tag was cut
+    assert cut('<tool_call>\n{"na', ("get_weather", "get_time")) == ('<tool_call>\n{"na', [])   # two fit: text
+    two = '<tool_call>\n{"name":"get_weather","arguments":{}}\n</tool_call>\n<tool_call>\n{"name":"get_w'
+    assert cut(two) == (None, [("get_weather", "{}")])                    # the cut second call is dropped
+    s = ToolStream(("g",))
+    assert s.step('<tool_call>\n{"name":"g","arguments":{"x":', None) == (None, None, None)
+    content, deltas, reason = s.step("1", "length")
+    assert reason == "length" and [(d.function.name, d.function.arguments) for d in deltas] == [("g", '{"x":1')]
+
+
 def test_streamed_parser_splits_tags_across_chunks():
     text = 'Hi <tool_call>\n{"name": "f", "arguments": {"x": "</"}}\n</tool_call>'
     for size in (1, 2, 3, 7, len(text)):
