@@ -13,6 +13,7 @@ from edgeinfer.backend.engine.speculative import SPECULATIVE
 from edgeinfer.protocol.defaults import (
     CACHE_SEED,
     CACHE_SEED_ENV,
+    DEFAULT_KV_KLD_BUDGET,
     KEY_PREFIX,
     PAGE_SIZE,
     SERVE_OPTIONS,
@@ -42,6 +43,7 @@ class BackendConfig:
     expert_parallel: bool     # split the routed experts by rank instead of each expert's width
     page_size: int
     kv_dtype: str
+    kv_kld_budget: float      # nats of mean KLD vs fp32 KV that `--kv-dtype auto` allows (backend/quant/kv_gate.py)
     kv_cache_bytes: int
     num_pages: int | None
     max_num_seqs: int
@@ -137,10 +139,15 @@ def parse_args(argv: list[str] | None) -> BackendConfig:
                    help="with --tensor-parallel: split the routed experts by rank instead of each expert's width")
     p.add_argument("--device", default="cpu")
     p.add_argument("--page-size", type=int, default=PAGE_SIZE)
-    p.add_argument("--kv-dtype", default="fp8_e4m3", choices=["auto", "fp32", "bf16", "fp16", "fp8_e4m3"],
-                   help="KV pages' dtype (default fp8_e4m3: a scale per token-head, q and k Hadamard-rotated; 3.9x "
-                        "the tokens of fp32 in the same bytes, 4k perplexity 1.0009x fp32's on the default model; "
-                        "auto: the model's dtype)")
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16", "fp8_e4m3", "int8"],
+                   help="KV pages' dtype (default auto: at a model's first start int8, fp8_e4m3 and bf16 are each "
+                        "measured against fp32 KV, by KL divergence on a calibration text, and the most compact "
+                        "within --kv-kld-budget is served; on the default model that is int8: a scale per "
+                        "token-head, q and k Hadamard-rotated, 3.9x the tokens of fp32 in the same bytes; "
+                        "docs/QUANTIZATION.md). A named dtype is served as named, its measured cost logged")
+    p.add_argument("--kv-kld-budget", type=float, default=DEFAULT_KV_KLD_BUDGET,
+                   help=f"mean KL divergence from fp32 KV (nats per token) that --kv-dtype auto may cost (default "
+                        f"{DEFAULT_KV_KLD_BUDGET}; 0: measure nothing, auto serves fp32)")
     p.add_argument("--kv-cache-bytes", type=int, default=512 << 20,
                    help="KV pool budget (default 512 MiB: 45k tokens of fp8 KV for the default model, 11.6k of fp32); "
                         "memory becomes resident as pages are first used")
@@ -286,6 +293,8 @@ def parse_args(argv: list[str] | None) -> BackendConfig:
             bad(dest, expected)
     if not (0.0 <= args.kv_verify_fraction <= 1.0):
         bad("kv_verify_fraction", "a fraction 0 <= f <= 1")
+    if not (0 <= args.kv_kld_budget < finite):
+        bad("kv_kld_budget", "a finite number of nats >= 0 (0: measure nothing)")
     _check_secrets(p, args, argv)
     if args.start_drained and not args.operator_key:
         p.error("--start-drained needs --operator-key (or EDGEINFER_OPERATOR_KEY): without it the node could "

@@ -24,7 +24,7 @@ import socket
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,8 @@ from edgeinfer.backend.engine.engine import LLMEngine, RequestError
 from edgeinfer.backend.engine.kv_faults import refuse_in_production
 from edgeinfer.backend.metrics import BackendMetrics
 from edgeinfer.backend.node_config import VERSION, BackendConfig, parse_args
+from edgeinfer.backend.quant import kv_gate
+from edgeinfer.backend.quant.kv_gate import log_decision
 from edgeinfer.backend.tracing import RequestTraces
 from edgeinfer.protocol import observability as obs
 from edgeinfer.protocol.page_id import HASH_BYTES
@@ -69,6 +71,7 @@ class BackendState:
     parallel_node: object | None = None   # backend.parallel.node.Node of a --tensor-parallel node (rank 0)
     role: str = "both"                    # --role: prefill | decode | both (docs/DISAGGREGATION.md)
     traces: RequestTraces | None = None   # set when tracing is on (protocol/observability.py)
+    kv_gate: dict | None = None           # the KV format decision and its measurements (backend/quant/kv_gate.py)
 
 
 STATE = web.AppKey("state", BackendState)
@@ -269,7 +272,7 @@ def backend_info(st: BackendState) -> BackendInfo:
     e = st.engine
     return BackendInfo(node_id=st.node_id, model=e.model_name, model_fingerprint=e.fingerprint,
                        kv_format=e.kv_format, page_size=e.cfg.page_size, max_model_len=e.max_model_len,
-                       version=st.version, state=st.state, role=st.role)
+                       version=st.version, state=st.state, role=st.role, kv_gate=st.kv_gate)
 
 
 async def info(request: web.Request) -> web.Response:
@@ -408,6 +411,25 @@ def release_free_heap() -> int:
         return -1
 
 
+def _kv_chooser(cfg: BackendConfig, out: list):
+    """load_engine's kv_chooser: the measured gate's decision for this model (appended to `out`)."""
+    def choose(model, tokenizer, model_dir: Path, fingerprint: str) -> str:
+        d = kv_gate.decide(model, tokenizer, model_dir, fingerprint, cfg.kv_dtype, cfg.kv_kld_budget)
+        out.append(d)
+        return d.served
+    return choose
+
+
+def _decide_kv_for_dir(model_dir: Path, dtype, cfg: BackendConfig, out: list) -> str:
+    from edgeinfer.backend.engine.loading import model_fingerprint
+    from edgeinfer.backend.model.loader import load_model
+    from edgeinfer.protocol.tokenizer import Tokenizer
+
+    model = load_model(model_dir, dtype=dtype, device=cfg.device)
+    tok = Tokenizer.from_dir(model_dir, model_vocab_size=model.cfg.vocab_size)
+    return _kv_chooser(cfg, out)(model, tok, model_dir, model_fingerprint(model_dir))
+
+
 def build_state(cfg: BackendConfig) -> BackendState:
     import torch
 
@@ -418,25 +440,30 @@ def build_state(cfg: BackendConfig) -> BackendState:
     model_dir = Path(cfg.model) if cfg.model else in_fresh_thread(ensure_native_default_model)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
     node = None
+    gate: list[kv_gate.GateDecision] = []
     if cfg.tensor_parallel > 1:
         if cfg.device != "cpu":
             raise ValueError(f"--tensor-parallel {cfg.tensor_parallel} runs on the CPU (gloo) here; got --device "
                              f"{cfg.device}")
         from edgeinfer.backend.parallel.node import load_parallel_engine
 
-        engine, node = load_parallel_engine(model_dir, cfg.engine_config(), cfg.tensor_parallel, cfg.expert_parallel,
-                                            cfg.dtype, cfg.model_name)
+        # the gate measures in this process on its own load of the model (a first start only: then the cache)
+        kv = in_fresh_thread(_decide_kv_for_dir, model_dir, dtype, cfg, gate)
+        engine, node = load_parallel_engine(model_dir, replace(cfg.engine_config(), kv_dtype=kv),
+                                            cfg.tensor_parallel, cfg.expert_parallel, cfg.dtype, cfg.model_name)
     else:
         if cfg.expert_parallel:
             raise ValueError("--expert-parallel needs --tensor-parallel N with N > 1")
         engine = load_engine(model_dir, cfg.engine_config(), dtype=dtype, device=cfg.device,
-                             model_name=cfg.model_name)
+                             model_name=cfg.model_name, kv_chooser=_kv_chooser(cfg, gate))
     release_free_heap()
+    if gate:
+        log_decision(gate[0], engine.model_name)
     node_id = cfg.node_id or f"{socket.gethostname()}-{cfg.port}-{uuid.uuid4().hex[:6]}"
     m = BackendMetrics(engine.model_name)
     engine.observers.append(m)
     m.set_memory(engine)
-    st = BackendState(engine=engine, metrics=m, node_id=node_id, version=cfg.version, parallel_node=node,
+    st = BackendState(engine=engine, metrics=m, node_id=node_id, kv_gate=gate[0].report() if gate else None, version=cfg.version, parallel_node=node,
                       operator_key=cfg.operator_key, internal_secret=cfg.internal_secret,
                       url=(cfg.advertise_url or f"http://{cfg.host}:{cfg.port}").rstrip("/"),
                       keepalive_s=cfg.keepalive_s or None, max_queue_wait_s=cfg.max_queue_wait_s or None,

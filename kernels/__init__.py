@@ -18,8 +18,8 @@ Every op except kv_store also accepts out= (written and returned). EDGEINFER_KER
 forces the Triton kernels (on CPU only under TRITON_INTERPRET=1). Details: docs/KERNELS.md.
 
 Layouts (shape comments are the contract):
-  k_cache, v_cache: [num_pages, page_size, kv_heads, head_dim]  (fp32/fp16/bf16, or float8_e4m3fn)
-  k_scale, v_scale: [num_pages, page_size, kv_heads] float32 or bfloat16 (only with fp8 caches: per token-head)
+  k_cache, v_cache: [num_pages, page_size, kv_heads, head_dim]  (fp32/fp16/bf16, or float8_e4m3fn / int8)
+  k_scale, v_scale: [num_pages, page_size, kv_heads] float32 or bfloat16 (only with fp8/int8 caches: per token-head)
   slot_mapping:     [T] int64, slot = page * page_size + offset; -1 = skip this row
   block_tables:     [B, max_pages] int32 (padding entries are ignored beyond context_lens)
   context_lens:     [B] int32, tokens in the cache for each sequence (for prefill: including the new ones)

@@ -83,9 +83,9 @@ def check_tensor(name: str, t, *, dtypes=None, ndim=None, contiguous=False, devi
 
 
 def check_fp8_scale(name: str, scale, cache: torch.Tensor) -> None:
-    # scale: [num_pages, page_size, kv_heads] float32 or bfloat16, beside a float8_e4m3fn cache
+    # scale: [num_pages, page_size, kv_heads] float32 or bfloat16, beside a float8_e4m3fn or int8 cache
     if scale is None:
-        raise ValueError(f"{name} is required with a float8_e4m3fn cache")
+        raise ValueError(f"{name} is required with a {cache.dtype} cache")
     check_tensor(name, scale, dtypes=(torch.float32, torch.bfloat16), ndim=3, contiguous=True, device=cache.device)
     if scale.shape != cache.shape[:3]:
         raise ValueError(f"{name} shape {tuple(scale.shape)} != [num_pages, page_size, kv_heads] = "

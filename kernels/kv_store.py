@@ -1,6 +1,7 @@
 """kv_store: scatter new K/V rows into their cache pages through a slot mapping.
 
-FP8 (e4m3fn) caches get a scale per (token, kv head) = amax(|row|) / 448, computed and applied
+Quantized caches (QUANT_DTYPES: FP8 e4m3fn, INT8) get a scale per (token, kv head) = amax(|row|) / qmax
+(448 for e4m3, 127 for int8: symmetric, round half to even, clamped to +-127), computed and applied
 in the kernel, stored as float32 or bfloat16 (the dtype of the scale tensor; bf16 scales cost 2 bytes
 instead of 4 per head and token; the scale is rounded to bf16 first and the row quantized with that
 rounded scale, so dequantization uses exactly the scale the row was quantized with). The round-to-nearest-even onto the e4m3 grid is done in fp32
@@ -18,24 +19,58 @@ from edgeinfer.kernels._triton import check, check_fp8_scale, check_tensor, jit,
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+INT8 = torch.int8
+INT8_MAX = 127.0
 MIN_AMAX = 1e-8  # an all-zero row gets a tiny scale instead of a division by zero
 ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-CACHE_DTYPES = (*ACT_DTYPES, FP8)
+QUANT_DTYPES = (FP8, INT8)   # a scale per (token, kv head) beside the values
+CACHE_DTYPES = (*ACT_DTYPES, *QUANT_DTYPES)
+QMAX = {FP8: FP8_MAX, INT8: INT8_MAX}
+
+
+def quantized(dtype: torch.dtype) -> bool:
+    return dtype in QUANT_DTYPES
+
+
+def _amax_scale(x: torch.Tensor, qmax: float, dtype: torch.dtype) -> torch.Tensor:
+    # x: [..., head_dim] -> [...] in `dtype` (bf16: round to nearest even)
+    return (x.float().abs().amax(-1).clamp(min=MIN_AMAX) / qmax).to(dtype)
 
 
 def fp8_scale(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    # x: [..., head_dim] -> [...] in `dtype` (bf16: round to nearest even)
-    return (x.float().abs().amax(-1).clamp(min=MIN_AMAX) / FP8_MAX).to(dtype)
+    return _amax_scale(x, FP8_MAX, dtype)
+
+
+def int8_scale(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return _amax_scale(x, INT8_MAX, dtype)
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    # [num_pages, page_size, ...] -> [num_pages * page_size, ...] view; fp8 as raw bytes (index_copy_ has no fp8)
-    t = t.flatten(0, 1)
+def quantize_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    # torch.round: half to even; the bf16-rounded scale can put amax a hair past 127, hence the clamp
+    return (x.float() / scale[..., None]).round().clamp(-INT8_MAX, INT8_MAX).to(INT8)
+
+
+def quantize_rows(x: torch.Tensor, cache_dtype: torch.dtype, scale_dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., head_dim] -> (values in cache_dtype, scale [...] in scale_dtype), as every store path quantizes:
+    the scale rounded to its dtype first, the row quantized with that rounded scale."""
+    s = _amax_scale(x, QMAX[cache_dtype], scale_dtype)
+    q = quantize_fp8(x, s.float()) if cache_dtype == FP8 else quantize_int8(x, s.float())
+    return q, s
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    # fp8 as raw bytes (index_copy_ / index_select have no fp8 on CPU)
     return t.view(torch.uint8) if t.dtype == FP8 else t
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    # [num_pages, page_size, ...] -> [num_pages * page_size, ...] view
+    return _raw(t.flatten(0, 1))
 
 
 def _kept(slot_mapping: torch.Tensor) -> torch.Tensor | None:
@@ -58,16 +93,16 @@ def kv_store_reference(key, value, k_cache, v_cache, slot_mapping, k_scale=None,
     for src, cache, scale in ((k_src, k_cache, k_scale), (v_src, v_cache, v_scale)):
         if not cache.is_contiguous() or (scale is not None and not scale.is_contiguous()):
             pages, offs = slots // cache.shape[1], slots % cache.shape[1]   # a flat view would be a copy
-            if cache.dtype == FP8:
-                s = fp8_scale(src, scale.dtype)
-                cache[pages, offs] = quantize_fp8(src, s.float())
+            if quantized(cache.dtype):
+                q, s = quantize_rows(src, cache.dtype, scale.dtype)
+                cache[pages, offs] = q
                 scale[pages, offs] = s
             else:
                 cache[pages, offs] = src.to(cache.dtype)
             continue
-        if cache.dtype == FP8:
-            s = fp8_scale(src, scale.dtype)
-            _rows(cache).index_copy_(0, slots, quantize_fp8(src, s.float()).view(torch.uint8))
+        if quantized(cache.dtype):
+            q, s = quantize_rows(src, cache.dtype, scale.dtype)
+            _rows(cache).index_copy_(0, slots, _raw(q))
             _rows(scale).index_copy_(0, slots, s)
         else:
             _rows(cache).index_copy_(0, slots, src.to(cache.dtype))
@@ -103,7 +138,8 @@ def _store_row(src_ptr, cache_ptr, scale_ptr, tok, page, off, valid,
                stride_cp, stride_co, stride_ch, stride_cd,
                stride_qp, stride_qo, stride_qh,
                kv_heads, head_dim,
-               BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr, SCALE_BF16: tl.constexpr):
+               BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr, SCALE_BF16: tl.constexpr,
+               IS_INT8: tl.constexpr):
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     heads = tl.where(valid, kv_heads, 0)  # a skipped row (slot -1) masks every head
@@ -113,12 +149,18 @@ def _store_row(src_ptr, cache_ptr, scale_ptr, tok, page, off, valid,
     if QUANT:
         x = x.to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-8)
-        scale = tl.math.div_rn(amax, 448.0)
+        qmax = 127.0 if IS_INT8 else 448.0
+        scale = tl.math.div_rn(amax, qmax)
         if SCALE_BF16:
             scale = _round_to_bf16(scale)
         y = tl.math.div_rn(x, scale[:, None])
-        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-        tl.store(dst, _round_to_e4m3(y).to(cache_ptr.dtype.element_ty), mask=mask)
+        y = tl.minimum(tl.maximum(y, -qmax), qmax)
+        if IS_INT8:
+            # |y| <= 127: adding 1.5 * 2**23 rounds to the nearest integer, ties to even (fp32 add), exactly
+            y = (y + 12582912.0) - 12582912.0
+        else:
+            y = _round_to_e4m3(y)
+        tl.store(dst, y.to(cache_ptr.dtype.element_ty), mask=mask)
         tl.store(scale_ptr + page * stride_qp + off * stride_qo + h * stride_qh, scale.to(scale_ptr.dtype.element_ty),
                  mask=h < heads)
     else:
@@ -132,7 +174,7 @@ def _kv_store_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, 
                      stride_qp, stride_qo, stride_qh,
                      page_size, kv_heads, head_dim,
                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr,
-                     SCALE_BF16: tl.constexpr):
+                     SCALE_BF16: tl.constexpr, IS_INT8: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok)
     valid = slot >= 0
@@ -141,10 +183,10 @@ def _kv_store_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, 
     off = slot % page_size
     _store_row(key_ptr, k_cache_ptr, k_scale_ptr, tok, page, off, valid,
                stride_st, stride_sh, stride_sd, stride_cp, stride_co, stride_ch, stride_cd,
-               stride_qp, stride_qo, stride_qh, kv_heads, head_dim, BLOCK_H, BLOCK_D, QUANT, SCALE_BF16)
+               stride_qp, stride_qo, stride_qh, kv_heads, head_dim, BLOCK_H, BLOCK_D, QUANT, SCALE_BF16, IS_INT8)
     _store_row(value_ptr, v_cache_ptr, v_scale_ptr, tok, page, off, valid,
                stride_st, stride_sh, stride_sd, stride_cp, stride_co, stride_ch, stride_cd,
-               stride_qp, stride_qo, stride_qh, kv_heads, head_dim, BLOCK_H, BLOCK_D, QUANT, SCALE_BF16)
+               stride_qp, stride_qo, stride_qh, kv_heads, head_dim, BLOCK_H, BLOCK_D, QUANT, SCALE_BF16, IS_INT8)
 
 
 def _check(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
@@ -162,11 +204,12 @@ def _check(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None
           f"[num_pages, page_size, kv_heads, head_dim] = {tuple(k_cache.shape)}")
     check(slot_mapping.shape[0] == key.shape[0],
           lambda: f"slot_mapping has {slot_mapping.shape[0]} slots for {key.shape[0]} tokens")
-    if k_cache.dtype == FP8:
+    if quantized(k_cache.dtype):
         check_fp8_scale("k_scale", k_scale, k_cache)
         check_fp8_scale("v_scale", v_scale, k_cache)
     else:
-        check(k_scale is None and v_scale is None, lambda: f"k_scale/v_scale are only for fp8 caches, cache is {k_cache.dtype}")
+        check(k_scale is None and v_scale is None,
+              lambda: f"k_scale/v_scale are only for fp8/int8 caches, cache is {k_cache.dtype}")
 
 
 def kv_store_triton(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
@@ -175,13 +218,13 @@ def kv_store_triton(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_
     tokens, kv_heads, head_dim = key.shape
     if tokens == 0:
         return
-    quant = k_cache.dtype == FP8
+    quant = quantized(k_cache.dtype)
     scale_strides = k_scale.stride() if quant else (0, 0, 0)
     _kv_store_kernel[(tokens,)](
         key, value, k_cache, v_cache, k_scale if quant else k_cache, v_scale if quant else v_cache, slot_mapping,
         *key.stride(), *k_cache.stride(), *scale_strides,
         k_cache.shape[1], kv_heads, head_dim,
         BLOCK_H=next_pow2(kv_heads), BLOCK_D=next_pow2(head_dim), QUANT=quant,
-        SCALE_BF16=quant and k_scale.dtype == torch.bfloat16,
+        SCALE_BF16=quant and k_scale.dtype == torch.bfloat16, IS_INT8=k_cache.dtype == INT8,
     )
 

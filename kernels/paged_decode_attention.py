@@ -1,8 +1,8 @@
-"""paged_decode_attention: one query token per sequence against its paged K/V (GQA, FP8).
+"""paged_decode_attention: one query token per sequence against its paged K/V (GQA, FP8/INT8 pages).
 
 The kernel runs one program per (sequence, kv head, context split): the GQA group of query
 heads shares every K/V tile it loads; each tile is folded in by kernels/_online_softmax.py
-(shared with the prefill kernel). FP8 pages are multiplied by their per-token scales
+(shared with the prefill kernel). FP8 and INT8 pages are multiplied by their per-token scales
 after the dot products (scores * k_scale, probabilities * v_scale), so dequantization
 costs one vector multiply per tile. Long contexts are split over programs (split-K) and
 merged by a second pass from each split's running max, sum and unnormalized output.
@@ -26,17 +26,15 @@ from edgeinfer.kernels._triton import (
     tl,
     upcast_dot,
 )
+from edgeinfer.kernels.kv_store import CACHE_DTYPES, _raw, quantized
 
-FP8 = torch.float8_e4m3fn
 ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the extra parallelism
 
 
 def _select(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-    if cache.dtype == FP8:
-        return cache.view(torch.uint8).index_select(0, pages).view(FP8)
-    return cache.index_select(0, pages)
+    return _raw(cache).index_select(0, pages).view(cache.dtype)
 
 
 def page_index(block_tables, context_lens, num_tokens: int, page_size: int) -> torch.Tensor:
@@ -170,8 +168,8 @@ def _decode_reduce_kernel(out_ptr, m_ptr, l_ptr, acc_ptr, head_dim, stride_ob, s
 def check_paged_kv(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale) -> None:
     check_tensor("q", q, dtypes=ACT_DTYPES, ndim=3)
     dev = q.device
-    check_tensor("k_cache", k_cache, dtypes=(*ACT_DTYPES, FP8), ndim=4, contiguous=True, device=dev)
-    check_tensor("v_cache", v_cache, dtypes=(*ACT_DTYPES, FP8), ndim=4, contiguous=True, device=dev)
+    check_tensor("k_cache", k_cache, dtypes=CACHE_DTYPES, ndim=4, contiguous=True, device=dev)
+    check_tensor("v_cache", v_cache, dtypes=CACHE_DTYPES, ndim=4, contiguous=True, device=dev)
     check_tensor("block_tables", block_tables, dtypes=(torch.int32,), ndim=2, device=dev)
     check(block_tables.stride(1) == 1, lambda: f"block_tables must be contiguous along pages, got strides {block_tables.stride()}")
     check_tensor("context_lens", context_lens, dtypes=(torch.int32,), ndim=1, contiguous=True, device=dev)
@@ -183,12 +181,14 @@ def check_paged_kv(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_s
     check(k_cache.shape[3] == head_dim, lambda: f"q head_dim = {head_dim} != k_cache head_dim = {k_cache.shape[3]}")
     check(context_lens.shape[0] == block_tables.shape[0],
           lambda: f"context_lens has {context_lens.shape[0]} sequences, block_tables has {block_tables.shape[0]}")
-    if k_cache.dtype == FP8:
+    if quantized(k_cache.dtype):
         check_fp8_scale("k_scale", k_scale, k_cache)
         check_fp8_scale("v_scale", v_scale, k_cache)
     else:
-        check(k_cache.dtype == q.dtype, lambda: f"k_cache dtype {k_cache.dtype} != q dtype {q.dtype} (only fp8 caches convert)")
-        check(k_scale is None and v_scale is None, lambda: f"k_scale/v_scale are only for fp8 caches, cache is {k_cache.dtype}")
+        check(k_cache.dtype == q.dtype,
+              lambda: f"k_cache dtype {k_cache.dtype} != q dtype {q.dtype} (only fp8/int8 caches convert)")
+        check(k_scale is None and v_scale is None,
+              lambda: f"k_scale/v_scale are only for fp8/int8 caches, cache is {k_cache.dtype}")
 
 
 def check_block(name: str, n: int) -> None:
@@ -229,7 +229,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_len
         num_splits = pick_num_splits(batch, kv_heads, max_tokens, block_n, q.device)
     check(num_splits >= 1, lambda: f"num_splits must be >= 1, got {num_splits}")
     split_size = cdiv(cdiv(max(max_tokens, 1), num_splits), block_n) * block_n
-    quant = k_cache.dtype == FP8
+    quant = quantized(k_cache.dtype)
     if num_splits > 1:
         m = torch.empty((batch, heads, num_splits), dtype=torch.float32, device=q.device)
         lsum = torch.empty_like(m)

@@ -2,7 +2,7 @@
 
 The cache holds per token one row of D = kv_lora_rank + qk_rope_head_dim values (576 for Kimi K2): the normalized
 latent c (kv_lora_rank) then the rotated shared rope key k_pe. Layout `[num_pages, page_size, 1, D]` (one "kv
-head"), in fp32/bf16/fp16 or fp8 e4m3 with one scale per token row `[num_pages, page_size, 1]` (bf16 or fp32).
+head"), in fp32/bf16/fp16, or fp8 e4m3 / int8 with one scale per token row `[num_pages, page_size, 1]` (bf16 or fp32).
 
   mla_latent_store(latent [T, D], cache, slot_mapping [T] int64 (-1: skip), scale=None) -> None
   paged_mla_decode_attention(q [B, H, D], cache, block_tables [B, W] int32, context_lens [B] int32, sm_scale,
@@ -31,7 +31,7 @@ from edgeinfer.kernels._triton import (
     tl,
     upcast_dot,
 )
-from edgeinfer.kernels.kv_store import FP8, _kept, _rows, fp8_scale, quantize_fp8
+from edgeinfer.kernels.kv_store import FP8, _kept, _raw, _rows, quantize_rows, quantized
 from edgeinfer.kernels.paged_decode_attention import dot_precision, gather_index, page_index
 
 LOG2E = 1.4426950408889634
@@ -40,20 +40,20 @@ ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def mla_latent_store(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
                      scale: torch.Tensor | None = None) -> None:
-    # latent: [T, D] -> cache rows (flat slot = page * page_size + offset); fp8: per-row scale amax / 448
+    # latent: [T, D] -> cache rows (flat slot = page * page_size + offset); fp8/int8: per-row scale amax / qmax
     check_tensor("latent", latent, ndim=2)
     check_tensor("cache", cache, ndim=4, contiguous=True, device=latent.device)
     check(cache.shape[2] == 1 and cache.shape[3] == latent.shape[1],
           lambda: f"cache {tuple(cache.shape)} must be [pages, page_size, 1, {latent.shape[1]}]")
-    check((cache.dtype == FP8) == (scale is not None),
-          lambda: f"a scale goes with an fp8 cache and only then (cache {cache.dtype}, scale {scale is not None})")
+    check(quantized(cache.dtype) == (scale is not None),
+          lambda: f"a scale goes with an fp8/int8 cache and only then (cache {cache.dtype}, scale {scale is not None})")
     keep = _kept(slot_mapping)
     slots, src = (slot_mapping, latent) if keep is None else (slot_mapping[keep], latent[keep])
     rows = src[:, None, :]                                  # [T, 1, D], the pool's row shape
-    if cache.dtype == FP8:
+    if quantized(cache.dtype):
         assert scale is not None
-        s = fp8_scale(rows, scale.dtype)                     # [T, 1]
-        _rows(cache).index_copy_(0, slots, quantize_fp8(rows, s.float()).view(torch.uint8))
+        q, s = quantize_rows(rows, cache.dtype, scale.dtype)   # s: [T, 1]
+        _rows(cache).index_copy_(0, slots, _raw(q))
         _rows(scale).index_copy_(0, slots, s)
     else:
         _rows(cache).index_copy_(0, slots, rows.to(cache.dtype))
@@ -78,9 +78,9 @@ def _check(q, cache, block_tables, context_lens, v_dim, scale) -> None:
     check(block_tables.shape[0] == b and context_lens.shape[0] == b,
           lambda: f"block_tables {tuple(block_tables.shape)} and context_lens {tuple(context_lens.shape)} must "
                   f"have one row per sequence ({b})")
-    if cache.dtype == FP8:
+    if quantized(cache.dtype):
         check(scale is not None and tuple(scale.shape) == tuple(cache.shape[:3]) and scale.is_contiguous(),
-              lambda: f"an fp8 cache needs a contiguous scale {tuple(cache.shape[:3])}, got "
+              lambda: f"an fp8/int8 cache needs a contiguous scale {tuple(cache.shape[:3])}, got "
                       f"{None if scale is None else tuple(scale.shape)}")
 
 
@@ -159,9 +159,9 @@ def paged_mla_decode_attention_triton(q, cache, block_tables, context_lens, sm_s
     out = torch.empty((b, h, v_dim), dtype=q.dtype, device=q.device)
     if b == 0:
         return out
-    quant = cache.dtype == FP8
+    quant = quantized(cache.dtype)
     block_h = max(16, min(64, next_pow2(h)))
-    cache_view = cache.view(torch.uint8).view(FP8) if quant else cache
+    cache_view = cache.view(torch.uint8).view(FP8) if cache.dtype == FP8 else cache
     _mla_decode_kernel[(b, cdiv(h, block_h))](
         q, cache_view, scale if quant else cache, block_tables, context_lens, out,
         sm_scale * LOG2E, cache.shape[1], h, d, v_dim,

@@ -13,8 +13,8 @@ import torch
 
 from edgeinfer.kernels._online_softmax import online_softmax_tile
 from edgeinfer.kernels._triton import cdiv, check, check_tensor, jit, next_pow2, tl, upcast_dot
+from edgeinfer.kernels.kv_store import quantized
 from edgeinfer.kernels.paged_decode_attention import (
-    FP8,
     LOG2E,
     _compute_dtype,
     check_block,
@@ -116,7 +116,7 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens
         return out
     tokens, heads, head_dim = q.shape
     kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
-    quant = k_cache.dtype == FP8
+    quant = quantized(k_cache.dtype)
     grid = (cdiv(max_seqlen_q, block_m), batch, heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, k_scale if quant else k_cache, v_scale if quant else v_cache,

@@ -14,6 +14,7 @@ CACHE_SEED_ENV = "EDGEINFER_CACHE_SEED"   # deployment secret mixed into every p
 CACHE_SEED = "edgeinfer-dev-seed"         # used when neither the flag/config nor the env var sets one
 KEY_PREFIX = "ei"                         # prefix of every Redis key (cache_store/keys.py)
 PAGE_SIZE = 16                            # tokens per KV page, and per hashed page
+DEFAULT_KV_KLD_BUDGET = 0.002             # nats: what `--kv-dtype auto` may cost (backend/quant/kv_gate.py)
 
 
 def home_dir():
@@ -44,7 +45,7 @@ SERVE_OPTIONS = frozenset({
     "valkey_maxmemory", "allow_public_demo_key"})
 BACKEND_OPTIONS = frozenset({
     "model", "model_name", "host", "port", "advertise_url", "node_id", "dtype", "tensor_parallel", "expert_parallel",
-    "device", "page_size", "kv_dtype", "kv_cache_bytes", "num_pages", "max_num_seqs", "max_num_batched_tokens",
+    "device", "page_size", "kv_dtype", "kv_kld_budget", "kv_cache_bytes", "num_pages", "max_num_seqs", "max_num_batched_tokens",
     "max_model_len", "max_queue_wait_s", "keepalive_s", "no_prefix_cache", "scheduler", "cache_eviction",
     "prefill_token_weight", "decode_token_weight", "priority_aging_steps", "no_fair_preemption",
     "no_prefill_isolation", "contended_step_tokens", "contended_step_ratio", "contended_window_s", "no_cuda_graphs",

@@ -176,6 +176,7 @@ class BackendInfo(msgspec.Struct):
     version: str
     state: str                         # "active" | "draining"
     role: str = "both"                 # "prefill" | "decode" | "both" (ROLES)
+    kv_gate: dict | None = None        # how kv_format was chosen, with its measured costs (backend/quant/kv_gate.py)
 
 
 encode = msgspec.json.encode

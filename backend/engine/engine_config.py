@@ -16,7 +16,7 @@ class EngineConfig:
     page_size: int = PAGE_SIZE
     kv_cache_bytes: int = 512 << 20         # KV budget (resident as pages are first used); ignored when num_pages is set
     num_pages: int | None = None
-    kv_dtype: str = "auto"                  # auto | fp32 | bf16 | fp16 | fp8_e4m3
+    kv_dtype: str = "auto"                  # auto (the model dtype) | fp32 | bf16 | fp16 | fp8_e4m3 | int8
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512       # chunked-prefill token budget per step
     max_model_len: int | None = None

@@ -1,9 +1,9 @@
 """The KV pool: its format, one KVFormat value (dtype, latent or K/V, scale dtype and layout, bytes per token),
 named as it travels (`KVFormat.ident`: `BackendInfo.kv_format`, page identity, the page header's `kv_dtype`); its
 allocation (allocate_pool, called by model_runner.ModelRunner): per layer k, v `[num_pages, page_size, kv_heads,
-head_dim]` and, for fp8 only, k_scale, v_scale `[num_pages, page_size, kv_heads]` in SCALE_DTYPE; for an MLA model
+head_dim]` and, for fp8/int8 only, k_scale, v_scale `[num_pages, page_size, kv_heads]` in SCALE_DTYPE; for an MLA model
 (`latent`) one tensor per layer, k = the latent rows `[num_pages, page_size, 1, kv_lora_rank + qk_rope_head_dim]`
-(v None) and for fp8 one scale per token row. Page bodies move in and out of the pool through the model's
+(v None) and for fp8/int8 one scale per token row. Page bodies move in and out of the pool through the model's
 PageIO (backend/model/batch.py; `ModelRunner.page_io`)."""
 
 from __future__ import annotations
@@ -20,15 +20,17 @@ from edgeinfer.backend.model.batch import LayerKV
 if TYPE_CHECKING:
     from edgeinfer.backend.model.model_config import ModelConfig
 
-KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn}
-SCALE_DTYPE = torch.bfloat16   # fp8 scales: 2 bytes per token-head (float32 would make fp8 only 1.88x of bf16)
+KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn,
+             "int8": torch.int8}
+SCALED = (torch.float8_e4m3fn, torch.int8)   # one scale per token-head (MLA: per token row) beside the values
+SCALE_DTYPE = torch.bfloat16   # 2 bytes per token-head (float32 would make fp8/int8 only 1.88x of bf16)
 
 
 @dataclass(frozen=True)
 class KVFormat:
     name: str                  # a KV_DTYPES key
     latent: bool = False       # MLA: one latent row per token and layer, no separate V
-    hadamard: bool = False     # fp8 K/V: q and k heads rotated by H / sqrt(head_dim) before k is stored
+    hadamard: bool = False     # fp8/int8 K/V: q and k heads rotated by H / sqrt(head_dim) before k is stored
 
     def __post_init__(self) -> None:
         if self.name not in KV_DTYPES:
@@ -36,8 +38,10 @@ class KVFormat:
 
     @classmethod
     def resolve(cls, name: str, model_dtype: torch.dtype, latent: bool = False, head_dim: int = 0) -> KVFormat:
-        """`auto`: the model's dtype. fp8 K/V pages of a power-of-two head_dim are Hadamard-rotated: measured
-        on the default model, the 4k perplexity over fp32 KV goes from 1.0094x to 1.0009x (docs/QUANTIZATION.md)."""
+        """`auto`: the model's dtype (a node's `--kv-dtype auto` is resolved before the engine by the measured
+        gate, backend/quant/kv_gate.py). fp8/int8 K/V pages of a power-of-two head_dim are Hadamard-rotated (K
+        only: q and k alike, so attention is unchanged): measured on the default model it takes fp8's 4k
+        perplexity over fp32 KV from 1.0094x to 1.0009x on one text (docs/QUANTIZATION.md)."""
         fmt = cls.of(model_dtype, latent) if name == "auto" else cls(name, latent)
         rotate = fmt.scaled and not latent and head_dim >= 2 and head_dim & (head_dim - 1) == 0
         return cls(fmt.name, latent, hadamard=True) if rotate else fmt
@@ -60,8 +64,8 @@ class KVFormat:
 
     @property
     def scaled(self) -> bool:
-        """fp8: one scale per token-head beside the values."""
-        return self.dtype == torch.float8_e4m3fn
+        """fp8/int8: one scale per token-head beside the values."""
+        return self.dtype in SCALED
 
     @property
     def scale_dtype(self) -> torch.dtype | None:

@@ -4,7 +4,10 @@ pool stays the only one), with the checkpoint's fingerprint (model_fingerprint: 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 import xxhash
@@ -52,14 +55,23 @@ def in_fresh_thread(fn, *args, **kwargs):
     return box["value"]
 
 
+# (model, tokenizer, model_dir, fingerprint) -> the KV dtype to build the engine with (server: the measured gate)
+KVChooser = Callable[[Any, Tokenizer, Path, str], str]
+
+
 def load_engine(model_dir: str | Path, cfg: EngineConfig | None = None, dtype: torch.dtype = torch.float32,
-                device: str = "cpu", model_name: str | None = None) -> LLMEngine:
-    """Load on a thread that exits (see in_fresh_thread): the engine thread's OpenMP pool stays the only one."""
-    return in_fresh_thread(_load_engine, model_dir, cfg, dtype, device, model_name)
+                device: str = "cpu", model_name: str | None = None, kv_chooser: KVChooser | None = None
+                ) -> LLMEngine:
+    """Load on a thread that exits (see in_fresh_thread): the engine thread's OpenMP pool stays the only one.
+    kv_chooser, when given, picks cfg.kv_dtype from the loaded model before the engine is built (one load)."""
+    return in_fresh_thread(_load_engine, model_dir, cfg, dtype, device, model_name, kv_chooser)
 
 
-def _load_engine(model_dir, cfg, dtype, device, model_name) -> LLMEngine:
+def _load_engine(model_dir, cfg, dtype, device, model_name, kv_chooser=None) -> LLMEngine:
     model_dir = Path(model_dir)
     model = load_model(model_dir, dtype=dtype, device=device, mtp=cfg is not None and cfg.speculative == "mtp")
     tok = Tokenizer.from_dir(model_dir, model_vocab_size=model.cfg.vocab_size)
-    return LLMEngine(model, tok, cfg, fingerprint=model_fingerprint(model_dir), model_name=model_name or model_dir.name)
+    fingerprint = model_fingerprint(model_dir)
+    if kv_chooser is not None:
+        cfg = replace(cfg or EngineConfig(), kv_dtype=kv_chooser(model, tok, model_dir, fingerprint))
+    return LLMEngine(model, tok, cfg, fingerprint=fingerprint, model_name=model_name or model_dir.name)

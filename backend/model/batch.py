@@ -25,14 +25,14 @@ class AttentionMetadata:
 class LayerKV:
     k: torch.Tensor                        # [num_pages, page_size, kv_heads, head_dim]; MLA: the latent rows
     v: torch.Tensor                        # MLA: None (its values are the latent's first kv_lora_rank columns)
-    k_scale: torch.Tensor | None = None    # [num_pages, page_size, kv_heads] (fp8 only)
+    k_scale: torch.Tensor | None = None    # [num_pages, page_size, kv_heads] (fp8/int8 only)
     v_scale: torch.Tensor | None = None
     hadamard: bool = False                 # q and k heads rotated before k is stored (kv_pool.KVFormat.hadamard)
 
 
 class PageIO:
     """Page bodies in and out of one process's KV pool: a page body is the page's bytes in every layer, k, v, then
-    the fp8 scales (an MLA pool: the latent and its scale), in layer order (backend/page_store/bridge.py names the
+    the fp8/int8 scales (an MLA pool: the latent and its scale), in layer order (backend/page_store/bridge.py names the
     layout). The engine reads and writes pages only through its model's PageIO (LlamaModel.page_io); a
     tensor-parallel node's spans its ranks (backend/parallel/node.py: world > 1). Engine thread only."""
 

@@ -1,12 +1,13 @@
 // CPU (AVX2/FMA/F16C) ops for the decode step between the GEMMs: paged decode attention reading the KV pool
-// directly (fp32/bf16/fp16 pages, or fp8 e4m3 pages dequantized in registers with their per-token scales),
+// directly (fp32/bf16/fp16 pages, or fp8 e4m3 / int8 pages dequantized in registers with their per-token scales),
 // rotary embedding + KV store in one pass over the fused qkv rows, residual add + RMSNorm, SiLU * up.
 // Threads: at::parallel_for over (sequence, kv head) / rows, serial when the work is small (a parallel region
 // on a loaded 2-core box costs more than a short attention).
 //
 // Layouts (the contract with kernels/cpu/attn.py and kernels/cpu/attn_reference.py):
 //   q            [B, H, D] fp32, D contiguous, D % 8 == 0
-//   k/v cache    [P, S, KVH, D] contiguous, fp32 | bf16 | fp16 | fp8 e4m3fn (fp8: k/v scale [P, S, KVH] bf16|fp32)
+//   k/v cache    [P, S, KVH, D] contiguous, fp32 | bf16 | fp16 | fp8 e4m3fn | int8 (fp8/int8: k/v scale [P, S, KVH]
+//                bf16|fp32)
 //   block_tables [B, W] int32, context_lens [B] int32
 //   qkv          [T, (H + 2 KVH) * D] fp32 rows (q heads, k heads, v heads), D even
 #include <ATen/ATen.h>
@@ -96,6 +97,21 @@ inline void fp8x16_scaled_down(const uint8_t* p, __m256& lo, __m256& hi) {
 
 constexpr float FP8_UNDO = 256.0f;   // the 2^8 the conversions above leave out
 
+// 16 int8 values -> fp32, exactly (sign-extended to 32 bits, converted)
+inline void i8x16(const uint8_t* p, __m256& lo, __m256& hi) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+}
+
+// a quantized row's 16 values as the fused loops read them: fp8 times 2^-8 (FP8_UNDO folded into the row's
+// factor), int8 as they are
+template <bool I8>
+inline void q8x16(const uint8_t* p, __m256& lo, __m256& hi) {
+  if constexpr (I8) i8x16(p, lo, hi);
+  else fp8x16_scaled_down(p, lo, hi);
+}
+
 // fp32 in [-448, 448] -> e4m3fn byte, round to nearest even (torch's float -> float8_e4m3fn on such values)
 inline uint8_t fp8_e4m3_encode(float y) {
   uint32_t u;
@@ -113,7 +129,7 @@ inline uint8_t fp8_e4m3_encode(float y) {
   return sign | static_cast<uint8_t>((e << 3) | ((b >> 20) & 7));
 }
 
-enum class Kind { F32, BF16, F16, FP8 };
+enum class Kind { F32, BF16, F16, FP8, I8 };
 
 Kind kind_of(const at::Tensor& t) {
   switch (t.scalar_type()) {
@@ -121,10 +137,13 @@ Kind kind_of(const at::Tensor& t) {
     case at::kBFloat16: return Kind::BF16;
     case at::kHalf: return Kind::F16;
     case at::kFloat8_e4m3fn: return Kind::FP8;
+    case at::kChar: return Kind::I8;
     default: TORCH_CHECK(false, "KV cache dtype ", t.scalar_type(), " is not one of float32, bfloat16, float16, "
-                         "float8_e4m3fn");
+                         "float8_e4m3fn, int8");
   }
 }
+
+inline bool quantized(Kind k) { return k == Kind::FP8 || k == Kind::I8; }
 
 inline float scale_at(const void* base, bool bf16, int64_t i) {
   if (!base) return 1.0f;
@@ -165,6 +184,15 @@ inline const float* load_row(const void* cache, Kind kind, int64_t row, int64_t 
       }
       return out;
     }
+    case Kind::I8: {
+      const int8_t* p = static_cast<const int8_t*>(cache) + row * d;
+      const __m256 s = _mm256_set1_ps(scale);
+      for (int64_t i = 0; i < d; i += 8) {
+        const __m256i w = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + i)));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtepi32_ps(w), s));
+      }
+      return out;
+    }
   }
   return out;
 }
@@ -176,11 +204,11 @@ void check_cache(const at::Tensor& c, const char* name) {
 }
 
 void check_scale(const std::optional<at::Tensor>& s, const at::Tensor& cache, const char* name) {
-  if (kind_of(cache) != Kind::FP8) {
-    TORCH_CHECK(!s.has_value(), name, " is only for fp8 caches, the cache is ", cache.scalar_type());
+  if (!quantized(kind_of(cache))) {
+    TORCH_CHECK(!s.has_value(), name, " is only for fp8/int8 caches, the cache is ", cache.scalar_type());
     return;
   }
-  TORCH_CHECK(s.has_value(), "an fp8 cache needs ", name);
+  TORCH_CHECK(s.has_value(), "an fp8/int8 cache needs ", name);
   TORCH_CHECK(s->is_contiguous() && s->dim() == 3 && s->size(0) == cache.size(0) && s->size(1) == cache.size(1) &&
               s->size(2) == cache.size(2), name, " must be contiguous [", cache.size(0), ", ", cache.size(1), ", ",
               cache.size(2), "], got shape ", s->sizes());
@@ -235,9 +263,9 @@ inline void pv(const float* p, const float* const* v, int64_t n, int64_t d0, flo
   for (int j = 0; j < NV; ++j) _mm256_storeu_ps(out + d0 + 8 * j, a[j]);
 }
 
-// dots for fp8 key rows: out[g * n + t] = hsum(q_g . k^_t) * f[t], k^ the row as fp8x16_scaled_down gives it and
-// f[t] its scale * 2^8 * sm_scale; two rows at a time (2 * GN independent FMA chains). head_dim % 16 == 0.
-template <int GN>
+// dots for fp8 / int8 key rows: out[g * n + t] = hsum(q_g . k^_t) * f[t], k^ the row as q8x16 gives it and
+// f[t] its scale (* 2^8 for fp8) * sm_scale; two rows at a time (2 * GN independent FMA chains). head_dim % 16 == 0.
+template <int GN, bool I8>
 inline void dots_fp8(const float* q, int64_t qsh, const uint8_t* const* k, const float* f, int64_t n, int64_t d,
                      float* out) {
   int64_t t = 0;
@@ -246,8 +274,8 @@ inline void dots_fp8(const float* q, int64_t qsh, const uint8_t* const* k, const
     for (int g = 0; g < GN; ++g) a[g] = c[g] = _mm256_setzero_ps();
     for (int64_t i = 0; i < d; i += 16) {
       __m256 x0, x1, y0, y1;
-      fp8x16_scaled_down(k[t] + i, x0, x1);
-      fp8x16_scaled_down(k[t + 1] + i, y0, y1);
+      q8x16<I8>(k[t] + i, x0, x1);
+      q8x16<I8>(k[t + 1] + i, y0, y1);
       for (int g = 0; g < GN; ++g) {
         const __m256 q0 = _mm256_loadu_ps(q + g * qsh + i), q1 = _mm256_loadu_ps(q + g * qsh + i + 8);
         a[g] = _mm256_fmadd_ps(q1, x1, _mm256_fmadd_ps(q0, x0, a[g]));
@@ -264,7 +292,7 @@ inline void dots_fp8(const float* q, int64_t qsh, const uint8_t* const* k, const
     for (int g = 0; g < GN; ++g) a[g] = _mm256_setzero_ps();
     for (int64_t i = 0; i < d; i += 16) {
       __m256 x0, x1;
-      fp8x16_scaled_down(k[t] + i, x0, x1);
+      q8x16<I8>(k[t] + i, x0, x1);
       for (int g = 0; g < GN; ++g) {
         const __m256 q0 = _mm256_loadu_ps(q + g * qsh + i), q1 = _mm256_loadu_ps(q + g * qsh + i + 8);
         a[g] = _mm256_fmadd_ps(q1, x1, _mm256_fmadd_ps(q0, x0, a[g]));
@@ -275,14 +303,14 @@ inline void dots_fp8(const float* q, int64_t qsh, const uint8_t* const* k, const
 }
 
 // out[g * osh + d0 : .. + 16] = sum_t w[g * n + t] * v^_t[d0 : d0 + 16] for GN heads: each fp8 value row converted
-// once for the whole group (w: a probability times the row's scale * 2^8)
-template <int GN>
+// once for the whole group (w: a probability times the row's scale (* 2^8 for fp8))
+template <int GN, bool I8>
 inline void pv_fp8(const float* w, int64_t n, const uint8_t* const* v, int64_t d0, float* out, int64_t osh) {
   __m256 a[GN][2];
   for (int g = 0; g < GN; ++g) a[g][0] = a[g][1] = _mm256_setzero_ps();
   for (int64_t t = 0; t < n; ++t) {
     __m256 x0, x1;
-    fp8x16_scaled_down(v[t] + d0, x0, x1);
+    q8x16<I8>(v[t] + d0, x0, x1);
     for (int g = 0; g < GN; ++g) {
       const __m256 wb = _mm256_set1_ps(w[g * n + t]);
       a[g][0] = _mm256_fmadd_ps(wb, x0, a[g][0]);
@@ -318,7 +346,19 @@ EI_AVX512 inline void fp8x32_scaled_down(const uint8_t* p, __m512& lo, __m512& h
   hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
 }
 
-template <int GN>
+EI_AVX512 inline void i8x32(const uint8_t* p, __m512& lo, __m512& hi) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+  hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+}
+
+template <bool I8>
+EI_AVX512 inline void q8x32(const uint8_t* p, __m512& lo, __m512& hi) {
+  if constexpr (I8) i8x32(p, lo, hi);
+  else fp8x32_scaled_down(p, lo, hi);
+}
+
+template <int GN, bool I8>
 EI_AVX512 inline void dots_fp8_512(const float* q, int64_t qsh, const uint8_t* const* k, const float* f, int64_t n,
                                    int64_t d, float* out) {
   int64_t t = 0;
@@ -327,8 +367,8 @@ EI_AVX512 inline void dots_fp8_512(const float* q, int64_t qsh, const uint8_t* c
     for (int g = 0; g < GN; ++g) a[g] = c[g] = _mm512_setzero_ps();
     for (int64_t i = 0; i < d; i += 32) {
       __m512 x0, x1, y0, y1;
-      fp8x32_scaled_down(k[t] + i, x0, x1);
-      fp8x32_scaled_down(k[t + 1] + i, y0, y1);
+      q8x32<I8>(k[t] + i, x0, x1);
+      q8x32<I8>(k[t + 1] + i, y0, y1);
       for (int g = 0; g < GN; ++g) {
         const __m512 q0 = _mm512_loadu_ps(q + g * qsh + i), q1 = _mm512_loadu_ps(q + g * qsh + i + 16);
         a[g] = _mm512_fmadd_ps(q1, x1, _mm512_fmadd_ps(q0, x0, a[g]));
@@ -345,7 +385,7 @@ EI_AVX512 inline void dots_fp8_512(const float* q, int64_t qsh, const uint8_t* c
     for (int g = 0; g < GN; ++g) a[g] = _mm512_setzero_ps();
     for (int64_t i = 0; i < d; i += 32) {
       __m512 x0, x1;
-      fp8x32_scaled_down(k[t] + i, x0, x1);
+      q8x32<I8>(k[t] + i, x0, x1);
       for (int g = 0; g < GN; ++g) {
         const __m512 q0 = _mm512_loadu_ps(q + g * qsh + i), q1 = _mm512_loadu_ps(q + g * qsh + i + 16);
         a[g] = _mm512_fmadd_ps(q1, x1, _mm512_fmadd_ps(q0, x0, a[g]));
@@ -355,14 +395,14 @@ EI_AVX512 inline void dots_fp8_512(const float* q, int64_t qsh, const uint8_t* c
   }
 }
 
-template <int GN>
+template <int GN, bool I8>
 EI_AVX512 inline void pv_fp8_512(const float* w, int64_t n, const uint8_t* const* v, int64_t d0, float* out,
                                  int64_t osh) {
   __m512 a[GN][2];
   for (int g = 0; g < GN; ++g) a[g][0] = a[g][1] = _mm512_setzero_ps();
   for (int64_t t = 0; t < n; ++t) {
     __m512 x0, x1;
-    fp8x32_scaled_down(v[t] + d0, x0, x1);
+    q8x32<I8>(v[t] + d0, x0, x1);
     for (int g = 0; g < GN; ++g) {
       const __m512 wb = _mm512_set1_ps(w[g * n + t]);
       a[g][0] = _mm512_fmadd_ps(wb, x0, a[g][0]);
@@ -428,36 +468,38 @@ inline void attend_rows(const float* q, int64_t qsh, const float* const* krow, c
 }
 
 // attend_fp8_rows with 16-lane AVX-512 (head_dim % 32 == 0)
+template <bool I8>
 EI_AVX512 inline void attend_fp8_rows_512(const float* q, int64_t qsh, const uint8_t* const* krow,
                                           const uint8_t* const* vrow, const float* kf, const float* vf, int64_t n,
                                           int64_t D, int64_t G, float* scores, float* o) {
-  by_fours(G, [&](auto gn, int64_t g) { dots_fp8_512<gn.value>(q + g * qsh, qsh, krow, kf, n, D, scores + g * n); });
+  by_fours(G, [&](auto gn, int64_t g) { dots_fp8_512<gn.value, I8>(q + g * qsh, qsh, krow, kf, n, D, scores + g * n); });
   for (int64_t g = 0; g < G; ++g) {
     float* s = scores + g * n;
     softmax_(s, n);
     for (int64_t t = 0; t < n; ++t) s[t] *= vf[t];
   }
   by_fours(G, [&](auto gn, int64_t g) {
-    for (int64_t d0 = 0; d0 < D; d0 += 32) pv_fp8_512<gn.value>(scores + g * n, n, vrow, d0, o + g * D, D);
+    for (int64_t d0 = 0; d0 < D; d0 += 32) pv_fp8_512<gn.value, I8>(scores + g * n, n, vrow, d0, o + g * D, D);
   });
 }
 
-// attend_rows on fp8 pages read in place: kf / vf the rows' scales * 2^8 (kf also * sm_scale)
+// attend_rows on fp8 / int8 pages read in place: kf / vf the rows' scales (* 2^8 for fp8; kf also * sm_scale)
+template <bool I8>
 inline void attend_fp8_rows(const float* q, int64_t qsh, const uint8_t* const* krow, const uint8_t* const* vrow,
                             const float* kf, const float* vf, int64_t n, int64_t D, int64_t G, float* scores,
                             float* o, bool avx512) {
   if (avx512) {
-    attend_fp8_rows_512(q, qsh, krow, vrow, kf, vf, n, D, G, scores, o);
+    attend_fp8_rows_512<I8>(q, qsh, krow, vrow, kf, vf, n, D, G, scores, o);
     return;
   }
-  by_fours(G, [&](auto gn, int64_t g) { dots_fp8<gn.value>(q + g * qsh, qsh, krow, kf, n, D, scores + g * n); });
+  by_fours(G, [&](auto gn, int64_t g) { dots_fp8<gn.value, I8>(q + g * qsh, qsh, krow, kf, n, D, scores + g * n); });
   for (int64_t g = 0; g < G; ++g) {
     float* s = scores + g * n;
     softmax_(s, n);
     for (int64_t t = 0; t < n; ++t) s[t] *= vf[t];
   }
   by_fours(G, [&](auto gn, int64_t g) {
-    for (int64_t d0 = 0; d0 < D; d0 += 16) pv_fp8<gn.value>(scores + g * n, n, vrow, d0, o + g * D, D);
+    for (int64_t d0 = 0; d0 < D; d0 += 16) pv_fp8<gn.value, I8>(scores + g * n, n, vrow, d0, o + g * D, D);
   });
 }
 
@@ -571,7 +613,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   const int64_t work = max_len * D * H * 4;
   const int64_t grain = work * B < SMALL_WORK ? B * KVH : 1;
 
-  const bool fused_fp8 = kind == Kind::FP8 && D % 16 == 0;   // fp8 pages read in place, no fp32 copy
+  const bool fused_fp8 = quantized(kind) && D % 16 == 0;   // fp8 / int8 pages read in place, no fp32 copy
+  const float undo = kind == Kind::I8 ? 1.0f : FP8_UNDO;
   const bool avx512 = fused_fp8 && D % 32 == 0 && use_avx512();
   at::parallel_for(0, B * KVH, grain, [&](int64_t lo, int64_t hi) {
     const int64_t cap = std::max<int64_t>(max_len, 1);
@@ -597,8 +640,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
         if (fused_fp8) {
           kb[t] = static_cast<const uint8_t*>(kc) + r * D;
           vb[t] = static_cast<const uint8_t*>(vc) + r * D;
-          kf[t] = scale_at(ks, scale_bf16, r) * FP8_UNDO * scale;
-          vf[t] = scale_at(vs, scale_bf16, r) * FP8_UNDO;
+          kf[t] = scale_at(ks, scale_bf16, r) * undo * scale;
+          vf[t] = scale_at(vs, scale_bf16, r) * undo;
           continue;
         }
         krow[t] = load_row(kc, kind, r, D, scale_at(ks, scale_bf16, r), kbuf.data() + t * D);
@@ -613,7 +656,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
         }
       }
       if (fused_fp8) {
-        attend_fp8_rows(qg, qsh, kb.data(), vb.data(), kf.data(), vf.data(), n, D, G, scores.data(), o, avx512);
+        if (kind == Kind::I8)
+          attend_fp8_rows<true>(qg, qsh, kb.data(), vb.data(), kf.data(), vf.data(), n, D, G, scores.data(), o, avx512);
+        else
+          attend_fp8_rows<false>(qg, qsh, kb.data(), vb.data(), kf.data(), vf.data(), n, D, G, scores.data(), o,
+                                 avx512);
       } else {
         attend_rows(qg, qsh, krow.data(), vrow.data(), n, D, G, scale, scores.data(), o);
       }
@@ -784,7 +831,8 @@ void store_row(void* cache, Kind kind, int64_t slot, const float* x, int64_t n) 
       return;
     }
     case Kind::FP8:
-      TORCH_CHECK(false, "store_row: fp8 rows go through store_fp8_row (they need their scales)");
+    case Kind::I8:
+      TORCH_CHECK(false, "store_row: fp8/int8 rows go through store_quant_row (they need their scales)");
   }
 }
 
@@ -801,17 +849,18 @@ void hadamard_(float* y, int64_t n, float scale) {
   for (int64_t i = 0; i < n; ++i) y[i] *= scale;
 }
 
-// one slot's row of kv_heads heads of d values -> e4m3 with a scale per head, as kernels.kv_store quantizes:
-// scale = max(amax(|x|), 1e-8) / 448 rounded to the scale's dtype, then x / scale clamped to +-448, rounded to
-// nearest even (the same bytes as torch's cast)
-void store_fp8_row(void* cache, void* scales, bool scale_bf16, int64_t slot, const float* x, int64_t kv_heads,
-                   int64_t d) {
+// one slot's row of kv_heads heads of d values -> e4m3 / int8 with a scale per head, as kernels.kv_store
+// quantizes: scale = max(amax(|x|), 1e-8) / qmax (448 / 127) rounded to the scale's dtype, then x / scale clamped
+// to +-qmax, rounded to nearest even (the same bytes as torch's cast / torch.round)
+void store_quant_row(void* cache, void* scales, bool scale_bf16, int64_t slot, const float* x, int64_t kv_heads,
+                     int64_t d, bool i8) {
   uint8_t* p = static_cast<uint8_t*>(cache) + slot * kv_heads * d;
+  const float qmax = i8 ? 127.0f : 448.0f;
   for (int64_t h = 0; h < kv_heads; ++h) {
     const float* r = x + h * d;
     float amax = 0.0f;
     for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(r[i]));
-    float sc = std::max(amax, 1e-8f) / 448.0f;
+    float sc = std::max(amax, 1e-8f) / qmax;
     const int64_t si = slot * kv_heads + h;
     if (scale_bf16) {
       const uint16_t bits = to_bf16(sc);
@@ -821,7 +870,13 @@ void store_fp8_row(void* cache, void* scales, bool scale_bf16, int64_t slot, con
     } else {
       static_cast<float*>(scales)[si] = sc;
     }
-    for (int64_t i = 0; i < d; ++i) p[h * d + i] = fp8_e4m3_encode(std::min(std::max(r[i] / sc, -448.0f), 448.0f));
+    if (i8) {
+      int8_t* o = reinterpret_cast<int8_t*>(p + h * d);
+      for (int64_t i = 0; i < d; ++i)   // nearbyint: the default rounding mode, to nearest even
+        o[i] = static_cast<int8_t>(std::nearbyint(std::min(std::max(r[i] / sc, -127.0f), 127.0f)));
+    } else {
+      for (int64_t i = 0; i < d; ++i) p[h * d + i] = fp8_e4m3_encode(std::min(std::max(r[i] / sc, -448.0f), 448.0f));
+    }
   }
 }
 
@@ -866,7 +921,7 @@ void rope_store(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& 
     kind = kind_of(*k_cache);
     check_scale(k_scale, *k_cache, "k_scale");
     check_scale(v_scale, *v_cache, "v_scale");
-    if (kind == Kind::FP8)
+    if (quantized(kind))
       TORCH_CHECK(k_scale->scalar_type() == v_scale->scalar_type(), op, ": k_scale and v_scale dtypes differ");
     TORCH_CHECK(k_cache->sizes() == v_cache->sizes() && k_cache->scalar_type() == v_cache->scalar_type(),
                 "v_cache ", v_cache->scalar_type(), v_cache->sizes(), " != k_cache ", k_cache->scalar_type(),
@@ -917,9 +972,10 @@ void rope_store(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& 
         for (int64_t i = half; i < D; ++i) y[i] = x[i] * c[i] + x[i - half] * s[i];
         if (hadamard) hadamard_(y, Dh, hscale);
       }
-      if (kc && slot[t] >= 0 && kind == Kind::FP8) {
-        store_fp8_row(kc, ksp, scale_bf16, slot[t], r + num_heads * Dh, num_kv_heads, Dh);
-        store_fp8_row(vc, vsp, scale_bf16, slot[t], r + nh * Dh, num_kv_heads, Dh);
+      if (kc && slot[t] >= 0 && quantized(kind)) {
+        const bool i8 = kind == Kind::I8;
+        store_quant_row(kc, ksp, scale_bf16, slot[t], r + num_heads * Dh, num_kv_heads, Dh, i8);
+        store_quant_row(vc, vsp, scale_bf16, slot[t], r + nh * Dh, num_kv_heads, Dh, i8);
       } else if (kc && slot[t] >= 0) {
         store_row(kc, kind, slot[t], r + num_heads * Dh, kvn);
         store_row(vc, kind, slot[t], r + nh * Dh, kvn);
@@ -1035,7 +1091,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 // ~270 op calls from Python (measured: ~0.3 ms of Python and ~0.4 ms of dispatch per token of the default model,
 // of a ~4.1 ms forward). The same ops in the same order on the same tensors as that loop, so the same bits. Per
 // layer l: weights[6l .. 6l+5] = qkv, o, gate_up, down (the Q4_1 x8 blocks) and the post-attention and next norms'
-// weights; kv[2l], kv[2l+1] the K/V pages; scales[2l], scales[2l+1] their fp8 scales (None for other dtypes);
+// weights; kv[2l], kv[2l+1] the K/V pages; scales[2l], scales[2l+1] their fp8/int8 scales (None for other dtypes);
 // ints[8l ..] = qkv_n, o_n, gate_up_n, down_n, num_heads, num_kv_heads, head_dim, hadamard; floats[3l ..] =
 // post_eps, next_eps, sm_scale. x is the residual stream (updated in place), h the first layer's normed input;
 // the GEMM is edgeinfer_cpu's q4_1x8_gemm_residual (tau) when residual, else q4_1x8_gemm, through the dispatcher

@@ -2,14 +2,14 @@
 as their own extension `edgeinfer_cpu_attn` (the same capability check and EDGEINFER_CPU_KERNELS mode as the
 INT4 kernels in kernels.cpu: auto | ext | torch).
 
-  decode_attention(q [B, H, D] fp32, k_cache, v_cache [P, S, KVH, D] fp32|bf16|fp16|fp8, block_tables [B, W] int32,
+  decode_attention(q [B, H, D] fp32, k_cache, v_cache [P, S, KVH, D] fp32|bf16|fp16|fp8|int8, block_tables [B, W] int32,
                    context_lens [B] int32, sm_scale, k_scale=None, v_scale=None) -> [B, H, D]
   prefill_attention(q [T, H, D] fp32, k_cache, v_cache, block_tables [B, W] int32, cu_seqlens_q [B + 1] int32,
                     context_lens [B] int32, sm_scale, k_scale=None, v_scale=None) -> [T, H, D]
                  (causal; each score and output element one FMA chain of its own: row-invariant)
   rope_kv_store_(qkv [T, (H + 2 KVH) D] fp32, positions [T] int64, cos, sin [max_pos, D], k_cache, v_cache (or
                  None: rope only), slot_mapping [T] int64, num_heads, num_kv_heads, k_scale=None, v_scale=None)
-                 -> None   (in place; fp8 caches quantized with a scale per (token, kv head), as kernels.kv_store)
+                 -> None   (in place; fp8/int8 caches quantized with a scale per (token, kv head), as kernels.kv_store)
   rope_norm_kv_store_(qkv [T, (H + 2 KVH) Dh], positions, cos, sin [max_pos, D <= Dh], k_cache, v_cache,
                       slot_mapping, num_heads, num_kv_heads, head_dim, q_norm [Dh] | None, k_norm, eps,
                       k_scale=None, v_scale=None) -> None

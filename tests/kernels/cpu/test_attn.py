@@ -12,7 +12,8 @@ from edgeinfer.kernels.cpu import attn_reference as ref
 from edgeinfer.kernels.kv_store import kv_store_reference
 
 FP8 = torch.float8_e4m3fn
-KV_DTYPES = [torch.float32, torch.bfloat16, torch.float16, FP8]
+INT8 = torch.int8
+KV_DTYPES = [torch.float32, torch.bfloat16, torch.float16, FP8, INT8]
 PAGE = 16
 
 
@@ -22,12 +23,12 @@ def ext():
 
 
 def pool(num_pages: int, kv_heads: int, d: int, dtype: torch.dtype, seed: int = 0):
-    """A paged pool filled through the reference kv_store (fp8: real per-token scales), -> (k, v, ks, vs)."""
+    """A paged pool filled through the reference kv_store (fp8/int8: real per-token scales), -> (k, v, ks, vs)."""
     g = torch.Generator().manual_seed(seed)
     shape = (num_pages, PAGE, kv_heads, d)
     k, v = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
     ks = vs = None
-    if dtype == FP8:
+    if dtype in (FP8, INT8):
         ks, vs = torch.ones(shape[:3], dtype=torch.bfloat16), torch.ones(shape[:3], dtype=torch.bfloat16)
     n = num_pages * PAGE
     src_k = torch.randn(n, kv_heads, d, generator=g) * (1 + torch.rand(n, kv_heads, 1, generator=g) * 3)
@@ -179,8 +180,41 @@ def test_rope_kv_store_quantizes_fp8_pages_as_the_reference_bit_for_bit(ext, sca
         assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
     assert torch.equal(scales[0], scales[2]) and torch.equal(scales[1], scales[3])
     assert caches[1].view(torch.uint8).flatten(0, 1)[17].ne(0).any()       # the tie row was written
-    with pytest.raises(RuntimeError, match="an fp8 cache needs k_scale"):
+    with pytest.raises(RuntimeError, match="an fp8/int8 cache needs k_scale"):
         ext.rope_kv_store_(qkv.clone(), pos, cos, sin, caches[0], caches[1], slots, heads, kv_heads)
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
+def test_rope_kv_store_quantizes_int8_pages_as_the_reference_bit_for_bit(ext, scale_dtype):
+    """The int8 store in the rope op (a scale per token-head = amax / 127, round half to even, clamp to +-127)
+    writes kernels.kv_store's bytes, on rows built to hit exact ties (k + 0.5 steps of the row's scale), the
+    amax value itself, zeros and tiny rows. A round-half-away or a floor would differ on the tie rows."""
+    heads, kv_heads, d, t = 9, 3, 64, 8
+    g = torch.Generator().manual_seed(18)
+    cos, sin = torch.randn(64, d, generator=g), torch.randn(64, d, generator=g)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g) * torch.logspace(-4, 3, t)[:, None]
+    v0 = (heads + kv_heads) * d
+    # amax 127 -> scale exactly 1.0 in bf16 and fp32: values k + 0.5 are exact ties
+    ties = torch.arange(d, dtype=torch.float32) * 2 - 62.5   # 2k + 0.5: even rounding goes toward zero
+    ties[0] = 127.0
+    qkv[0, v0:v0 + d] = ties
+    qkv[0, v0 + d:v0 + 2 * d] = -ties
+    qkv[1, v0:v0 + d] = 0.0
+    qkv[2, v0:v0 + d] = torch.linspace(-1e-9, 1e-9, d)
+    pos = torch.arange(t) * 3
+    slots = torch.tensor([0, 17, 40, -1, 41, 63, 2, 5])
+    shape = (4, PAGE, kv_heads, d)
+    caches = [torch.zeros(shape, dtype=INT8) for _ in range(4)]
+    scales = [torch.ones(shape[:3], dtype=scale_dtype) for _ in range(4)]
+    a, b = qkv.clone(), qkv.clone()
+    ext.rope_kv_store_(a, pos, cos, sin, caches[0], caches[1], slots, heads, kv_heads, scales[0], scales[1])
+    ref.rope_kv_store_(b, pos, cos, sin, caches[2], caches[3], slots, heads, kv_heads, scales[2], scales[3])
+    assert torch.equal(a, b)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert torch.equal(scales[0], scales[2]) and torch.equal(scales[1], scales[3])
+    tie_row = caches[1].flatten(0, 1)[0, 0]
+    assert tie_row[0] == 127 and tie_row[1] == -60 and tie_row[2] == -58     # -60.5 -> -60, -58.5 -> -58 (even)
+    assert int(caches[1].abs().max()) == 127 and caches[1].flatten(0, 1)[40].abs().max() <= 127
 
 
 @pytest.mark.parametrize("op", ["rope_kv_store_", "rope_norm_kv_store_"])
@@ -273,7 +307,7 @@ def test_prefill_attention_takes_a_head_dim_that_is_8_mod_16(ext, d):
     assert rel_err(got, ref.prefill_attention(q, k, v, bt, cu, cl, 0.3, ks, vs)) < ATTN_TOL
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, FP8])
+@pytest.mark.parametrize("dtype", [torch.float32, FP8, INT8])
 def test_prefill_rows_do_not_depend_on_their_chunk_or_batch(ext, dtype):
     """A row's result is the same bits whether its prompt is prefilled whole, as a suffix after a cached prefix,
     in any chunk split, or beside other sequences: what makes a prefix-cache hit change no answer. (SDPA, the
@@ -325,8 +359,10 @@ def test_bad_inputs_name_the_numbers(ext):
                              0.125)
     with pytest.raises(RuntimeError, match="q heads = 8 must be a multiple of kv_heads = 3"):
         ext.decode_attention(torch.randn(1, 8, 64), k, v, bt, torch.tensor([3], dtype=torch.int32), 0.125)
-    with pytest.raises(RuntimeError, match="an fp8 cache needs k_scale"):
+    with pytest.raises(RuntimeError, match="an fp8/int8 cache needs k_scale"):
         ext.decode_attention(q, k.to(FP8), v.to(FP8), bt, torch.tensor([3], dtype=torch.int32), 0.125)
+    with pytest.raises(RuntimeError, match="an fp8/int8 cache needs k_scale"):
+        ext.decode_attention(q, k.to(INT8), v.to(INT8), bt, torch.tensor([3], dtype=torch.int32), 0.125)
     with pytest.raises(RuntimeError, match=r"positions\[0\] = 600 is outside \[0, 512\)"):
         ext.rope_kv_store_(torch.randn(1, 15 * 64), torch.tensor([600]), torch.randn(512, 64), torch.randn(512, 64),
                            None, None, torch.tensor([0]), 9, 3)

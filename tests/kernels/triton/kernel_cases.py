@@ -59,7 +59,7 @@ def build_paged_kv(context_lens, kv_heads, head_dim, page_size, dtype, cache_dty
     shape = (num_pages, page_size, kv_heads, head_dim)
     k_cache = torch.randn(shape).to(cache_dtype)  # junk in unused slots must never be read
     v_cache = torch.randn(shape).to(cache_dtype)
-    quant = cache_dtype == FP8
+    quant = cache_dtype in (FP8, torch.int8)
     k_scale = torch.rand(shape[:3]) * 100 if quant else None
     v_scale = torch.rand(shape[:3]) * 100 if quant else None
     perm = torch.randperm(num_pages)

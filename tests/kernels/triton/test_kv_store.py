@@ -1,4 +1,4 @@
-"""kv_store: Triton kernel == torch reference byte for byte (data movement + fp8 quantization)."""
+"""kv_store: Triton kernel == torch reference byte for byte (data movement + fp8 / int8 quantization)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from kernel_cases import DEVICE, on_device
 
 from edgeinfer import kernels
 from edgeinfer.kernels._triton import tl, triton
-from edgeinfer.kernels.kv_store import FP8, kv_store_reference, kv_store_triton
+from edgeinfer.kernels.kv_store import FP8, INT8, kv_store_reference, kv_store_triton
 
 # (tokens, kv_heads, head_dim, page_size, num_pages): odd sizes, pages crossed, one and zero tokens
 SHAPES = [(11, 3, 40, 5, 6), (1, 1, 16, 16, 2), (0, 2, 64, 4, 3), (37, 8, 24, 3, 20)]
@@ -16,6 +16,8 @@ DTYPES = [  # (source dtype, cache dtype)
     (torch.bfloat16, FP8),
     (torch.float16, FP8),
     (torch.float32, FP8),
+    (torch.bfloat16, INT8),
+    (torch.float32, INT8),
     (torch.bfloat16, torch.bfloat16),
     (torch.float16, torch.float16),
     (torch.float32, torch.float32),
@@ -37,7 +39,7 @@ def make_inputs(shape, src_dtype, cache_dtype, scale_dtype=torch.float32):
     caches = []
     for _ in range(2):
         k_cache = torch.randn(num_pages, page_size, kv_heads, head_dim).to(cache_dtype)
-        quant = cache_dtype == FP8
+        quant = cache_dtype in (FP8, INT8)
         caches.append([
             k_cache, k_cache.clone().flip(0),
             torch.full((num_pages, page_size, kv_heads), -1.0, dtype=scale_dtype) if quant else None,
@@ -114,6 +116,34 @@ def test_fp8_rounding_sweep_is_exact():
     on_device(kv_store_triton)(key, key, cache, cache.clone(), slots, scale, scale.clone())
     assert torch.equal(scale, torch.ones_like(scale))
     assert_same_bytes(cache[:, 0, 0], key[:, 0].to(FP8))
+
+
+def int8_sweep() -> torch.Tensor:
+    """Every half step k + 0.5 in (-127, 127) (ties), one fp32 ulp either side, the integers, +-127 and -0."""
+    k = torch.arange(-127, 127, dtype=torch.float32)
+    mid = k + 0.5
+    return torch.cat([k, mid, mid.nextafter(k), mid.nextafter(k + 1), torch.tensor([127.0, -127.0, -0.0])])
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_int8_rounding_sweep_is_exact(scale_dtype):
+    """A 127 in every row makes the scale exactly 1, so the kernel rounds the raw sweep values: it must give
+    torch.round's half-to-even integers (independently of the reference), on ties and on the ulp either side."""
+    vals = int8_sweep()
+    head_dim = 32
+    rows = torch.cat([vals, torch.zeros((-len(vals)) % (head_dim - 1))]).reshape(-1, head_dim - 1)
+    key = torch.cat([torch.full((len(rows), 1), 127.0), rows], 1)[:, None, :]  # [T, 1, head_dim]
+    slots = torch.arange(len(rows), dtype=torch.int64)
+    cache = torch.zeros(len(rows), 1, 1, head_dim, dtype=INT8)
+    scale = torch.zeros(len(rows), 1, 1, dtype=scale_dtype)
+    on_device(kv_store_triton)(key, key, cache, cache.clone(), slots, scale, scale.clone())
+    assert torch.equal(scale, torch.ones_like(scale))
+    want = key[:, 0].round().to(INT8)
+    assert torch.equal(cache[:, 0, 0], want), f"{(cache[:, 0, 0] != want).sum().item()} values differ"
+    assert torch.equal(want[0, 1:4], torch.tensor([-127, -126, -125], dtype=INT8))
+    stored = cache[:, 0, 0, 1:].flatten()[:len(vals)].long()
+    ties = stored[254:508]                                   # the k + 0.5 values, in the sweep's order
+    assert (ties % 2 == 0).all() and torch.equal(ties[:2], torch.tensor([-126, -126]))   # to even, not away
 
 
 def _naive_cast_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):

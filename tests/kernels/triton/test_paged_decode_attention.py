@@ -24,6 +24,7 @@ DTYPES = [  # (q dtype, cache dtype)
     (torch.float16, torch.float16),
     (torch.bfloat16, torch.bfloat16),
     (torch.bfloat16, FP8),
+    (torch.bfloat16, torch.int8),
 ]
 # The kernel rounds probabilities (times the fp8 v scale) to the q dtype before the P @ V dot,
 # the reference stays in fp32: errors are a few ulps of the 16-bit type; fp32 uses ieee dots.
@@ -42,7 +43,7 @@ def run(fn, q, kv, **kw):
 
 
 @pytest.mark.parametrize("heads,kv_heads", GQA, ids=str)
-@pytest.mark.parametrize("cache_dtype", [torch.float32, FP8], ids=str)
+@pytest.mark.parametrize("cache_dtype", [torch.float32, FP8, torch.int8], ids=str)
 def test_reference_matches_dense_attention(heads, kv_heads, cache_dtype):
     q, kv = make_case(heads, kv_heads, torch.float32, cache_dtype)
     out = run(paged_decode_attention_reference, q, kv)

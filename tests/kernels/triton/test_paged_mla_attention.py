@@ -1,6 +1,6 @@
 """paged_mla_decode_attention: the Triton kernel (one program per sequence and block of heads over latent rows)
 against its torch reference; the reference against the expanded, per-head attention it stands for; the latent
-store (fp8 scales per row) against a direct quantization."""
+store (fp8 / int8 scales per row) against a direct quantization."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from kernel_cases import on_device
 
-from edgeinfer.kernels.kv_store import FP8, fp8_scale, quantize_fp8
+from edgeinfer.kernels.kv_store import FP8, INT8, quantize_rows
 from edgeinfer.kernels.paged_mla_attention import (
     gather_latents,
     mla_latent_store,
@@ -31,7 +31,7 @@ def pool(lens: list[int], d: int, dtype: torch.dtype, seed: int = 0):
     perm = torch.randperm(num_pages, generator=g)
     tables = perm[: len(lens) * width].view(len(lens), width).to(torch.int32)
     cache = torch.zeros(num_pages, PAGE, 1, d, dtype=dtype)
-    scale = torch.ones(num_pages, PAGE, 1, dtype=torch.bfloat16) if dtype == FP8 else None
+    scale = torch.ones(num_pages, PAGE, 1, dtype=torch.bfloat16) if dtype in (FP8, INT8) else None
     rows = []
     for b, n in enumerate(lens):
         lat = torch.randn(n, d, generator=g)
@@ -41,16 +41,16 @@ def pool(lens: list[int], d: int, dtype: torch.dtype, seed: int = 0):
     return cache, scale, tables, torch.tensor(lens, dtype=torch.int32), rows
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["fp32-cache", "fp8-cache"])
-def test_latent_store_and_gather_round_trip(fp8):
-    cache, scale, tables, lens, rows = pool([21, 40], 40, FP8 if fp8 else torch.float32)
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, 0.0), (FP8, 0.07), (INT8, 0.005)], ids=str)
+def test_latent_store_and_gather_round_trip(dtype, bound):
+    cache, scale, tables, lens, rows = pool([21, 40], 40, dtype)
     for b, lat in enumerate(rows):
         got = gather_latents(cache, scale, tables[b], len(lat))
-        if fp8:   # exactly what per-row quantization gives
-            s = fp8_scale(lat[:, None, :], torch.bfloat16)
-            want = (quantize_fp8(lat[:, None, :], s.float()).float() * s.float()[..., None])[:, 0]
+        if scale is not None:   # exactly what per-row quantization gives
+            q, s = quantize_rows(lat[:, None, :], dtype, torch.bfloat16)
+            want = (q.float() * s.float()[..., None])[:, 0]
             assert torch.equal(got, want)
-            assert float((got - lat).abs().max() / lat.abs().max()) < 0.07
+            assert 0 < float((got - lat).abs().max() / lat.abs().max()) < bound   # int8: half a step of amax/127
         else:
             assert torch.equal(got, lat)
 
@@ -75,10 +75,10 @@ def test_reference_equals_expanded_per_head_attention():
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("fp8", [False, True], ids=["cache-qdtype", "cache-fp8"])
-def test_kernel_matches_reference(case, q_dtype, fp8):
+@pytest.mark.parametrize("quant", [None, FP8, INT8], ids=["cache-qdtype", "cache-fp8", "cache-int8"])
+def test_kernel_matches_reference(case, q_dtype, quant):
     h, r, rope, lens = case
-    cache, scale, tables, ctx, _ = pool(lens, r + rope, FP8 if fp8 else q_dtype, seed=2)
+    cache, scale, tables, ctx, _ = pool(lens, r + rope, quant or q_dtype, seed=2)
     q = torch.randn(len(lens), h, r + rope, generator=torch.Generator().manual_seed(3)).to(q_dtype)
     want = paged_mla_decode_attention_reference(q, cache, tables, ctx, 0.125, r, scale)
     got = on_device(paged_mla_decode_attention_triton)(q, cache, tables, ctx, 0.125, r, scale)
@@ -100,7 +100,7 @@ def test_tolerance_catches_an_off_by_one_context():
 def test_bad_shapes_name_what_was_expected():
     cache, scale, tables, ctx, _ = pool([5], 40, FP8)
     q = torch.randn(1, 4, 40)
-    with pytest.raises(ValueError, match="an fp8 cache needs a contiguous scale"):
+    with pytest.raises(ValueError, match="an fp8/int8 cache needs a contiguous scale"):
         paged_mla_decode_attention_reference(q, cache, tables, ctx, 0.1, 32, None)
     with pytest.raises(ValueError, match=r"cache \(.*\) must be \[pages, page_size, 1, 48\]"):
         paged_mla_decode_attention_reference(torch.randn(1, 4, 48), cache, tables, ctx, 0.1, 32, scale)

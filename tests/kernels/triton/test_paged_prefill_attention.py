@@ -24,6 +24,7 @@ DTYPES = [
     (torch.float16, torch.float16),
     (torch.bfloat16, torch.bfloat16),
     (torch.float16, FP8),
+    (torch.float16, torch.int8),
 ]
 # Same reasoning as decode: P is rounded to the q dtype before P @ V; fp32 uses ieee dots.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -44,7 +45,7 @@ def run(fn, q, cu, kv, **kw):
 
 
 @pytest.mark.parametrize("heads,kv_heads", GQA, ids=str)
-@pytest.mark.parametrize("cache_dtype", [torch.float32, FP8], ids=str)
+@pytest.mark.parametrize("cache_dtype", [torch.float32, FP8, torch.int8], ids=str)
 def test_reference_matches_dense_causal_attention(heads, kv_heads, cache_dtype):
     q, cu, kv = make_case(heads, kv_heads, torch.float32, cache_dtype)
     out = run(paged_prefill_attention_reference, q, cu, kv)
