@@ -151,6 +151,21 @@ def _chat_agreement(r: dict) -> list[tuple[str, object]]:
     return out
 
 
+def _kv_quality(r: dict) -> list[tuple[str, object]]:
+    out = []
+    for text, rows in r.get("teacher_forced", {}).items():
+        for n, row in rows.items():
+            if not isinstance(row, dict):
+                continue
+            for fmt, s in row.items():
+                if isinstance(s, dict) and "kld_mean" in s:
+                    out.append((f"{fmt} KLD vs fp32 KV, {text} {n}", _r(s["kld_mean"], 5)))
+            ll = r.get("llamacpp", {}).get(text, {}).get(n, {}).get("q8_0", {})
+            if ll.get("kld_mean") is not None:
+                out.append((f"llama.cpp q8_0 KLD vs its f16 KV, {text} {n}", _r(ll["kld_mean"], 5)))
+    return out
+
+
 def _batch_invariance(r: dict) -> list[tuple[str, object]]:
     out = []
     for run in r.get("runs", []):
@@ -304,7 +319,10 @@ SUITES: list[Suite] = [
                     "primed_by_other_over_other_prompt_before"),
                    ("own-primed / cold TTFT (median)", "own_over_cold"))),
     ]),
-    Suite("quality", "What do INT4 weights and FP8 KV cost in accuracy?", [
+    Suite("quality", "What do INT4 weights and quantized KV cost in accuracy?", [
+        Part("quality.kv", "per KV format vs fp32 KV: KL divergence, same top-1, perplexity on two texts at 1k-8k; "
+             "llama.cpp's q8_0/q4_0 on the same GGUF; greedy first divergences",
+             ["--lengths", "128", "--windows", "1", "--greedy-prompts", "2", "--max-tokens", "4"], _kv_quality),
         Part("quality.perplexity", "perplexity and next-token agreement per weight/KV variant, KV bytes per token",
              ["--methods", "rtn", "--chunks", "1", "--chunk-len", "64"], _perplexity),
         Part("quality.chat_agreement", "greedy chat answers: served INT4 vs its own fp32 weights (and llama.cpp's)",

@@ -13,7 +13,7 @@ tokens, stopping at EOS. Per pair (candidate, reference):
   common prefix   mean fraction of the reference's tokens before the first difference
 Variants of ours: `served` (the default: activations in two int8 passes), `int8` (one int8 pass, as
 llama.cpp's Q8_1: EDGEINFER_CPU_ACTIVATIONS=int8), `torch_int4` (EDGEINFER_CPU_KERNELS=torch: torch's int4 GEMM, fp32
-activations), `fp8kv` (served with --kv-dtype fp8_e4m3), `x2@T` (two passes, the second only on the blocks whose scale is at
+activations), `fp32kv` / `bf16kv` / `int8kv` / `fp8kv` (served with that --kv-dtype), `x2@T` (two passes, the second only on the blocks whose scale is at
 least T times the row's largest: EDGEINFER_CPU_SECOND_PASS=T; x2@0 is every block). llama.cpp needs llama-server and llama-quantize in
 --llamacpp-build (its F32 GGUF is made once beside the results with `llama-quantize --allow-requantize`).
 """
@@ -85,7 +85,7 @@ def ours(variant: str, ids: list[list[int]], max_tokens: int, kv_dtype: str) -> 
         env["EDGEINFER_CPU_ACTIVATIONS"] = "int8"
     if variant.startswith("x2@"):   # two int8 passes, the second on the blocks of scale >= T x the row's largest
         env["EDGEINFER_CPU_ACTIVATIONS"], env["EDGEINFER_CPU_SECOND_PASS"] = "int8x2", variant[3:]
-    kv = "fp8_e4m3" if variant == "fp8kv" else kv_dtype
+    kv = {"fp32kv": "fp32", "bf16kv": "bf16", "int8kv": "int8", "fp8kv": "fp8_e4m3"}.get(variant, kv_dtype)
     code = ("import json,sys; from benchmarks.quality.chat_agreement import _child; "
             f"print(json.dumps(_child({variant!r}, {kv!r}, {max_tokens}, json.loads(sys.stdin.read()))))")
     r = subprocess.run([sys.executable, "-c", code], input=json.dumps(ids), capture_output=True, text=True,
@@ -171,7 +171,7 @@ def f32_gguf(build: Path, src: Path, dst: Path) -> Path:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--kv-dtype", default="fp8_e4m3", help="the variants' KV dtype (default: the served default)")
+    ap.add_argument("--kv-dtype", default="auto", help="the variants' KV dtype (default auto: what the gate serves)")
     ap.add_argument("--variants", default="served,int8,torch_int4")
     ap.add_argument("--llamacpp-build", type=Path, default=None)
     ap.add_argument("--threads", type=int, default=2)

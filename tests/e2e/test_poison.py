@@ -80,7 +80,7 @@ class Backend(BackendProcess):
         # fp32 KV: these nodes serve the fp32-weight import, whose MKL GEMMs change the last bits of a row with the
         # batch's row count (1-3 vs 4+); fp8 KV would amplify that into other greedy tokens beside the poison
         # requests, which is batch variance, not the poison (docs/QUANTIZATION.md). The served default (native
-        # INT4, row-invariant) keeps its tokens under fp8 (tests/backend/engine/test_fp8_cache_hit_invariance.py).
+        # INT4, row-invariant) keeps its tokens under fp8 (tests/backend/engine/test_kv_cache_hit_invariance.py).
         super().__init__(model_dir, node_id, ["--max-num-seqs", "8", "--kv-cache-bytes", str(64 << 20),
                                               "--kv-dtype", "fp32"], "poison-test-seed")
 

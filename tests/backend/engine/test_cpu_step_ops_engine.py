@@ -45,7 +45,7 @@ def greedy(model, ops, prompts, kv_dtype: str):
         model.step_ops = saved
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3", "int8"])
 def test_fused_loop_on_the_reference_ops_is_the_old_loop_bit_for_bit(native, prompts, kv_dtype):
     fused = greedy(native, attn_reference, prompts, kv_dtype)
     old = greedy(native, None, prompts, kv_dtype)
@@ -63,7 +63,7 @@ def test_greedy_on_the_ops_equals_the_torch_ops_on_the_fp32_model(smol_dir, prom
     assert diff < 1e-4, diff
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3", "int8"])
 def test_native_greedy_on_the_ops_is_the_reference_argmax_or_a_near_tie(native, prompts, kv_dtype):
     from edgeinfer.backend.quant.calib import paged_prefill
 

@@ -21,9 +21,11 @@ def test_auto_is_the_model_dtype():
     assert EngineConfig().resolve_kv_dtype(torch.float16) == torch.float16
 
 
-def test_only_fp8_carries_bf16_scales_per_token_head():
-    fp8, bf16 = KVFormat("fp8_e4m3"), KVFormat("bf16")
+def test_only_fp8_and_int8_carry_bf16_scales_per_token_head():
+    fp8, bf16, int8 = KVFormat("fp8_e4m3"), KVFormat("bf16"), KVFormat("int8")
     assert (fp8.scaled, fp8.scale_dtype, fp8.scale_layout) == (True, torch.bfloat16, "per_token_kv_head_bf16")
+    assert (int8.scaled, int8.scale_dtype, int8.scale_layout) == (True, torch.bfloat16, "per_token_kv_head_bf16")
+    assert int8.bytes_per_token(30, 3, 64) == fp8.bytes_per_token(30, 3, 64)
     assert (bf16.scaled, bf16.scale_dtype, bf16.scale_layout) == (False, None, "none")
     # 30 layers x 3 kv heads x 64 dims (SmolLM2-135M): k and v, plus a 2-byte scale per token-head for fp8
     assert bf16.bytes_per_token(30, 3, 64) == 2 * 30 * 3 * 64 * 2
@@ -39,7 +41,7 @@ def test_a_bad_name_is_refused_by_value(bad):
         EngineConfig(kv_dtype=bad)
 
 
-@pytest.mark.parametrize("name", ["fp8_e4m3", "bf16"])
+@pytest.mark.parametrize("name", ["fp8_e4m3", "int8", "bf16"])
 def test_the_pool_is_allocated_per_the_format(name):
     from types import SimpleNamespace
 
@@ -70,3 +72,7 @@ def test_fp8_pages_of_a_power_of_two_head_dim_are_hadamard_rotated_and_named_so(
     assert not KVFormat.resolve("fp8_e4m3", torch.float32, latent=True, head_dim=64).hadamard   # MLA latent rows
     assert not KVFormat.resolve("fp32", torch.float32, head_dim=64).hadamard
     assert rotated.bytes_per_token(30, 3, 64) == KVFormat("fp8_e4m3").bytes_per_token(30, 3, 64)
+    int8 = KVFormat.resolve("int8", torch.float32, head_dim=64)
+    assert int8.hadamard and int8.ident == "int8_hadamard" and int8.dtype == torch.int8
+    assert KVFormat.resolve("int8", torch.float32, latent=True, head_dim=576).ident == "mla_int8"
+    assert len({rotated.ident, int8.ident, KVFormat.resolve("int8", torch.float32, latent=True).ident}) == 3

@@ -46,12 +46,13 @@ def test_batched_sequences_give_transformers_tokens_and_a_shared_prefix_hits_the
     assert other_ns[2] == 0                               # another namespace never hits
 
 
-def test_fp8_kv_pages_stay_near_fp32(glm):
+@pytest.mark.parametrize("kv,dtype", [("fp8_e4m3", torch.float8_e4m3fn), ("int8", torch.int8)])
+def test_quantized_kv_pages_stay_near_fp32(glm, kv, dtype):
     _, path = glm
     ps = prompts(3)
     ref = generate_together(load_engine(path, EngineConfig()), ps, "t", [16, 16, 16])
-    eng = load_engine(path, EngineConfig(kv_dtype="fp8_e4m3"))
-    assert eng.kv_format == "fp8_e4m3_hadamard" and eng.runner.kv_format.dtype == torch.float8_e4m3fn
+    eng = load_engine(path, EngineConfig(kv_dtype=kv))
+    assert eng.kv_format == f"{kv}_hadamard" and eng.runner.kv_format.dtype == dtype
     fp8 = generate_together(eng, ps, "t", [16, 16, 16])
     agree = sum(a == b for (x, _, _), (y, _, _) in zip(ref, fp8) for a, b in zip(x, y)) / 48
     lp_diff = max(abs(a - b) for (_, x, _), (_, y, _) in zip(ref, fp8) for a, b in zip(x[:4], y[:4]))

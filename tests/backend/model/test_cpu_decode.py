@@ -53,10 +53,10 @@ def _generate(model, lean: bool, kv: str, prompts: list[list[int]], tokens: int)
         model.lean_decode = True
 
 
-@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3", "int8"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_lean_decode_gives_the_module_paths_tokens_and_logprobs_bit_for_bit(native_model, plan_runs, batch, kv):
-    """Also on an fp8 pool: the rope op quantizes the new rows as it stores them, so the plan applies."""
+    """Also on fp8 and int8 pools: the rope op quantizes the new rows as it stores them, so the plan applies."""
     torch.set_grad_enabled(False)
     prompts = [prompt(10 + i, 20 + 17 * i) for i in range(batch)]
     slow = _generate(native_model, False, kv, prompts, 6)
@@ -80,7 +80,7 @@ def test_no_plan_for_a_model_without_x8_linears(smol_model):
     assert DecodePlan.build(smol_model) is None
 
 
-@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3", "int8"])
 def test_the_cpp_layer_loop_is_the_python_loop_bit_for_bit_and_its_reference(native_model, monkeypatch, kv):
     """kernels/cpu/attn.cpp decode_layers runs DecodePlan's loop in one call: the same bits as the loop in Python
     (run_python), close to its pure-torch reference (attn_reference.decode_layers), and a GEMM swapped for its

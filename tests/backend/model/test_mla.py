@@ -103,11 +103,12 @@ def test_prefill_in_latent_form_equals_the_expanded_form(dsv3):
     assert (got - want).abs().max().item() <= 1e-4
 
 
-def test_fp8_latent_pages_stay_within_the_stated_tolerance(dsv3):
+@pytest.mark.parametrize("qdtype", [torch.float8_e4m3fn, torch.int8], ids=["fp8", "int8"])
+def test_quantized_latent_pages_stay_within_the_stated_tolerance(dsv3, qdtype):
     hf, path = dsv3
     model = load_model(path)
     kv = fresh_kv(model, 8)
-    fp8 = [type(x)(torch.zeros_like(x.k, dtype=torch.float8_e4m3fn), None,
+    fp8 = [type(x)(torch.zeros_like(x.k, dtype=qdtype), None,
                    torch.ones(x.k.shape[:3], dtype=torch.bfloat16), None) for x in kv]
     want = prefill_logits(model, PROMPT, kv)
     got = prefill_logits(model, PROMPT, fp8)
@@ -190,7 +191,7 @@ async def test_corrupted_latent_pages_are_detected_and_recomputed_and_a_second_n
         return engine, bridge, store, metrics
 
     prompt = torch.randint(100, 49000, (150,), generator=torch.Generator().manual_seed(9)).tolist()   # 9 full pages
-    for kv_dtype in ("auto", "fp8_e4m3"):
+    for kv_dtype in ("auto", "fp8_e4m3", "int8"):
         a, a_bridge, store, _ = await node(f"a-{kv_dtype}", kv_dtype)
         b, b_bridge, _, b_metrics = await node(f"b-{kv_dtype}", kv_dtype)
         try:
