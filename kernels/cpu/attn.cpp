@@ -28,6 +28,7 @@
 namespace {
 
 constexpr int64_t SMALL_WORK = 1 << 18;   // flops below which an op runs on the calling thread
+constexpr int64_t SPLIT = 512;            // decode: keys per task past which a context is split over tasks
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -423,8 +424,9 @@ bool use_avx512() {
   return cpu && !(env && env[0] == '0');
 }
 
-// scores s[0 : n] -> softmax probabilities, in place (max, exp, sum in 8 lanes then the tail, normalize)
-inline void softmax_(float* s, int64_t n) {
+// scores s[0 : n] -> softmax probabilities, in place (max, exp, sum in 8 lanes then the tail, normalize); with
+// ml: left unnormalized, exp(s - max), and ml[0] = max, ml[1] = the sum (a split's partial, merged later)
+inline void softmax_(float* s, int64_t n, float* ml = nullptr) {
   float mx = -INFINITY;
   for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
   const __m256 m8 = _mm256_set1_ps(mx);
@@ -440,6 +442,11 @@ inline void softmax_(float* s, int64_t n) {
     s[t] = exp1(s[t] - mx);
     sum += s[t];
   }
+  if (ml) {
+    ml[0] = mx;
+    ml[1] = sum;
+    return;
+  }
   const float inv = 1.0f / sum;
   for (t = 0; t < n; ++t) s[t] *= inv;
 }
@@ -447,11 +454,11 @@ inline void softmax_(float* s, int64_t n) {
 // GN heads' scores over fp32 rows, then their softmax and p @ V: one query row's attention, as decode and
 // prefill both compute it (the same operations in the same order, whatever else is in the batch)
 inline void attend_rows(const float* q, int64_t qsh, const float* const* krow, const float* const* vrow, int64_t n,
-                        int64_t D, int64_t G, float scale, float* scores, float* o) {
+                        int64_t D, int64_t G, float scale, float* scores, float* o, float* ml = nullptr) {
   by_fours(G, [&](auto gn, int64_t g) { dots<gn.value>(q + g * qsh, qsh, krow, n, D, scale, scores + g * n); });
   for (int64_t g = 0; g < G; ++g) {
     float* s = scores + g * n;
-    softmax_(s, n);
+    softmax_(s, n, ml ? ml + 2 * g : nullptr);
     for (int64_t d0 = 0; d0 < D; d0 += 64) {   // p @ V, 64 columns at a time in 8 registers
       switch (std::min<int64_t>(D - d0, 64) / 8) {
         case 1: pv<1>(s, vrow, n, d0, o + g * D); break;
@@ -471,11 +478,11 @@ inline void attend_rows(const float* q, int64_t qsh, const float* const* krow, c
 template <bool I8>
 EI_AVX512 inline void attend_fp8_rows_512(const float* q, int64_t qsh, const uint8_t* const* krow,
                                           const uint8_t* const* vrow, const float* kf, const float* vf, int64_t n,
-                                          int64_t D, int64_t G, float* scores, float* o) {
+                                          int64_t D, int64_t G, float* scores, float* o, float* ml) {
   by_fours(G, [&](auto gn, int64_t g) { dots_fp8_512<gn.value, I8>(q + g * qsh, qsh, krow, kf, n, D, scores + g * n); });
   for (int64_t g = 0; g < G; ++g) {
     float* s = scores + g * n;
-    softmax_(s, n);
+    softmax_(s, n, ml ? ml + 2 * g : nullptr);
     for (int64_t t = 0; t < n; ++t) s[t] *= vf[t];
   }
   by_fours(G, [&](auto gn, int64_t g) {
@@ -487,15 +494,15 @@ EI_AVX512 inline void attend_fp8_rows_512(const float* q, int64_t qsh, const uin
 template <bool I8>
 inline void attend_fp8_rows(const float* q, int64_t qsh, const uint8_t* const* krow, const uint8_t* const* vrow,
                             const float* kf, const float* vf, int64_t n, int64_t D, int64_t G, float* scores,
-                            float* o, bool avx512) {
+                            float* o, bool avx512, float* ml = nullptr) {
   if (avx512) {
-    attend_fp8_rows_512<I8>(q, qsh, krow, vrow, kf, vf, n, D, G, scores, o);
+    attend_fp8_rows_512<I8>(q, qsh, krow, vrow, kf, vf, n, D, G, scores, o, ml);
     return;
   }
   by_fours(G, [&](auto gn, int64_t g) { dots_fp8<gn.value, I8>(q + g * qsh, qsh, krow, kf, n, D, scores + g * n); });
   for (int64_t g = 0; g < G; ++g) {
     float* s = scores + g * n;
-    softmax_(s, n);
+    softmax_(s, n, ml ? ml + 2 * g : nullptr);
     for (int64_t t = 0; t < n; ++t) s[t] *= vf[t];
   }
   by_fours(G, [&](auto gn, int64_t g) {
@@ -611,44 +618,65 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   const int64_t qsb = q.stride(0), qsh = q.stride(1);
   const float scale = static_cast<float>(sm_scale);
   const int64_t work = max_len * D * H * 4;
-  const int64_t grain = work * B < SMALL_WORK ? B * KVH : 1;
 
   const bool fused_fp8 = quantized(kind) && D % 16 == 0;   // fp8 / int8 pages read in place, no fp32 copy
   const float undo = kind == Kind::I8 ? 1.0f : FP8_UNDO;
   const bool avx512 = fused_fp8 && D % 32 == 0 && use_avx512();
-  at::parallel_for(0, B * KVH, grain, [&](int64_t lo, int64_t hi) {
-    const int64_t cap = std::max<int64_t>(max_len, 1);
+  // tasks: (sequence, kv head, split of SPLIT keys). A context of up to SPLIT keys is one task written straight to
+  // out; a longer one is split (flash-decoding: batch 1 at 4k spreads over the threads), each split's partial
+  // (unnormalized p @ V, its max and sum) merged in split order below. The split depends only on the sequence's
+  // own length, so a row's result does not depend on its batch.
+  struct Task {
+    int64_t b, kvh, t0, t1, part;   // part: the split's partial slot, -1 when unsplit
+  };
+  std::vector<Task> tasks;
+  int64_t parts = 0;
+  tasks.reserve(B * KVH);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = lens[b], ns = n > SPLIT ? (n + SPLIT - 1) / SPLIT : 1;
+    for (int64_t kvh = 0; kvh < KVH; ++kvh)
+      for (int64_t sp = 0; sp < ns; ++sp)
+        tasks.push_back({b, kvh, sp * SPLIT, std::min(n, (sp + 1) * SPLIT), ns > 1 ? parts++ : -1});
+  }
+  std::vector<float> po(parts * G * D), pml(parts * G * 2);   // partials: [part][G][D], [part][G][max, sum]
+  const int64_t ntask = static_cast<int64_t>(tasks.size());
+  const int64_t grain = work * B < SMALL_WORK ? std::max<int64_t>(ntask, 1) : 1;
+  at::parallel_for(0, ntask, grain, [&](int64_t lo, int64_t hi) {
+    const int64_t cap = std::max<int64_t>(std::min(max_len, SPLIT), 1);
     std::vector<float> scores(G * cap);
     const bool buffered = kind != Kind::F32 && !fused_fp8;
     std::vector<float> kbuf(buffered ? cap * D : 0), vbuf(buffered ? cap * D : 0);
     std::vector<const float*> krow(fused_fp8 ? 0 : cap), vrow(fused_fp8 ? 0 : cap);
     std::vector<const uint8_t*> kb(fused_fp8 ? cap : 0), vb(fused_fp8 ? cap : 0);
     std::vector<float> kf(fused_fp8 ? cap : 0), vf(fused_fp8 ? cap : 0);
-    for (int64_t task = lo; task < hi; ++task) {
-      const int64_t b = task / KVH, kvh = task % KVH, n = lens[b];
-      float* o = op + (b * H + kvh * G) * D;
+    for (int64_t i = lo; i < hi; ++i) {
+      const Task& task = tasks[i];
+      const int64_t b = task.b, kvh = task.kvh, t0 = task.t0, n = task.t1 - task.t0;
+      float* o = task.part < 0 ? op + (b * H + kvh * G) * D : po.data() + task.part * G * D;
+      float* ml = task.part < 0 ? nullptr : pml.data() + task.part * G * 2;
       if (n == 0) {
         std::fill(o, o + G * D, 0.0f);
         continue;
       }
       const int32_t* tb = tables + b * tstride;
       const float* qg = qp + b * qsb + kvh * G * qsh;
-      for (int64_t t = 0; t < n; ++t) {   // each row once: a pointer into the pool, else dequantized
+      for (int64_t j = 0; j < n; ++j) {   // each row once: a pointer into the pool, else dequantized
+        const int64_t t = t0 + j;
         const int64_t page = tb[t / S];
         TORCH_CHECK(page >= 0 && page < P, "block_tables[", b, ", ", t / S, "] = ", page, " is outside [0, ", P, ")");
         const int64_t r = (page * S + t % S) * KVH + kvh;
         if (fused_fp8) {
-          kb[t] = static_cast<const uint8_t*>(kc) + r * D;
-          vb[t] = static_cast<const uint8_t*>(vc) + r * D;
-          kf[t] = scale_at(ks, scale_bf16, r) * undo * scale;
-          vf[t] = scale_at(vs, scale_bf16, r) * undo;
+          kb[j] = static_cast<const uint8_t*>(kc) + r * D;
+          vb[j] = static_cast<const uint8_t*>(vc) + r * D;
+          kf[j] = scale_at(ks, scale_bf16, r) * undo * scale;
+          vf[j] = scale_at(vs, scale_bf16, r) * undo;
           continue;
         }
-        krow[t] = load_row(kc, kind, r, D, scale_at(ks, scale_bf16, r), kbuf.data() + t * D);
-        vrow[t] = load_row(vc, kind, r, D, scale_at(vs, scale_bf16, r), vbuf.data() + t * D);
+        krow[j] = load_row(kc, kind, r, D, scale_at(ks, scale_bf16, r), kbuf.data() + j * D);
+        vrow[j] = load_row(vc, kind, r, D, scale_at(vs, scale_bf16, r), vbuf.data() + j * D);
         if (kind == Kind::F32) {   // rows straight from the pool: start their reads now (the scores read them next)
-          const char* kp = reinterpret_cast<const char*>(krow[t]);
-          const char* vp = reinterpret_cast<const char*>(vrow[t]);
+          const char* kp = reinterpret_cast<const char*>(krow[j]);
+          const char* vp = reinterpret_cast<const char*>(vrow[j]);
           for (int64_t off = 0; off < D * 4; off += 64) {
             _mm_prefetch(kp + off, _MM_HINT_T1);
             _mm_prefetch(vp + off, _MM_HINT_T1);
@@ -657,15 +685,43 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
       }
       if (fused_fp8) {
         if (kind == Kind::I8)
-          attend_fp8_rows<true>(qg, qsh, kb.data(), vb.data(), kf.data(), vf.data(), n, D, G, scores.data(), o, avx512);
+          attend_fp8_rows<true>(qg, qsh, kb.data(), vb.data(), kf.data(), vf.data(), n, D, G, scores.data(), o, avx512,
+                                ml);
         else
           attend_fp8_rows<false>(qg, qsh, kb.data(), vb.data(), kf.data(), vf.data(), n, D, G, scores.data(), o,
-                                 avx512);
+                                 avx512, ml);
       } else {
-        attend_rows(qg, qsh, krow.data(), vrow.data(), n, D, G, scale, scores.data(), o);
+        attend_rows(qg, qsh, krow.data(), vrow.data(), n, D, G, scale, scores.data(), o, ml);
       }
     }
   });
+  // merge each split sequence's partials, in split order: o = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s
+  for (int64_t i = 0; i < ntask;) {
+    const Task& first = tasks[i];
+    if (first.part < 0) {
+      ++i;
+      continue;
+    }
+    int64_t ns = 1;
+    while (i + ns < ntask && tasks[i + ns].b == first.b && tasks[i + ns].kvh == first.kvh) ++ns;
+    float* o = op + (first.b * H + first.kvh * G) * D;
+    for (int64_t g = 0; g < G; ++g) {
+      float mx = -INFINITY;
+      for (int64_t sp = 0; sp < ns; ++sp) mx = std::max(mx, pml[(first.part + sp) * G * 2 + 2 * g]);
+      float total = 0.0f;
+      std::fill(o + g * D, o + (g + 1) * D, 0.0f);
+      for (int64_t sp = 0; sp < ns; ++sp) {
+        const float* m = pml.data() + (first.part + sp) * G * 2 + 2 * g;
+        const float w = std::exp(m[0] - mx);
+        total += w * m[1];
+        const float* part = po.data() + ((first.part + sp) * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) o[g * D + d] += w * part[d];
+      }
+      const float inv = 1.0f / total;
+      for (int64_t d = 0; d < D; ++d) o[g * D + d] *= inv;
+    }
+    i += ns;
+  }
   return out;
 }
 

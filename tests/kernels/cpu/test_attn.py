@@ -71,6 +71,29 @@ def test_decode_attention_matches_reference_on_every_kv_dtype(ext, dtype, heads,
     assert torch.equal(got[3], torch.zeros(heads, d))         # empty context -> zeros, as the reference
 
 
+@pytest.mark.parametrize("avx512", ["1", "0"], ids=["avx512-if-present", "avx2"])
+@pytest.mark.parametrize("dtype", [torch.float32, FP8, INT8])
+def test_a_long_context_split_over_tasks_matches_the_reference_whatever_its_batch(ext, dtype, avx512, monkeypatch):
+    """Contexts past 512 keys are attended in 512-key splits merged by their max and sum (flash-decoding): the
+    reference's attention, and a sequence's bits are the same alone or beside others (the split depends only on
+    its own length). A split dropped or merged without its max would be off by far more than ATTN_TOL."""
+    monkeypatch.setenv("EDGEINFER_CPU_AVX512", avx512)
+    d, kv_heads, heads, num_pages = 64, 3, 9, 140
+    k, v, ks, vs = pool(num_pages, kv_heads, d, dtype, seed=4)
+    lens = [1300, 513, 40, 1024]                               # 3 splits (the last partial), 2 (one key), none, 2
+    bt, cl = tables(lens, num_pages, 82)
+    q = torch.randn(len(lens), heads, d, generator=torch.Generator().manual_seed(5))
+    got = ext.decode_attention(q, k, v, bt, cl, d ** -0.5, ks, vs)
+    want = ref.decode_attention(q, k, v, bt, cl, d ** -0.5, ks, vs)
+    assert rel_err(got, want) < ATTN_TOL
+    for i in (0, 1, 3):
+        alone = ext.decode_attention(q[i:i + 1].contiguous(), k, v, bt[i:i + 1], cl[i:i + 1], d ** -0.5, ks, vs)
+        assert torch.equal(alone[0], got[i])
+    first_split_only = ext.decode_attention(q[:1].contiguous(), k, v, bt[:1], torch.tensor([512], dtype=torch.int32),
+                                            d ** -0.5, ks, vs)
+    assert rel_err(first_split_only[0], want[0]) > 50 * ATTN_TOL
+
+
 def test_decode_attention_of_a_sequence_does_not_depend_on_its_batch(ext):
     k, v, _, _ = pool(40, 3, 64, torch.float32)
     q = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(6))
