@@ -1,10 +1,11 @@
-"""FP8 vs fp32 KV at long context, the served default model, side by side in one run; llama.cpp's q8_0 vs f16
+"""KV formats at long context, the served default model, side by side in one run; llama.cpp's q8_0 vs f16
 KV on the same GGUF beside it.
 
   python -m benchmarks long_context [--contexts 1024,4096,8000] [--seqs 1,8,32] [--max-tokens 65536]
-      [--decode 32] [--rounds 2] [--llamacpp-build /work/peers/llama-build] [--out FILE]
+      [--kv fp32,auto] [--decode 32] [--rounds 2] [--llamacpp-build /work/peers/llama-build] [--out FILE]
 
-Ours (in-process engines built as backend.server builds them, --kv-dtype fp32 and fp8_e4m3, a KV budget
+Ours (in-process engines built as backend.server builds them, with each --kv (auto: what `edgeinfer serve`
+serves, the format the KV gate picks; fp32 the exact counterpart), a KV budget
 large enough for the largest case): for each context length c and sequence count s with c * s <= --max-tokens,
 s prompts of c distinct random tokens are prefilled, then --decode greedy tokens each; decode tok/s is
 s * (decode - 1) over the time after the last first token. The two KV dtypes alternate, --rounds times
@@ -14,7 +15,8 @@ s * (decode - 1) over the time after the last first token. The two KV dtypes alt
                scored, through the paged pool in that KV dtype (8k when a context of 8000 or more is run)
   TTFT         seconds until every sequence of a case has its first token (median over rounds)
 llama.cpp (where llama-bench / llama-perplexity are in --llamacpp-build): llama-bench tg at depth c (batch 1,
--fa on) with -ctk/-ctv q8_0 and f16, llama-bench pp at each context (batch-1 TTFT = tokens / pp rate), and
+-fa on) with -ctk/-ctv q8_0 and f16, llama-bench pp at each context (batch-1 TTFT = tokens / pp rate),
+llama-batched-bench's decode rate at each context x each --seqs above 1 (f16 KV, -fa on), and
 llama-perplexity -c 4096 with each.
 Writes benchmarks/results/long_context.json.
 """
@@ -38,7 +40,6 @@ from benchmarks.harness.results import interleaved, run_stamp, write_result  # n
 
 OUT = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "long_context.json"
 DEFAULT_BUDGET = 512 << 20
-KV = ("fp32", "fp8_e4m3")
 
 
 def engine(kv: str, budget: int):
@@ -84,11 +85,25 @@ def max_seqs_default_budget(eng) -> dict:
             **{str(c): pages // -(-c // 16) for c in (1024, 4096, 8000)}}
 
 
-def llamacpp(build: Path, gguf: Path, contexts: list[int], threads: int) -> dict:
+def llamacpp(build: Path, gguf: Path, contexts: list[int], seqs: list[int], decode: int, threads: int) -> dict:
     from benchmarks.harness.servers import find_binary
 
     bench, ppl = find_binary("llama-bench", build), find_binary("llama-perplexity", build)
+    batched = find_binary("llama-batched-bench", build)
     out: dict = {}
+    many = [s for s in seqs if s > 1]
+    if batched is not None and many:
+        out["batched_tg_tok_s_f16"] = {}
+        for c in contexts:
+            cmd = [str(batched), "-m", str(gguf), "-t", str(threads), "-c", str((c + decode) * max(many) + 256),
+                   "-b", "2048", "-ub", "512", "-npp", str(c), "-ntg", str(decode), "-npl", ",".join(map(str, many)),
+                   "-fa", "on", "-ctk", "f16", "-ctv", "f16", "--output-format", "jsonl"]
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+            for line in r.stdout.splitlines():
+                if line.startswith("{"):
+                    row = json.loads(line)
+                    out["batched_tg_tok_s_f16"][f"{c}x{row.get('pl')}"] = row.get("speed_tg")
+            out["batched_command"] = " ".join(cmd)
     if bench is not None:
         for kv in ("f16", "q8_0"):
             cmd = [str(bench), "-m", str(gguf), "-t", str(threads), "-p", "0", "-n", "32", "-r", "2", "-fa", "1",
@@ -124,6 +139,7 @@ def main() -> int:
     ap.add_argument("--seqs", default="1,8,32")
     ap.add_argument("--max-tokens", type=int, default=65536, help="skip cases above contexts x seqs tokens")
     ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--kv", default="fp32,auto", help="KV dtypes side by side (auto: the served default)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--llamacpp-build", type=Path, default=None)
@@ -134,6 +150,7 @@ def main() -> int:
     seqs = [int(x) for x in a.seqs.split(",")]
     cases = [(c, s) for c in contexts for s in seqs if c * s <= a.max_tokens]
     biggest = max(c * s for c, s in cases) + 16 * max(seqs) * 4
+    KV = tuple(x for x in a.kv.split(",") if x)
     engines = {kv: engine(kv, biggest * 46080 + (64 << 20)) for kv in KV}
     rates: dict = {kv: {f"{c}x{s}": [] for c, s in cases} for kv in KV}
     ttfts: dict = {kv: {f"{c}x{s}": [] for c, s in cases} for kv in KV}
@@ -153,26 +170,34 @@ def main() -> int:
                               "runs": rates[kv], **{f"ppl_{n // 1024}k": ppl_at(engines[kv], n) for n in ppl_lengths},
                               "max_seqs_default_budget": max_seqs_default_budget(engines[kv]),
                               "kv_format": engines[kv].kv_format}
-    f8, f32 = result["ours"]["fp8_e4m3"], result["ours"]["fp32"]
-    result["fp8_over_fp32"] = {"decode": {k: f8["decode_tok_s"][k] / f32["decode_tok_s"][k] for k in result["cases"]},
-                               "ttft": {k: f8["ttft_s"][k] / f32["ttft_s"][k] for k in result["cases"]},
-                               **{f"ppl_{n // 1024}k": f8[f"ppl_{n // 1024}k"] / f32[f"ppl_{n // 1024}k"]
-                                  for n in ppl_lengths},
-                               "max_seqs_4k_default_budget": f8["max_seqs_default_budget"]["4096"]
-                               / f32["max_seqs_default_budget"]["4096"]}
+    served = result["ours"]["auto" if "auto" in KV else KV[-1]]
+    if "fp32" in KV and served is not result["ours"]["fp32"]:
+        f32 = result["ours"]["fp32"]
+        result["served_over_fp32"] = {
+            "served": served["kv_format"],
+            "decode": {k: served["decode_tok_s"][k] / f32["decode_tok_s"][k] for k in result["cases"]},
+            "ttft": {k: served["ttft_s"][k] / f32["ttft_s"][k] for k in result["cases"]},
+            **{f"ppl_{n // 1024}k": served[f"ppl_{n // 1024}k"] / f32[f"ppl_{n // 1024}k"] for n in ppl_lengths},
+            "max_seqs_4k_default_budget": served["max_seqs_default_budget"]["4096"]
+            / f32["max_seqs_default_budget"]["4096"]}
     if a.llamacpp_build:
         from edgeinfer.backend.model.gguf_import import default_gguf_path
 
-        lc = result["llamacpp"] = llamacpp(a.llamacpp_build, default_gguf_path(), contexts, a.threads)
-        f16 = lc.get("tg32_at_depth_f16", {})
-        result["fp8_over_llamacpp_f16"] = {
-            "decode_batch1": {str(c): f8["decode_tok_s"][f"{c}x1"] / f16[str(c)]
-                              for c in contexts if f"{c}x1" in f8["decode_tok_s"] and f16.get(str(c))},
-            "ttft_batch1": {str(c): f8["ttft_s"][f"{c}x1"] / lc["ttft_s_batch1"][str(c)]
-                            for c in contexts if f"{c}x1" in f8["ttft_s"] and lc.get("ttft_s_batch1", {}).get(str(c))}}
+        lc = result["llamacpp"] = llamacpp(a.llamacpp_build, default_gguf_path(), contexts, seqs, a.decode, a.threads)
+        f16, many = lc.get("tg32_at_depth_f16", {}), lc.get("batched_tg_tok_s_f16", {})
+        result["served_over_llamacpp_f16"] = {
+            "served": served["kv_format"],
+            "decode": {**{f"{c}x1": served["decode_tok_s"][f"{c}x1"] / f16[str(c)]
+                          for c in contexts if f"{c}x1" in served["decode_tok_s"] and f16.get(str(c))},
+                       **{k: served["decode_tok_s"][k] / v for k, v in many.items()
+                          if k in served["decode_tok_s"] and v}},
+            "ttft_batch1": {str(c): served["ttft_s"][f"{c}x1"] / lc["ttft_s_batch1"][str(c)]
+                            for c in contexts if f"{c}x1" in served["ttft_s"]
+                            and lc.get("ttft_s_batch1", {}).get(str(c))}}
     result.update(run_stamp(t0, load0))
     write_result(result, a.out, echo=False)
-    print(json.dumps({"fp8_over_fp32": result["fp8_over_fp32"], "llamacpp": result.get("llamacpp")}, indent=1))
+    print(json.dumps({k: result.get(k) for k in ("served_over_fp32", "served_over_llamacpp_f16", "llamacpp")},
+                     indent=1))
     return 0
 
 

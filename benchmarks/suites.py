@@ -177,14 +177,16 @@ def _batch_invariance(r: dict) -> list[tuple[str, object]]:
 
 
 def _long_context(r: dict) -> list[tuple[str, object]]:
-    ratios = r.get("fp8_over_fp32", {})
-    out = [(f"fp8 / fp32 KV decode @{k}", _r(v)) for k, v in ratios.get("decode", {}).items()]
-    out += [(f"ppl fp8 / fp32 KV at {n}", _r(ratios.get(f"ppl_{n}"), 4)) for n in ("4k", "8k") if f"ppl_{n}" in ratios]
-    out.append(("fp8 / fp32 4k sequences in the default budget", _r(ratios.get("max_seqs_4k_default_budget"))))
-    for k, v in r.get("fp8_over_llamacpp_f16", {}).get("decode_batch1", {}).items():
-        out.append((f"fp8 decode / llama.cpp f16 KV @{k} x 1", _r(v)))
-    for k, v in r.get("fp8_over_llamacpp_f16", {}).get("ttft_batch1", {}).items():
-        out.append((f"fp8 TTFT / llama.cpp f16 KV @{k} x 1", _r(v)))
+    ratios = r.get("served_over_fp32", {})
+    out = [(f"served / fp32 KV decode @{k}", _r(v)) for k, v in ratios.get("decode", {}).items()]
+    out += [(f"ppl served / fp32 KV at {n}", _r(ratios.get(f"ppl_{n}"), 4)) for n in ("4k", "8k")
+            if f"ppl_{n}" in ratios]
+    if ratios:
+        out.append(("served / fp32 4k sequences in the default budget", _r(ratios.get("max_seqs_4k_default_budget"))))
+    for k, v in r.get("served_over_llamacpp_f16", {}).get("decode", {}).items():
+        out.append((f"served decode / llama.cpp f16 KV @{k}", _r(v)))
+    for k, v in r.get("served_over_llamacpp_f16", {}).get("ttft_batch1", {}).items():
+        out.append((f"served TTFT / llama.cpp f16 KV @{k} x 1", _r(v)))
     return out
 
 
@@ -344,7 +346,7 @@ SUITES: list[Suite] = [
              _keys(("models parsed", "parsed"), ("stopped for length", "length"), ("errors", "errors"))),
     ]),
     Suite("long-context", "What does FP8 KV give at long context?", [
-        Part("long_context", "fp8 vs fp32 KV at 1k-8k context: decode speed, perplexity; llama.cpp q8_0 vs f16 KV",
+        Part("long_context", "served (auto) vs fp32 KV at 1k-8k context: decode speed, perplexity; llama.cpp f16 KV",
              ["--contexts", "64", "--seqs", "1", "--decode", "4", "--rounds", "1"], _long_context),
     ]),
     Suite("moe", "How fast is a Mixture-of-Experts model against llama.cpp on the same GGUF?", [

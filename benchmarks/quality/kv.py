@@ -20,8 +20,12 @@ each format's greedy answer (--max-tokens) against fp32 KV's; at the first token
 token within the other's top-5, and the logprob gap (fp32 KV's logprob of its own token minus of the format's
 token, teacher-forced on the common prefix).
 
+--four-bit L measures 4-bit KV layouts that are not built (fake quant: fp32 pages quantized and dequantized right
+after the rope op stored them, K Hadamard-rotated as the served formats do) at length L, beside their bytes per
+token-head and the 4k sequences they would fit against int8's: what a 4-bit KV would cost, before building one.
+
   python -m benchmarks quality.kv [--lengths 1024,4096,8192] [--windows 2] [--texts news,licenses]
-      [--formats int8,fp8_e4m3,bf16] [--greedy-prompts 100] [--llamacpp-build DIR]
+      [--formats int8,fp8_e4m3,bf16] [--greedy-prompts 100] [--llamacpp-build DIR] [--four-bit 1024]
 
 Writes benchmarks/results/quality.kv.json.
 """
@@ -124,6 +128,94 @@ def teacher_forced(model, tok, named: dict, lengths: list[int], windows: int, fo
                 print(f"{name} {n:>5} {f:>9}: ppl x{s['ppl_ratio']:.4f}  KLD mean {s['kld_mean']:.5f} "
                       f"p99 {s['kld_p99']:.4f}  same top-1 {s['same_top1']:.2%}", flush=True)
             print(f"  ({time.monotonic() - t:.0f} s)", flush=True)
+    return out
+
+
+# ---------------------------------------------------------------- 4-bit layouts, by fake quant
+
+def fake_quant(x, bits: int, group: int, asym: bool):
+    """x [..., d] -> quantized and dequantized per group of `group` values (scales, and mins, rounded to bf16)."""
+    import torch
+
+    shape = x.shape
+    g = x.float().reshape(*shape[:-1], shape[-1] // group, group)
+    if asym:
+        lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+        qmax = 2 ** bits - 1
+        scale = ((hi - lo).clamp_min(1e-8) / qmax).to(torch.bfloat16).float()
+        lo = lo.to(torch.bfloat16).float()
+        q = ((g - lo) / scale).round().clamp(0, qmax)
+        return (q * scale + lo).reshape(shape)
+    qmax = 2 ** (bits - 1) - 1
+    scale = (g.abs().amax(-1, keepdim=True).clamp_min(1e-8) / qmax).to(torch.bfloat16).float()
+    return ((g / scale).round().clamp(-qmax, qmax) * scale).reshape(shape)
+
+
+# name: (K (bits, group, asym), V (bits, group, asym), V rotated too); head_dim 64 on the default model
+FOUR_BIT = {
+    "int8 per token-head (served, as fake quant)": ((8, 64, False), (8, 64, False), False),
+    "K8 + V4 asym g32": ((8, 64, False), (4, 32, True), False),
+    "K8 + V4 asym g32, V rotated": ((8, 64, False), (4, 32, True), True),
+    "K4 + V4 sym g64 (one scale per token-head)": ((4, 64, False), (4, 64, False), False),
+    "K4 + V4 asym g64": ((4, 64, True), (4, 64, True), False),
+    "K4 + V4 asym g64, V rotated": ((4, 64, True), (4, 64, True), True),
+    "K4 + V4 asym g32": ((4, 32, True), (4, 32, True), False),
+    "K4 + V4 sym g16": ((4, 16, False), (4, 16, False), False),
+}
+
+
+def _bytes(spec: tuple[int, int, bool], d: int) -> float:
+    bits, group, asym = spec
+    return d * bits / 8 + d // group * (4 if asym else 2)
+
+
+class _FakeQuantKV:
+    """The model's step ops, except that rope_kv_store_ quantizes and dequantizes the fp32 rows it stored."""
+
+    def __init__(self, ops, cfg, k_spec, v_spec, rotate_v: bool) -> None:
+        self.ops, self.cfg, self.k_spec, self.v_spec, self.rotate_v = ops, cfg, k_spec, v_spec, rotate_v
+
+    def __getattr__(self, name: str):
+        return getattr(self.ops, name)
+
+    def rope_kv_store_(self, qkv, positions, cos, sin, k, v, slots, heads, kv_heads, ks=None, vs=None, hadamard=False):
+        from edgeinfer.kernels.cpu.attn_reference import hadamard_heads_
+
+        self.ops.rope_kv_store_(qkv, positions, cos, sin, k, v, slots, heads, kv_heads, ks, vs, hadamard)
+        d = self.cfg.head_dim
+        # V rotated too: o = p (V H) H, the output rotated back (a real kernel would rotate o once per head)
+        for pool, spec, rotate in ((k, self.k_spec, True), (v, self.v_spec, self.rotate_v)):
+            rows = pool.view(-1, kv_heads, d)[slots]
+            if rotate:
+                hadamard_heads_(rows)
+            y = fake_quant(rows, *spec)
+            if rotate:
+                hadamard_heads_(y)                 # H / sqrt(d) is its own inverse
+            pool.view(-1, kv_heads, d)[slots] = y
+
+
+def four_bit(model, tok, named: dict, n: int) -> dict:
+    cfg, ops = model.cfg, model.step_ops
+    if ops is None or cfg.mla is not None:
+        return {"skipped": "needs the CPU step ops and a K/V (not MLA) model"}
+    d = cfg.head_dim
+    int8_bytes = 2 * (d + 2)
+    out: dict = {"length": n, "int8_bytes_per_token_head": int8_bytes}
+    for name, (text, _) in named.items():
+        ids = tok.encode(text)[:n]
+        ref = logprobs(model, ids, "fp32")
+        out[name] = {}
+        for label, (ks, vs, rotate_v) in FOUR_BIT.items():
+            model.step_ops = _FakeQuantKV(ops, cfg, ks, vs, rotate_v)
+            try:
+                got = logprobs(model, ids, "fp32")
+            finally:
+                model.step_ops = ops
+            row = summary([scores(ref, got, ids)], n)
+            per = _bytes(ks, d) + _bytes(vs, d)
+            out[name][label] = {**row, "bytes_per_token_head": per, "seqs_over_int8": round(int8_bytes / per, 3)}
+            print(f"4-bit {name} {label}: KLD {row['kld_mean']:.5f}, top-1 {row['same_top1']:.2%}, "
+                  f"{per:.0f} B/token-head ({int8_bytes / per:.2f}x int8's sequences)", flush=True)
     return out
 
 
@@ -239,6 +331,7 @@ def main() -> int:
     p.add_argument("--greedy-prompts", type=int, default=100, help="0: no greedy check")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--llamacpp-build", type=Path, default=None)
+    p.add_argument("--four-bit", type=int, default=0, help="length of the 4-bit fake-quant measurement (0: none)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(OUT))
     a = p.parse_args()
@@ -261,6 +354,8 @@ def main() -> int:
                     "against": "fp32 KV, same weights and kernels", "texts": {k: v[1] for k, v in named.items()},
                     "windows": a.windows, "formats": formats}
     result["teacher_forced"] = teacher_forced(model, tok, named, lengths, a.windows, formats)
+    if a.four_bit:
+        result["four_bit_fake_quant"] = four_bit(model, tok, named, a.four_bit)
     if a.llamacpp_build:
         result["llamacpp"] = llamacpp(a.llamacpp_build, named, lengths, a.windows, a.threads)
     if a.greedy_prompts:

@@ -77,6 +77,24 @@ async def test_openai_client_against_real_backend(harness, model_dir, backends):
     await c.close()
 
 
+def test_the_kv_format_is_the_most_compact_one_within_the_measured_budget(backends):
+    """A default-started node (--kv-dtype auto) reports how its KV format was chosen: each candidate measured
+    against fp32 KV, the most compact within the budget served. On SmolLM2 that is int8 (rotated K): fp8 e4m3 is
+    the same bytes and measured several times its KL divergence (issue 55)."""
+    from edgeinfer.backend.quant.kv_gate import FormatCost, pick
+
+    info = requests.get(backends[0].url + "/internal/info", headers=INTERNAL_AUTH, timeout=5).json()
+    gate = info["kv_gate"]
+    assert gate["requested"] == "auto" and gate["budget_kld"] == 0.002
+    measured = {k: FormatCost(**v) for k, v in gate["measured"].items()}
+    assert set(measured) == {"int8", "fp8_e4m3", "bf16"}
+    assert gate["served"] == pick(measured, gate["budget_kld"]) == "int8"
+    assert info["kv_format"] == measured["int8"].ident == "int8_hadamard"
+    assert 0 < measured["bf16"].kld_mean < measured["int8"].kld_mean <= 0.002 < measured["fp8_e4m3"].kld_mean
+    # 30 layers x 3 kv heads x 64 dims, K and V: 1 byte + a bf16 scale per token-head against 2 bytes per value
+    assert (measured["int8"].bytes_per_token, measured["bf16"].bytes_per_token) == (2 * 30 * 3 * 66, 2 * 30 * 3 * 128)
+
+
 def test_second_turn_routes_to_prefix_holder_and_reports_cached_tokens(harness, model_dir, backends):
     gw, name = real_gateway(harness, model_dir, backends)
     c = client(gw)
