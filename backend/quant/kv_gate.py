@@ -74,8 +74,8 @@ def _logprobs(model: LlamaModel, ids: list[int], kv_dtype: str) -> torch.Tensor:
 
 def cost_against(ref: torch.Tensor, got: torch.Tensor, ids: list[int], ident: str, bpt: int) -> FormatCost:
     """ref, got: [n, vocab] log-probabilities of the same positions (ids: the tokens that were fed)."""
-    kld = (ref.exp() * (ref - got)).sum(-1).clamp_min(0)
-    nxt = torch.tensor(ids[1:])
+    kld = (ref.exp() * (ref - got)).sum(-1).clamp_min(0).cpu()
+    nxt = torch.tensor(ids[1:], device=ref.device)
     nll_ref = -ref[:-1].gather(1, nxt[:, None]).mean()
     nll_got = -got[:-1].gather(1, nxt[:, None]).mean()
     return FormatCost(ident=ident, bytes_per_token=bpt, kld_mean=float(kld.mean()),

@@ -25,7 +25,8 @@ after the rope op stored them, K Hadamard-rotated as the served formats do) at l
 token-head and the 4k sequences they would fit against int8's: what a 4-bit KV would cost, before building one.
 
   python -m benchmarks quality.kv [--lengths 1024,4096,8192] [--windows 2] [--texts news,licenses]
-      [--formats int8,fp8_e4m3,bf16] [--greedy-prompts 100] [--llamacpp-build DIR] [--four-bit 1024]
+      [--formats int8,fp8_e4m3,bf16] [--greedy-prompts 100] [--llamacpp-build DIR] [--llamacpp-lengths 1024,4096]
+      [--four-bit 1024]
 
 Writes benchmarks/results/quality.kv.json.
 """
@@ -87,7 +88,7 @@ def scores(ref, got, ids: list[int]) -> dict:
     import torch
 
     kld = (ref.exp() * (ref - got)).sum(-1).clamp_min(0)
-    nxt = torch.tensor(ids[1:])
+    nxt = torch.tensor(ids[1:], device=ref.device)
     return {"kld": kld, "top1": (ref.argmax(-1) == got.argmax(-1)).float(),
             "nll_ref": -ref[:-1].gather(1, nxt[:, None])[:, 0], "nll": -got[:-1].gather(1, nxt[:, None])[:, 0]}
 
@@ -331,6 +332,8 @@ def main() -> int:
     p.add_argument("--greedy-prompts", type=int, default=100, help="0: no greedy check")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--llamacpp-build", type=Path, default=None)
+    p.add_argument("--llamacpp-lengths", default="1024,4096",
+                   help="llama.cpp's lengths (its q4_0 KV at 8k ran past 18 minutes here)")
     p.add_argument("--four-bit", type=int, default=0, help="length of the 4-bit fake-quant measurement (0: none)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(OUT))
@@ -357,7 +360,8 @@ def main() -> int:
     if a.four_bit:
         result["four_bit_fake_quant"] = four_bit(model, tok, named, a.four_bit)
     if a.llamacpp_build:
-        result["llamacpp"] = llamacpp(a.llamacpp_build, named, lengths, a.windows, a.threads)
+        result["llamacpp"] = llamacpp(a.llamacpp_build, named, [int(x) for x in a.llamacpp_lengths.split(",") if x],
+                                      a.windows, a.threads)
     if a.greedy_prompts:
         result["greedy"] = greedy(model, path, tok, a.greedy_prompts, a.max_tokens, formats)
     result.update(run_stamp(t0, load0))

@@ -1,7 +1,7 @@
 """Quantized KV (issue 40, item 3; int8 in issue 55): a request gives the same greedy tokens and the same logprob
 bits whether its prefix came from the local prefix cache, the host tier, another node's pages through the store
 (valkey), or a cold prefill. The served default model (native INT4: row-invariant int8 GEMMs), int8 pages (what
-the gate serves on it) and fp8 pages, the real page store.
+the gate serves on it), fp8 and bf16 pages, the real page store.
 
 Why it can hold: prefill rows attend to K/V as stored (quantized), and each row is computed alone
 (kernels/cpu/attn.cpp prefill_attention), so the rows after a cached prefix do not depend on the chunk they
@@ -75,7 +75,7 @@ def bridge_for(eng, node_id: str, client, host=None):
                            fetch_chunk_bytes=4 * eng.runner.page_bytes)
 
 
-@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3", "bf16"])   # every format the gate may serve
 async def test_greedy_output_is_the_same_from_every_source_of_its_prefix(native_dir, valkey, kv):
     from edgeinfer.cache_store.resilience import redis_client
     from edgeinfer.cache_store.store import HostPageStore
