@@ -24,39 +24,17 @@ from edgeinfer import kernels
 from edgeinfer.backend.model.linear import kernel_takes, mins_as_zeros
 from edgeinfer.backend.model.model_config import MoEConfig
 from edgeinfer.backend.model.packing import group_dequantize_mins
+from edgeinfer.kernels.moe_route import route_topk
 from edgeinfer.kernels.w4a16_gemm import group_dequantize_tensor
 
 
 def route(logits: torch.Tensor, moe: MoEConfig, correction_bias: torch.Tensor | None = None
           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] -> (weights [T, k] fp32, expert ids [T, k] int64), as transformers computes them.
-
-    softmax (Qwen3-MoE): top-k of softmax(logits); with norm_topk_prob the k weights are renormalized to sum 1.
-    sigmoid (GLM-4.5, DeepSeek-V3): s = sigmoid(logits); the choice ranks s + correction_bias, restricted to the
-    topk_group groups (of n_group) whose two best biased scores sum highest; the weights are the chosen experts'
-    unbiased s, renormalized (norm_topk_prob) and multiplied by routed_scaling_factor. The bias moves only the
-    choice, never a weight."""
-    logits = logits.float()
-    k = moe.top_k
-    if moe.scoring == "softmax":
-        weights, ids = torch.softmax(logits, dim=-1).topk(k, dim=-1)
-        if moe.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdim=True)
-        return weights, ids
-    scores = logits.sigmoid()
-    choice = scores if correction_bias is None else scores + correction_bias.float()
-    if moe.n_group > 1:
-        t, e = choice.shape
-        per = e // moe.n_group
-        group_scores = choice.view(t, moe.n_group, per).topk(min(2, per), dim=-1)[0].sum(-1)
-        keep = group_scores.topk(moe.topk_group, dim=-1, sorted=False)[1]
-        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
-        choice = choice.masked_fill(~mask.repeat_interleave(per, dim=1), float("-inf"))
-    ids = choice.topk(k, dim=-1, sorted=False)[1]
-    weights = scores.gather(1, ids)
-    if moe.norm_topk_prob:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return weights * moe.routed_scaling_factor, ids
+    """Router logits [T, E] -> (weights [T, k] fp32, expert ids [T, k] int64), as transformers computes them
+    (kernels/moe_route.py: softmax top-k for Qwen3-MoE; sigmoid scores with a selection-only correction bias,
+    group-limited top-k, renormalization and a routed scaling factor for GLM-4.5 and DeepSeek-V3)."""
+    return route_topk(logits, moe.top_k, moe.scoring != "softmax", moe.n_group, moe.topk_group, moe.norm_topk_prob,
+                      moe.routed_scaling_factor, correction_bias)
 
 
 @dataclass

@@ -1143,25 +1143,70 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return y;
 }
 
-// The CPU decode plan's layer loop (backend/model/llama.py DecodePlan.run) in one call, so a batch-1 step is not
+namespace {
+
+// The layers' parameters as decode_layers receives them, per layer (kernels/cpu/attn_reference.py decode_layers
+// and backend/model/cpu_decode.py DecodePlan name the same slots)
+constexpr int64_t NW = 6;    // weights: qkv, o, gate_up, down (Q4_1 x8; gate_up/down: the dense MLP, or a MoE
+                             // layer's shared experts, None without), post norm, next norm
+constexpr int64_t NE = 7;    // extras (each may be None): qkv bias, q_norm, k_norm, router [E, H] fp32, the
+                             // router's correction bias [E], the experts' gate_up and down (Q4_1 x8, [E, ...])
+constexpr int64_t NI = 16;   // ints: qkv_n, o_n, gate_up_n, down_n, heads, kv_heads, head_dim, hadamard, rotary
+                             // dim (0: whole heads, no QK-norm: rope_kv_store_), moe, top_k, sigmoid scoring,
+                             // n_group, topk_group, norm_topk_prob, expert width
+constexpr int64_t NF = 5;    // floats: post_eps, next_eps, sm_scale, qk-norm eps, routed scaling factor
+
+// backend/model/moe.py route() with the same ATen ops in the same order: (weights [T, k] fp32, ids [T, k] int64)
+std::pair<at::Tensor, at::Tensor> route(const at::Tensor& logits, const int64_t* in, const double* fl,
+                                        const std::optional<at::Tensor>& bias) {
+  const int64_t k = in[10];
+  if (!in[11]) {   // softmax (Qwen3-MoE)
+    auto [w, ids] = at::softmax(logits, -1).topk(k, -1);
+    if (in[14]) w = w / w.sum(-1, true);
+    return {w, ids};
+  }
+  const at::Tensor scores = logits.sigmoid();
+  at::Tensor choice = bias.has_value() ? scores + bias->to(at::kFloat) : scores;
+  const int64_t n_group = in[12];
+  if (n_group > 1) {
+    const int64_t t = choice.size(0), per = choice.size(1) / n_group;
+    const at::Tensor group_scores = std::get<0>(choice.view({t, n_group, per}).topk(std::min<int64_t>(2, per), -1))
+                                        .sum(-1);
+    const at::Tensor keep = std::get<1>(group_scores.topk(in[13], -1, true, false));
+    const at::Tensor mask = at::zeros_like(group_scores, group_scores.options().dtype(at::kBool)).scatter_(1, keep, true);
+    choice = choice.masked_fill(mask.logical_not().repeat_interleave(per, 1), -INFINITY);
+  }
+  const at::Tensor ids = std::get<1>(choice.topk(k, -1, true, false));
+  at::Tensor w = scores.gather(1, ids);
+  if (in[14]) w = w / (w.sum(-1, true) + 1e-20);
+  return {w * fl[4], ids};
+}
+
+}  // namespace
+
+// The CPU decode plan's layer loop (backend/model/cpu_decode.py DecodePlan.run) in one call, so a batch-1 step is not
 // ~270 op calls from Python (measured: ~0.3 ms of Python and ~0.4 ms of dispatch per token of the default model,
-// of a ~4.1 ms forward). The same ops in the same order on the same tensors as that loop, so the same bits. Per
-// layer l: weights[6l .. 6l+5] = qkv, o, gate_up, down (the Q4_1 x8 blocks) and the post-attention and next norms'
-// weights; kv[2l], kv[2l+1] the K/V pages; scales[2l], scales[2l+1] their fp8/int8 scales (None for other dtypes);
-// ints[8l ..] = qkv_n, o_n, gate_up_n, down_n, num_heads, num_kv_heads, head_dim, hadamard; floats[3l ..] =
-// post_eps, next_eps, sm_scale. x is the residual stream (updated in place), h the first layer's normed input;
-// the GEMM is edgeinfer_cpu's q4_1x8_gemm_residual (tau) when residual, else q4_1x8_gemm, through the dispatcher
-// (kernels/cpu/q4.cpp is its own extension, loaded before any model that uses this runs).
+// of a ~4.1 ms forward). The same ops in the same order on the same tensors as the module path (_forward_cpu: the
+// layers' forward_cpu), so the same bits: dense layers, QK-norm and partial rotary (Qwen3, GLM-4.5), a qkv bias, and
+// Mixture-of-Experts layers (the router and its top-k with the ATen ops moe.route uses, the routed experts in one
+// edgeinfer_cpu::q4_1x8_moe call, the shared experts as their MLP module computes them). Per layer l: weights[NW l ..],
+// extras[NE l ..], ints[NI l ..], floats[NF l ..] (above); kv[2l], kv[2l+1] the K/V pages; scales[2l], scales[2l+1]
+// their fp8/int8 scales (None for other dtypes). x is the residual stream (updated in place), h the first layer's
+// normed input; the GEMM is edgeinfer_cpu's q4_1x8_gemm_residual (tau) when residual, else q4_1x8_gemm, through the
+// dispatcher (kernels/cpu/q4.cpp is its own extension, loaded before any model that uses this runs).
 at::Tensor decode_layers(at::Tensor& x, const at::Tensor& h0, const at::Tensor& positions, const at::Tensor& cos,
                          const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& tables,
-                         const at::Tensor& lens, at::TensorList weights, at::TensorList kv,
-                         const c10::List<std::optional<at::Tensor>>& scales, at::IntArrayRef ints,
+                         const at::Tensor& lens, const c10::List<std::optional<at::Tensor>>& weights, at::TensorList kv,
+                         const c10::List<std::optional<at::Tensor>>& scales,
+                         const c10::List<std::optional<at::Tensor>>& extras, at::IntArrayRef ints,
                          at::ArrayRef<double> floats, bool residual, double tau) {
   const int64_t L = static_cast<int64_t>(kv.size()) / 2;
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 6 * L && static_cast<int64_t>(scales.size()) == 2 * L &&
-                  static_cast<int64_t>(ints.size()) == 8 * L && static_cast<int64_t>(floats.size()) == 3 * L,
-              "decode_layers: per layer 6 weights, 2 kv, 2 scales, 8 ints and 3 floats; got ", weights.size(), ", ",
-              kv.size(), ", ", scales.size(), ", ", ints.size(), ", ", floats.size(), " for ", L, " layers");
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == NW * L && static_cast<int64_t>(scales.size()) == 2 * L &&
+                  static_cast<int64_t>(extras.size()) == NE * L && static_cast<int64_t>(ints.size()) == NI * L &&
+                  static_cast<int64_t>(floats.size()) == NF * L,
+              "decode_layers: per layer ", NW, " weights, 2 kv, 2 scales, ", NE, " extras, ", NI, " ints and ", NF,
+              " floats; got ", weights.size(), ", ", kv.size(), ", ", scales.size(), ", ", extras.size(), ", ",
+              ints.size(), ", ", floats.size(), " for ", L, " layers");
   static const auto gemm2 = c10::Dispatcher::singleton()
                                 .findSchemaOrThrow("edgeinfer_cpu::q4_1x8_gemm_residual", "")
                                 .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, double)>();
@@ -1174,19 +1219,39 @@ at::Tensor decode_layers(at::Tensor& x, const at::Tensor& h0, const at::Tensor& 
   const int64_t t = x.size(0);
   at::Tensor h = h0;
   for (int64_t l = 0; l < L; ++l) {
-    const int64_t* in = ints.data() + 8 * l;
-    const double* fl = floats.data() + 3 * l;
-    const at::Tensor* w = weights.data() + 6 * l;
+    const int64_t* in = ints.data() + NI * l;
+    const double* fl = floats.data() + NF * l;
+    auto w = [&](int64_t i) { return weights.get(NW * l + i); };
+    auto e = [&](int64_t i) { return extras.get(NE * l + i); };
     const int64_t nh = in[4], nkv = in[5], hd = in[6], q_size = nh * hd;
     const std::optional<at::Tensor> ks = scales.get(2 * l), vs = scales.get(2 * l + 1);
-    at::Tensor qkv = gemm(h, w[0], in[0]);
-    rope_kv_store_(qkv, positions, cos, sin, kv[2 * l], kv[2 * l + 1], slots, nh, nkv, ks, vs, in[7] != 0);
+    at::Tensor qkv = gemm(h, *w(0), in[0]);
+    if (const auto bias = e(0); bias.has_value()) qkv = qkv + *bias;   // W4A16Linear: y + bias
+    if (in[8] == 0) {
+      rope_kv_store_(qkv, positions, cos, sin, kv[2 * l], kv[2 * l + 1], slots, nh, nkv, ks, vs, in[7] != 0);
+    } else {
+      rope_norm_kv_store_(qkv, positions, cos, sin, kv[2 * l], kv[2 * l + 1], slots, nh, nkv, hd, e(1), e(2), fl[3],
+                          ks, vs, in[7] != 0);
+    }
     const at::Tensor q = qkv.slice(1, 0, q_size).view({t, nh, hd});
     const at::Tensor out = decode_attention(q, kv[2 * l], kv[2 * l + 1], tables, lens, fl[2], ks, vs);
-    at::Tensor a = gemm(out.reshape({t, q_size}).contiguous(), w[1], in[1]);
-    add_rms_norm_(a, x, w[4], fl[0]);
-    h = gemm(silu_mul(gemm(a, w[2], in[2])), w[3], in[3]);
-    add_rms_norm_(h, x, w[5], fl[1]);
+    at::Tensor a = gemm(out.reshape({t, q_size}).contiguous(), *w(1), in[1]);
+    add_rms_norm_(a, x, *w(4), fl[0]);
+    if (in[9] == 0) {
+      h = gemm(silu_mul(gemm(a, *w(2), in[2])), *w(3), in[3]);
+    } else {   // SparseMoE.forward: routed experts, then + the shared experts' MLP (MLP.forward: silu(gate) * up)
+      static const auto moe = c10::Dispatcher::singleton()
+                                  .findSchemaOrThrow("edgeinfer_cpu::q4_1x8_moe", "")
+                                  .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                    const at::Tensor&, const at::Tensor&, int64_t, bool, double)>();
+      const auto [rw, ids] = route(at::matmul(a, e(3)->t()), in, fl, e(4));
+      h = moe.call(a, ids, rw.contiguous(), *e(5), *e(6), in[15], residual, tau);
+      if (w(2).has_value()) {
+        const auto gu = gemm(a, *w(2), in[2]).chunk(2, -1);
+        h = h + gemm(at::silu(gu[0]) * gu[1], *w(3), in[3]);
+      }
+    }
+    add_rms_norm_(h, x, *w(5), fl[1]);
   }
   return h;
 }
@@ -1208,6 +1273,6 @@ TORCH_LIBRARY(edgeinfer_cpu_attn, m) {
   m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()", &add_rms_norm_);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
   m.def("decode_layers(Tensor(a!) x, Tensor h, Tensor positions, Tensor cos, Tensor sin, Tensor slots, "
-        "Tensor tables, Tensor lens, Tensor[] weights, Tensor(b!)[] kv, Tensor?[] scales, int[] ints, "
-        "float[] floats, bool residual, float tau) -> Tensor", &decode_layers);
+        "Tensor tables, Tensor lens, Tensor?[] weights, Tensor(b!)[] kv, Tensor?[] scales, Tensor?[] extras, "
+        "int[] ints, float[] floats, bool residual, float tau) -> Tensor", &decode_layers);
 }

@@ -9,6 +9,7 @@ import math
 import torch
 
 from edgeinfer.kernels.kv_store import kv_store_reference
+from edgeinfer.kernels.moe_route import route_topk
 from edgeinfer.kernels.paged_decode_attention import paged_decode_attention_reference
 from edgeinfer.kernels.paged_prefill_attention import paged_prefill_attention_reference
 
@@ -82,9 +83,11 @@ def silu_mul(gate_up):
     return torch.nn.functional.silu(gate) * up
 
 
-def decode_layers(x, h, positions, cos, sin, slots, tables, lens, weights, kv, scales, ints, floats, residual, tau):
-    """The decode plan's layer loop (kernels/cpu/attn.cpp decode_layers' layout), on these references and
-    kernels.cpu.reference's GEMMs."""
+def decode_layers(x, h, positions, cos, sin, slots, tables, lens, weights, kv, scales, extras, ints, floats, residual,
+                  tau):
+    """The decode plan's layer loop (kernels/cpu/attn.cpp decode_layers' layout: per layer 6 weights, 7 extras, 16
+    ints, 5 floats), on these references and kernels.cpu.reference's GEMMs; MoE layers route by
+    kernels.moe_route.route_topk, as the model does."""
     from edgeinfer.kernels.cpu import reference as gemms
 
     def gemm(a, w, n):
@@ -93,14 +96,31 @@ def decode_layers(x, h, positions, cos, sin, slots, tables, lens, weights, kv, s
     t = x.shape[0]
     for layer in range(len(kv) // 2):
         qkv_w, o_w, gu_w, down_w, post_w, nxt_w = weights[6 * layer: 6 * layer + 6]
-        qkv_n, o_n, gu_n, down_n, nh, nkv, hd, hadamard = ints[8 * layer: 8 * layer + 8]
-        post_eps, nxt_eps, scale = floats[3 * layer: 3 * layer + 3]
+        bias, q_norm, k_norm, router, corr, moe_gu, moe_dn = extras[7 * layer: 7 * layer + 7]
+        (qkv_n, o_n, gu_n, down_n, nh, nkv, hd, hadamard, rotary, moe, top_k, sigmoid, n_group, topk_group, norm_topk,
+         inter) = ints[16 * layer: 16 * layer + 16]
+        post_eps, nxt_eps, scale, qk_eps, scaling = floats[5 * layer: 5 * layer + 5]
         k, v, ks, vs = kv[2 * layer], kv[2 * layer + 1], scales[2 * layer], scales[2 * layer + 1]
         qkv = gemm(h, qkv_w, qkv_n)
-        rope_kv_store_(qkv, positions, cos, sin, k, v, slots, nh, nkv, ks, vs, bool(hadamard))
+        if bias is not None:
+            qkv = qkv + bias
+        if rotary:
+            rope_norm_kv_store_(qkv, positions, cos, sin, k, v, slots, nh, nkv, hd, q_norm, k_norm, qk_eps, ks, vs,
+                                bool(hadamard))
+        else:
+            rope_kv_store_(qkv, positions, cos, sin, k, v, slots, nh, nkv, ks, vs, bool(hadamard))
         out = decode_attention(qkv[:, : nh * hd].view(t, nh, hd), k, v, tables, lens, scale, ks, vs)
         a = gemm(out.reshape(t, nh * hd).contiguous(), o_w, o_n)
         add_rms_norm_(a, x, post_w, post_eps)
-        h = gemm(silu_mul(gemm(a, gu_w, gu_n)), down_w, down_n)
+        if not moe:
+            h = gemm(silu_mul(gemm(a, gu_w, gu_n)), down_w, down_n)
+        else:
+            rw, ids = route_topk(a @ router.t(), top_k, bool(sigmoid), n_group, topk_group, bool(norm_topk), scaling,
+                                 corr)
+            h = gemms.q4_1x8_moe(a, ids, rw.contiguous(), moe_gu, moe_dn, inter, residual, tau)
+            if gu_w is not None:
+                gate, up = gemm(a, gu_w, gu_n).chunk(2, dim=-1)
+                h = h + gemm(torch.nn.functional.silu(gate) * up, down_w, down_n)
         add_rms_norm_(h, x, nxt_w, nxt_eps)
     return h
+

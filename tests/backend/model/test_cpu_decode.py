@@ -126,7 +126,7 @@ def test_the_cpp_layer_loop_is_the_python_loop_bit_for_bit_and_its_reference(nat
     hr = attn_reference.decode_layers(xr, attn_reference.rms_norm(xr, *plan.first_norm), positions,
                                       plan.model.rotary.cos, plan.model.rotary.sin, meta.slot_mapping,
                                       meta.decode_block_tables, meta.decode_context_lens, plan.weights, kvl, scales,
-                                      ints, plan.floats, plan.residual, plan.tau)
+                                      plan.extras, ints, plan.floats, plan.residual, plan.tau)
     assert float((hr - h1).abs().max()) <= 2e-3 * float(h1.abs().max()), float((hr - h1).abs().max())
 
     python_loop = []
@@ -136,3 +136,63 @@ def test_the_cpp_layer_loop_is_the_python_loop_bit_for_bit_and_its_reference(nat
     restore()
     run(plan, x.clone(), positions, kv_caches, meta, ops)
     assert python_loop == [1]
+
+
+# ---------------------------------------------------------------- Mixture-of-Experts layers (issue 56)
+
+@pytest.fixture(scope="module")
+def glm_native(smol_dir, tmp_path_factory):
+    """A tiny GLM-4.5 (QK-norm, partial rotary, qkv bias, a dense first layer, sigmoid routing with a correction
+    bias, a shared expert) through a Q4_0 GGUF, imported natively: its experts prepacked for q4_1x8_moe."""
+    from edgeinfer.backend.model.gguf_import import default_gguf_path, import_gguf
+    from edgeinfer.backend.model.loader import load_model
+    from tests import moe_checkpoints
+
+    d = tmp_path_factory.mktemp("glm-plan")
+    hf = moe_checkpoints.servable("glm4_moe", d / "hf", smol_dir)
+    src = moe_checkpoints.write_moe_gguf(hf, d / "q4_0.gguf", default_gguf_path(), quant="Q4_0")
+    model = load_model(import_gguf(src, d / "native", native=True, progress=False))
+    if model.step_ops is None or not kernels.cpu.attn.enabled():
+        pytest.skip("the CPU step ops are off here (not CPU, or EDGEINFER_CPU_KERNELS=torch)")
+    return model
+
+
+@pytest.mark.parametrize("scoring", ["sigmoid", "softmax"])
+def test_moe_layers_run_in_the_plan_with_the_module_paths_bits(glm_native, plan_runs, monkeypatch, scoring):
+    """The decode plan covers GLM-4.5's layers: attention with QK-norm, partial rotary and a qkv bias, the dense
+    first MLP, and MoE layers (the router's top-k, the routed experts in one q4_1x8_moe call, the shared expert).
+    The C++ loop, its Python twin (run_python) and the module path give the same tokens and logprob bits, with
+    GLM's sigmoid routing and with Qwen3-MoE's softmax top-k (the same model routed that way)."""
+    import dataclasses
+
+    from edgeinfer.backend.model import cpu_decode
+    from edgeinfer.backend.model.moe import SparseMoE
+
+    torch.set_grad_enabled(False)
+    model = glm_native
+    moe_layers = [layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoE)]
+    assert moe_layers and not isinstance(model.layers[0].mlp, SparseMoE)
+    if scoring == "softmax":
+        for m in moe_layers:
+            monkeypatch.setattr(m, "moe", dataclasses.replace(m.moe, scoring="softmax", norm_topk_prob=True))
+    monkeypatch.setattr(model, "_decode_plan", DecodePlan.build(model))
+    assert model._decode_plan is not None and all(r.moe is not None for r in model._decode_plan.layers[1:])
+    prompts = [prompt(30 + i, 11 + 9 * i) for i in range(3)]
+    slow = _generate(model, False, "int8", prompts, 5)
+    assert plan_runs["n"] == 0
+    fast = _generate(model, True, "int8", prompts, 5)
+    assert plan_runs["n"] == 4
+    monkeypatch.setattr(cpu_decode, "_CPP_LOOP", False)
+    python_loop = _generate(model, True, "int8", prompts, 5)
+    assert plan_runs["n"] == 8
+    for (t0, lp0, _), (t1, lp1, _), (t2, lp2, _) in zip(slow, fast, python_loop, strict=True):
+        assert t0 == t1 == t2 and len(t0) == 5
+        assert torch.equal(torch.tensor(lp0), torch.tensor(lp1)) and torch.equal(torch.tensor(lp0), torch.tensor(lp2))
+
+
+def test_the_plan_refuses_experts_split_over_ranks(glm_native, monkeypatch):
+    from edgeinfer.backend.model.moe import SparseMoE
+
+    layer = next(layer for layer in glm_native.layers if isinstance(layer.mlp, SparseMoE))
+    monkeypatch.setattr(layer.mlp, "expert_range", (0, 8))
+    assert DecodePlan.build(glm_native) is None
