@@ -190,6 +190,40 @@ def test_moe_layers_run_in_the_plan_with_the_module_paths_bits(glm_native, plan_
         assert torch.equal(torch.tensor(lp0), torch.tensor(lp1)) and torch.equal(torch.tensor(lp0), torch.tensor(lp2))
 
 
+def test_the_moe_layer_loop_is_close_to_its_pure_torch_reference(glm_native, monkeypatch):
+    """decode_layers on MoE layers against attn_reference.decode_layers (the references' ops and GEMMs, the same
+    routing): one captured decode step of the GLM model, from the same pool and residual stream."""
+    from edgeinfer.kernels.cpu import attn_reference
+
+    torch.set_grad_enabled(False)
+    seen = []
+    run = DecodePlan.run
+
+    def spy(self, x, positions, kv_caches, meta, ops):
+        if not seen:
+            seen.append((self, x.clone(), positions, kv_caches, meta, ops,
+                         [(c.k.clone(), c.v.clone(), c.k_scale.clone(), c.v_scale.clone()) for c in kv_caches]))
+        return run(self, x, positions, kv_caches, meta, ops)
+    monkeypatch.setattr(DecodePlan, "run", spy)
+    monkeypatch.setattr(glm_native, "_decode_plan", DecodePlan.build(glm_native))
+    _generate(glm_native, True, "int8", [prompt(41, 25), prompt(42, 12)], 2)
+    plan, x, positions, kv_caches, meta, ops, snap = seen[0]
+    outs = []
+    for fn in (lambda xs: run(plan, xs, positions, kv_caches, meta, ops), lambda xs: attn_reference.decode_layers(
+            xs, attn_reference.rms_norm(xs, *plan.first_norm), positions, plan.model.rotary.cos,
+            plan.model.rotary.sin, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
+            plan.weights, *plan._kv_lists(kv_caches)[:2], plan.extras, plan._kv_lists(kv_caches)[2], plan.floats,
+            plan.residual, plan.tau)):
+        for c, (k, v, ks, vs) in zip(kv_caches, snap):
+            c.k.copy_(k)
+            c.v.copy_(v)
+            c.k_scale.copy_(ks)
+            c.v_scale.copy_(vs)
+        outs.append(fn(x.clone()))
+    got, want = outs
+    assert float((got - want).abs().max()) <= 2e-3 * float(want.abs().max()), float((got - want).abs().max())
+
+
 def test_the_plan_refuses_experts_split_over_ranks(glm_native, monkeypatch):
     from edgeinfer.backend.model.moe import SparseMoE
 
