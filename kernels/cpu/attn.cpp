@@ -359,29 +359,41 @@ EI_AVX512 inline void q8x32(const uint8_t* p, __m512& lo, __m512& hi) {
   else fp8x32_scaled_down(p, lo, hi);
 }
 
+// the horizontal sums of four 16-lane vectors -> [sum x[0], sum x[1], sum x[2], sum x[3]]: pairs interleaved and
+// added within each 128-bit lane (unpack ps, then pd), then the four 128-bit lanes added
+EI_AVX512 inline __m128 reduce4(const __m512* x) {
+  const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(x[0], x[1]), _mm512_unpackhi_ps(x[0], x[1]));
+  const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(x[2], x[3]), _mm512_unpackhi_ps(x[2], x[3]));
+  const __m512d p0 = _mm512_castps_pd(t0), p1 = _mm512_castps_pd(t1);
+  const __m512 t2 = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(p0, p1)),
+                                  _mm512_castpd_ps(_mm512_unpackhi_pd(p0, p1)));
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(t2),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t2), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
 template <int GN, bool I8>
 EI_AVX512 inline void dots_fp8_512(const float* q, int64_t qsh, const uint8_t* const* k, const float* f, int64_t n,
                                    int64_t d, float* out) {
   int64_t t = 0;
-  for (; t + 2 <= n; t += 2) {
-    __m512 a[GN], c[GN];
-    for (int g = 0; g < GN; ++g) a[g] = c[g] = _mm512_setzero_ps();
+  // four keys at a time: 4 * GN independent FMA chains, and the four keys' horizontal sums done together by one
+  // transposing reduction per head (reduce4) instead of four _mm512_reduce_add_ps (which dominated the loop)
+  for (; t + 4 <= n; t += 4) {
+    __m512 a[GN][4];
+    for (int g = 0; g < GN; ++g)
+      for (int j = 0; j < 4; ++j) a[g][j] = _mm512_setzero_ps();
     for (int64_t i = 0; i < d; i += 32) {
-      __m512 x0, x1, y0, y1;
-      q8x32<I8>(k[t] + i, x0, x1);
-      q8x32<I8>(k[t + 1] + i, y0, y1);
+      __m512 x[4][2];
+      for (int j = 0; j < 4; ++j) q8x32<I8>(k[t + j] + i, x[j][0], x[j][1]);
       for (int g = 0; g < GN; ++g) {
         const __m512 q0 = _mm512_loadu_ps(q + g * qsh + i), q1 = _mm512_loadu_ps(q + g * qsh + i + 16);
-        a[g] = _mm512_fmadd_ps(q1, x1, _mm512_fmadd_ps(q0, x0, a[g]));
-        c[g] = _mm512_fmadd_ps(q1, y1, _mm512_fmadd_ps(q0, y0, c[g]));
+        for (int j = 0; j < 4; ++j) a[g][j] = _mm512_fmadd_ps(q1, x[j][1], _mm512_fmadd_ps(q0, x[j][0], a[g][j]));
       }
     }
-    for (int g = 0; g < GN; ++g) {
-      out[g * n + t] = _mm512_reduce_add_ps(a[g]) * f[t];
-      out[g * n + t + 1] = _mm512_reduce_add_ps(c[g]) * f[t + 1];
-    }
+    const __m128 ff = _mm_loadu_ps(f + t);
+    for (int g = 0; g < GN; ++g) _mm_storeu_ps(out + g * n + t, _mm_mul_ps(reduce4(a[g]), ff));
   }
-  if (t < n) {
+  for (; t < n; ++t) {
     __m512 a[GN];
     for (int g = 0; g < GN; ++g) a[g] = _mm512_setzero_ps();
     for (int64_t i = 0; i < d; i += 32) {
@@ -670,6 +682,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
           vb[j] = static_cast<const uint8_t*>(vc) + r * D;
           kf[j] = scale_at(ks, scale_bf16, r) * undo * scale;
           vf[j] = scale_at(vs, scale_bf16, r) * undo;
+          // start every row's read now: rows of one kv head are KVH * D bytes apart across pages, and a cold
+          // pool (each layer's KV read once per step) otherwise makes the loops wait on each line in turn
+          // (measured at 4k, batch 1, int8: 0.47 ms per layer inside a step against 0.15 ms when cache-warm)
+          for (int64_t off = 0; off < D; off += 64) {
+            _mm_prefetch(reinterpret_cast<const char*>(kb[j]) + off, _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(vb[j]) + off, _MM_HINT_T1);
+          }
           continue;
         }
         krow[j] = load_row(kc, kind, r, D, scale_at(ks, scale_bf16, r), kbuf.data() + j * D);
