@@ -80,6 +80,22 @@ def test_no_plan_for_a_model_without_x8_linears(smol_model):
     assert DecodePlan.build(smol_model) is None
 
 
+def capture_first_step(monkeypatch) -> tuple[list, object]:
+    """DecodePlan.run spied on: ([the first decode step's (plan, x, positions, kv_caches, meta, ops, the pool's
+    k, v, k_scale, v_scale per layer as they were)], the unspied run)."""
+    seen: list = []
+    run = DecodePlan.run
+
+    def spy(self, x, positions, kv_caches, meta, ops):
+        if not seen:
+            seen.append((self, x.clone(), positions, kv_caches, meta, ops,
+                         [tuple(None if t is None else t.clone() for t in (c.k, c.v, c.k_scale, c.v_scale))
+                          for c in kv_caches]))
+        return run(self, x, positions, kv_caches, meta, ops)
+    monkeypatch.setattr(DecodePlan, "run", spy)
+    return seen, run
+
+
 @pytest.mark.parametrize("kv", ["auto", "fp8_e4m3", "int8"])
 def test_the_cpp_layer_loop_is_the_python_loop_bit_for_bit_and_its_reference(native_model, monkeypatch, kv):
     """kernels/cpu/attn.cpp decode_layers runs DecodePlan's loop in one call: the same bits as the loop in Python
@@ -90,15 +106,7 @@ def test_the_cpp_layer_loop_is_the_python_loop_bit_for_bit_and_its_reference(nat
     from edgeinfer.kernels.cpu import reference as gemm_ref
 
     torch.set_grad_enabled(False)
-    seen = []
-    run = DecodePlan.run
-
-    def spy(self, x, positions, kv_caches, meta, ops):
-        if not seen:
-            seen.append((self, x.clone(), positions, kv_caches, meta, ops,
-                         [(c.k.clone(), c.v.clone(), c.k_scale, c.v_scale) for c in kv_caches]))
-        return run(self, x, positions, kv_caches, meta, ops)
-    monkeypatch.setattr(DecodePlan, "run", spy)
+    seen, run = capture_first_step(monkeypatch)
     _generate(native_model, True, kv, [prompt(21, 30), prompt(22, 45)], 3)
     plan, x, positions, kv_caches, meta, ops, snap = seen[0]
     scales0 = [(None if c.k_scale is None else c.k_scale.clone(), None if c.v_scale is None else c.v_scale.clone())
@@ -196,15 +204,7 @@ def test_the_moe_layer_loop_is_close_to_its_pure_torch_reference(glm_native, mon
     from edgeinfer.kernels.cpu import attn_reference
 
     torch.set_grad_enabled(False)
-    seen = []
-    run = DecodePlan.run
-
-    def spy(self, x, positions, kv_caches, meta, ops):
-        if not seen:
-            seen.append((self, x.clone(), positions, kv_caches, meta, ops,
-                         [(c.k.clone(), c.v.clone(), c.k_scale.clone(), c.v_scale.clone()) for c in kv_caches]))
-        return run(self, x, positions, kv_caches, meta, ops)
-    monkeypatch.setattr(DecodePlan, "run", spy)
+    seen, run = capture_first_step(monkeypatch)
     monkeypatch.setattr(glm_native, "_decode_plan", DecodePlan.build(glm_native))
     _generate(glm_native, True, "int8", [prompt(41, 25), prompt(42, 12)], 2)
     plan, x, positions, kv_caches, meta, ops, snap = seen[0]
