@@ -324,7 +324,8 @@ SUITES: list[Suite] = [
     Suite("quality", "What do INT4 weights and quantized KV cost in accuracy?", [
         Part("quality.kv", "per KV format vs fp32 KV: KL divergence, same top-1, perplexity on two texts at 1k-8k; "
              "llama.cpp's q8_0/q4_0 on the same GGUF; greedy first divergences",
-             ["--lengths", "128", "--windows", "1", "--greedy-prompts", "2", "--max-tokens", "4"], _kv_quality),
+             ["--lengths", "128", "--windows", "1", "--texts", "news", "--formats", "int8", "--greedy-prompts", "2",
+              "--max-tokens", "4"], _kv_quality),
         Part("quality.perplexity", "perplexity and next-token agreement per weight/KV variant, KV bytes per token",
              ["--methods", "rtn", "--chunks", "1", "--chunk-len", "64"], _perplexity),
         Part("quality.chat_agreement", "greedy chat answers: served INT4 vs its own fp32 weights (and llama.cpp's)",

@@ -10,8 +10,8 @@ if none is, fp32 (exact). The budget is `--kv-kld-budget` (DEFAULT_BUDGET nats).
 Calibration: CPython's Lib/pydoc_data/topics.py (the language reference's prose), CALIB_TOKENS tokens from its
 middle: not the project's evaluation text (idlelib/NEWS.txt) nor quality.kv's second text (the licenses).
 
-The measurement is cached (GateCache): beside the model as kv_gate.json where the directory is writable, and in
-the user's cache ($EDGEINFER_HOME/kv_gate/<fingerprint>.json) either way, keyed by the model's fingerprint, its
+The measurement is cached (GateCache): beside the model as kv_gate.json where the directory is writable, and by
+fingerprint in $EDGEINFER_HOME/kv_gate/ and the user's cache (~/.cache/edgeinfer/kv_gate/) either way, keyed by the model's fingerprint, its
 dtype and device, the calibration and the candidates; the budget is applied afresh at every start. A format the
 operator forces is served as forced, and its measured cost (against fp32) is logged beside it.
 """
@@ -101,12 +101,21 @@ def pick(costs: dict[str, FormatCost], budget: float) -> str:
     return min(ok)[2] if ok else EXACT
 
 
+def user_cache_dir() -> Path:
+    """$XDG_CACHE_HOME/edgeinfer, else ~/.cache/edgeinfer, whatever EDGEINFER_HOME says: a model imported again
+    under another EDGEINFER_HOME has the same fingerprint and needs no second measurement."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "edgeinfer"
+
+
 class GateCache:
-    """Measured costs by key, in JSON files: beside the model when its directory is writable, and in the user's
-    cache either way (a read-only model directory, or one imported again under another EDGEINFER_HOME)."""
+    """Measured costs by key, in JSON files: beside the model when its directory is writable, and by the model's
+    fingerprint in $EDGEINFER_HOME and in the user's cache either way (a read-only model directory, or the same
+    checkpoint imported again elsewhere)."""
 
     def __init__(self, model_dir: Path, fingerprint: str) -> None:
-        self.paths = [model_dir / "kv_gate.json", home_dir() / "kv_gate" / f"{fingerprint}.json"]
+        name = Path("kv_gate") / f"{fingerprint}.json"
+        paths = [model_dir / "kv_gate.json", home_dir() / name, user_cache_dir() / name]
+        self.paths = list(dict.fromkeys(paths))
 
     def get(self, key: str) -> dict[str, FormatCost] | None:
         for p in self.paths:

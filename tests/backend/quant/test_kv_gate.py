@@ -60,6 +60,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture
 def home(tmp_path, monkeypatch):
     monkeypatch.setenv("EDGEINFER_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))    # the machine-wide copy, isolated too
     return tmp_path / "home"
 
 
@@ -77,6 +78,7 @@ def test_auto_measures_every_candidate_caches_them_and_applies_the_budget_afresh
     assert m["bf16"].kld_mean < m["int8"].kld_mean < m["fp8_e4m3"].kld_mean
     assert d.served == pick(m, 1e9) == "int8"
     assert (path / "kv_gate.json").is_file() and (home / "kv_gate" / f"{fp}.json").is_file()
+    assert (home.parent / "xdg" / "edgeinfer" / "kv_gate" / f"{fp}.json").is_file()
 
     def no_measuring(*a, **k):
         raise AssertionError("measured again: the cache was not used")
@@ -86,6 +88,9 @@ def test_auto_measures_every_candidate_caches_them_and_applies_the_budget_afresh
     assert tight.served == "bf16" and tight.seconds == 0 and tight.measured == m
     assert decide(model, ByteTokens(), path, fp, "auto", m["bf16"].kld_mean / 2).served == "fp32"
     (path / "kv_gate.json").unlink()          # a read-only or fresh model dir: the user's cache still has it
+    assert decide(model, ByteTokens(), path, fp, "auto", 1e9).measured == m
+    (home / "kv_gate" / f"{fp}.json").unlink()   # another EDGEINFER_HOME: the machine-wide cache has it
+    assert not (path / "kv_gate.json").exists()
     assert decide(model, ByteTokens(), path, fp, "auto", 1e9).measured == m
 
 
@@ -102,7 +107,7 @@ def test_a_forced_format_is_served_as_forced_with_its_cost_measured(tiny, home):
 
 
 @pytest.mark.parametrize("budget", [-0.1, float("nan"), float("inf")])
-def test_a_bad_budget_is_refused_naming_it(tiny, budget):
+def test_a_bad_budget_is_refused_naming_it(tiny, home, budget):
     path, model = tiny
     with pytest.raises(ValueError, match="kv_kld_budget=.* is invalid: expected a finite number >= 0"):
         decide(model, ByteTokens(), path, "fp", "auto", budget)
