@@ -2,6 +2,12 @@
 
   python -m benchmarks moe [--quick] [--threads 2] [--rounds 2] [--levels 1,8,32]
       [--llamacpp-src DIR] [--llamacpp-build DIR] [--work DIR] [--out FILE]
+  python -m benchmarks moe --plan-ab [--work DIR]     (the decode plan on vs off, in-process; no peer)
+
+--plan-ab: the same shape through the project's own Q4_0 GGUF writer (tests/moe_checkpoints.py) and the native
+import, the model alone in this process: ms per decode step at 1 / 8 / 32 sequences (64 tokens of context) with
+the decode plan (backend/model/cpu_decode.py: the C++ layer loop, MoE layers included) and with the module path,
+alternated over 6 rounds (medians); writes benchmarks/results/moe.plan_ab.json.
 
 The model: a random GLM-4.5 (transformers' Glm4MoeConfig: sigmoid routing with a correction bias, one shared
 expert, the first layer dense, QK-norm, partial rotary, q/k/v bias) large enough to be memory-bound on the CPU:
@@ -260,7 +266,58 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
+def plan_ab(work: Path, threads: int, out: Path) -> int:
+    import torch
+
+    from edgeinfer.backend.model.gguf_import import default_gguf_path, ensure_default_model, import_gguf
+    from edgeinfer.backend.model.loader import load_model
+    from tests import moe_checkpoints
+    from tests.support.dense import decode_batch
+
+    t0, load0 = time.monotonic(), os.getloadavg()
+    torch.set_num_threads(threads)
+    native = work / "plan_ab" / "native"
+    if not (native / "config.json").exists():
+        shape = {k: v for k, v in SHAPE.items()} | dict(n_group=1, topk_group=1, tie_word_embeddings=True,
+                                                          max_position_embeddings=4096)
+        hf = moe_checkpoints.servable("glm4_moe", work / "plan_ab" / "hf", ensure_default_model(), **shape)
+        src = moe_checkpoints.write_moe_gguf(hf, work / "plan_ab" / "q4_0.gguf", default_gguf_path(), quant="Q4_0")
+        del hf
+        import_gguf(src, native, native=True, progress=False)
+    m = load_model(native)
+    if m._decode_plan is None:
+        raise SystemExit("no decode plan for this model (not the native CPU path?)")
+    result: dict = {"bench": "moe.plan_ab", "shape": SHAPE, "threads": threads, "context": 64, "levels": {}}
+    with torch.inference_mode():
+        for b in (1, 8, 32):
+            kv, pos, meta = decode_batch(m, b, 63)
+            ids = torch.randint(100, 40000, (b,), generator=torch.Generator().manual_seed(b))
+            times: dict[bool, list[float]] = {True: [], False: []}
+            for r in range(6):
+                for lean in ((True, False) if r % 2 == 0 else (False, True)):
+                    m.lean_decode = lean
+                    for _ in range(2):
+                        m.compute_logits(m(ids, pos, kv, meta))
+                    t = time.perf_counter()
+                    for _ in range(8):
+                        m.compute_logits(m(ids, pos, kv, meta))
+                    times[lean].append((time.perf_counter() - t) / 8 * 1e3)
+            on, off = statistics.median(times[True]), statistics.median(times[False])
+            result["levels"][str(b)] = {"plan_ms": round(on, 2), "modules_ms": round(off, 2),
+                                        "plan_speedup": round(off / on, 3)}
+            say(f"{b} sequences: plan {on:.2f} ms, modules {off:.2f} ms per step ({off / on:.2f}x)")
+    result.update(run_stamp(t0, load0))
+    write_result(result, out, echo=False)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if "--plan-ab" in argv:
+        rest = [x for x in argv if x != "--plan-ab"]
+        work = Path(rest[rest.index("--work") + 1]) if "--work" in rest else PEERS_HOME / "bench_moe"
+        return plan_ab(work, 2, ROOT / "benchmarks" / "results" / "moe.plan_ab.json")
     t0, load0 = time.monotonic(), os.getloadavg()
     a = parse_args(argv)
     shape = QUICK_SHAPE if a.quick else SHAPE

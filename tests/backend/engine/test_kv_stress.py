@@ -32,7 +32,7 @@ from tests.support.engine_steps import engine, solo
 from tests.support.tiny import prompt, tiny_llama
 
 pytestmark = pytest.mark.slow
-EPS = {"fp32": 1e-3, "fp8_e4m3": 0.05, "int8": 0.05}      # near-tie bound on the solo run's top-2 logprob gap, per KV dtype
+EPS = {"fp32": 1e-3, "fp8_e4m3": 0.05}      # near-tie bound on the solo run's top-2 logprob gap, per KV dtype (int8: the fp8 bookkeeping)
 SEEDS = range(8)
 GROUPS = {"t1": "group-a", "t2": "group-a", "t3": "group-b"}    # tenant -> cache namespace
 
