@@ -41,10 +41,6 @@ def fp8_scale(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tens
     return _amax_scale(x, FP8_MAX, dtype)
 
 
-def int8_scale(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return _amax_scale(x, INT8_MAX, dtype)
-
-
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 

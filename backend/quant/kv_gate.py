@@ -66,32 +66,39 @@ def calibration_ids(tokenizer, vocab_size: int, n: int) -> list[int]:
     return [i % vocab_size for i in ids[:n]]
 
 
-def _logprobs(model: LlamaModel, ids: list[int], kv_dtype: str) -> torch.Tensor:
+def logprobs(model: LlamaModel, ids: list[int], kv_dtype: str) -> torch.Tensor:
+    """One teacher-forced forward of ids through the engine's paged pool in kv_dtype -> log-probs [n, vocab]."""
     with torch.inference_mode():
         hidden = paged_prefill(model, [ids], kv_dtype, 16)
         return torch.log_softmax(model.compute_logits(hidden).float(), -1)
 
 
+def position_scores(ref: torch.Tensor, got: torch.Tensor, ids: list[int]) -> dict[str, torch.Tensor]:
+    """ref, got: [n, vocab] log-probabilities of the same positions (ids: the tokens that were fed) -> per position
+    (on the CPU): kld = KL(ref || got), top1 = argmax agreement, and the next-token NLL under each (nll_ref, nll)."""
+    nxt = torch.tensor(ids[1:], device=ref.device)
+    return {"kld": (ref.exp() * (ref - got)).sum(-1).clamp_min(0).cpu(),
+            "top1": (ref.argmax(-1) == got.argmax(-1)).float().cpu(),
+            "nll_ref": -ref[:-1].gather(1, nxt[:, None])[:, 0].cpu(), "nll": -got[:-1].gather(1, nxt[:, None])[:, 0].cpu()}
+
+
 def cost_against(ref: torch.Tensor, got: torch.Tensor, ids: list[int], ident: str, bpt: int) -> FormatCost:
     """ref, got: [n, vocab] log-probabilities of the same positions (ids: the tokens that were fed)."""
-    kld = (ref.exp() * (ref - got)).sum(-1).clamp_min(0).cpu()
-    nxt = torch.tensor(ids[1:], device=ref.device)
-    nll_ref = -ref[:-1].gather(1, nxt[:, None]).mean()
-    nll_got = -got[:-1].gather(1, nxt[:, None]).mean()
-    return FormatCost(ident=ident, bytes_per_token=bpt, kld_mean=float(kld.mean()),
-                      kld_p99=float(kld.quantile(0.99)), same_top1=float((ref.argmax(-1) == got.argmax(-1)).float().mean()),
-                      ppl_ratio=math.exp(float(nll_got - nll_ref)))
+    p = position_scores(ref, got, ids)
+    return FormatCost(ident=ident, bytes_per_token=bpt, kld_mean=float(p["kld"].mean()),
+                      kld_p99=float(p["kld"].quantile(0.99)), same_top1=float(p["top1"].mean()),
+                      ppl_ratio=math.exp(float(p["nll"].mean() - p["nll_ref"].mean())))
 
 
 def measure(model: LlamaModel, ids: list[int], formats: tuple[str, ...] = CANDIDATES) -> dict[str, FormatCost]:
     """Each format's cost against fp32 KV on the window `ids`, through the engine's paged pool."""
     c = model.cfg
-    ref = _logprobs(model, ids, EXACT)
+    ref = logprobs(model, ids, EXACT)
     out = {}
     for name in formats:
         fmt = KVFormat.resolve(name, model.dtype, latent=c.mla is not None, head_dim=c.head_dim)
         bpt = fmt.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim)   # MLA: num_kv_heads 1, the latent row
-        out[name] = cost_against(ref, _logprobs(model, ids, name), ids, fmt.ident, bpt)
+        out[name] = cost_against(ref, logprobs(model, ids, name), ids, fmt.ident, bpt)
     return out
 
 

@@ -75,22 +75,16 @@ def texts(names: list[str]) -> dict[str, tuple[str, str]]:
 
 
 def logprobs(model, ids: list[int], kv: str):
-    import torch
+    from edgeinfer.backend.quant.kv_gate import logprobs as paged_logprobs
 
-    from edgeinfer.backend.quant.calib import paged_prefill
-
-    with torch.inference_mode():
-        return torch.log_softmax(model.compute_logits(paged_prefill(model, [ids], kv, 16)).float(), -1)
+    return paged_logprobs(model, ids, kv)
 
 
 def scores(ref, got, ids: list[int]) -> dict:
-    """Per-position KL(ref || got), top-1 agreement and the next-token NLL of both (lists over positions)."""
-    import torch
+    """Per-position KL(ref || got), top-1 agreement and the next-token NLL of both (the gate's own measure)."""
+    from edgeinfer.backend.quant.kv_gate import position_scores
 
-    kld = (ref.exp() * (ref - got)).sum(-1).clamp_min(0)
-    nxt = torch.tensor(ids[1:], device=ref.device)
-    return {"kld": kld, "top1": (ref.argmax(-1) == got.argmax(-1)).float(),
-            "nll_ref": -ref[:-1].gather(1, nxt[:, None])[:, 0], "nll": -got[:-1].gather(1, nxt[:, None])[:, 0]}
+    return position_scores(ref, got, ids)
 
 
 def summary(parts: list[dict], n: int) -> dict:
