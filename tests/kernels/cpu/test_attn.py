@@ -175,6 +175,24 @@ def test_rope_norm_kv_store_matches_reference(ext, dtype, rotary, norm):
                                 heads, kv_heads, d, qn, kn, 1e-6)
 
 
+def store_both(ext, qkv, pos, cos, sin, slots, heads, kv_heads, dtype, scale_dtype):
+    """qkv's rows stored by the C++ rope op into caches[0:2] and by the reference into caches[2:4] (four 4-page
+    pools of `dtype`, scales of `scale_dtype`); asserts the rotated rows, the stored bytes and the scales equal.
+    -> (caches, scales)."""
+    d = cos.shape[1]
+    shape = (4, PAGE, kv_heads, d)
+    caches = [torch.zeros(shape, dtype=dtype) for _ in range(4)]
+    scales = [torch.ones(shape[:3], dtype=scale_dtype) for _ in range(4)]
+    a, b = qkv.clone(), qkv.clone()
+    ext.rope_kv_store_(a, pos, cos, sin, caches[0], caches[1], slots, heads, kv_heads, scales[0], scales[1])
+    ref.rope_kv_store_(b, pos, cos, sin, caches[2], caches[3], slots, heads, kv_heads, scales[2], scales[3])
+    assert torch.equal(a, b)
+    for x, y in ((caches[0], caches[2]), (caches[1], caches[3])):
+        assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+    assert torch.equal(scales[0], scales[2]) and torch.equal(scales[1], scales[3])
+    return caches, scales
+
+
 @pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
 def test_rope_kv_store_quantizes_fp8_pages_as_the_reference_bit_for_bit(ext, scale_dtype):
     """The fp8 store in the rope op (a scale per token-head, e4m3 round-to-nearest-even) writes kernels.kv_store's
@@ -192,16 +210,7 @@ def test_rope_kv_store_quantizes_fp8_pages_as_the_reference_bit_for_bit(ext, sca
     qkv[3, v0:v0 + d] = torch.linspace(-1e-5, 1e-5, d)                               # subnormal-sized
     pos = torch.arange(t) * 3
     slots = torch.tensor([0, 17, -1, 40, 41, 63, 2, 5, 6])
-    shape = (4, PAGE, kv_heads, d)
-    caches = [torch.zeros(shape, dtype=FP8) for _ in range(4)]
-    scales = [torch.ones(shape[:3], dtype=scale_dtype) for _ in range(4)]
-    a, b = qkv.clone(), qkv.clone()
-    ext.rope_kv_store_(a, pos, cos, sin, caches[0], caches[1], slots, heads, kv_heads, scales[0], scales[1])
-    ref.rope_kv_store_(b, pos, cos, sin, caches[2], caches[3], slots, heads, kv_heads, scales[2], scales[3])
-    assert torch.equal(a, b)
-    for x, y in ((caches[0], caches[2]), (caches[1], caches[3])):
-        assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
-    assert torch.equal(scales[0], scales[2]) and torch.equal(scales[1], scales[3])
+    caches, scales = store_both(ext, qkv, pos, cos, sin, slots, heads, kv_heads, FP8, scale_dtype)
     assert caches[1].view(torch.uint8).flatten(0, 1)[17].ne(0).any()       # the tie row was written
     with pytest.raises(RuntimeError, match="an fp8/int8 cache needs k_scale"):
         ext.rope_kv_store_(qkv.clone(), pos, cos, sin, caches[0], caches[1], slots, heads, kv_heads)
@@ -226,15 +235,7 @@ def test_rope_kv_store_quantizes_int8_pages_as_the_reference_bit_for_bit(ext, sc
     qkv[2, v0:v0 + d] = torch.linspace(-1e-9, 1e-9, d)
     pos = torch.arange(t) * 3
     slots = torch.tensor([0, 17, 40, -1, 41, 63, 2, 5])
-    shape = (4, PAGE, kv_heads, d)
-    caches = [torch.zeros(shape, dtype=INT8) for _ in range(4)]
-    scales = [torch.ones(shape[:3], dtype=scale_dtype) for _ in range(4)]
-    a, b = qkv.clone(), qkv.clone()
-    ext.rope_kv_store_(a, pos, cos, sin, caches[0], caches[1], slots, heads, kv_heads, scales[0], scales[1])
-    ref.rope_kv_store_(b, pos, cos, sin, caches[2], caches[3], slots, heads, kv_heads, scales[2], scales[3])
-    assert torch.equal(a, b)
-    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
-    assert torch.equal(scales[0], scales[2]) and torch.equal(scales[1], scales[3])
+    caches, scales = store_both(ext, qkv, pos, cos, sin, slots, heads, kv_heads, INT8, scale_dtype)
     tie_row = caches[1].flatten(0, 1)[0, 0]
     assert tie_row[0] == 127 and tie_row[1] == -60 and tie_row[2] == -58     # -60.5 -> -60, -58.5 -> -58 (even)
     assert int(caches[1].abs().max()) == 127 and caches[1].flatten(0, 1)[40].abs().max() <= 127
