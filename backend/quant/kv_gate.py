@@ -154,10 +154,11 @@ class GateDecision:
     budget: float
     measured: dict[str, FormatCost]    # empty when nothing was measured
     seconds: float                     # spent measuring at this start (0: from the cache)
+    tokens: int = CALIB_TOKENS         # the calibration window (the model's context, if shorter)
 
     def report(self) -> dict:
         return {"requested": self.requested, "served": self.served, "budget_kld": self.budget,
-                "calibration": f"{CALIBRATION} ({CALIB_TOKENS} tokens)", "measure_s": round(self.seconds, 2),
+                "calibration": f"{CALIBRATION} ({self.tokens} tokens)", "measure_s": round(self.seconds, 2),
                 "measured": {n: asdict(c) for n, c in self.measured.items()}}
 
 
@@ -183,7 +184,7 @@ def decide(model: LlamaModel, tokenizer, model_dir: Path, fingerprint: str, requ
         cache.put(key, cached)
     costs = {f: cached[f] for f in formats}
     served = pick(costs, budget) if requested == "auto" else requested
-    return GateDecision(served, requested, budget, costs, time.monotonic() - t0 if missing else 0.0)
+    return GateDecision(served, requested, budget, costs, time.monotonic() - t0 if missing else 0.0, n)
 
 
 def log_decision(d: GateDecision, model_name: str) -> None:
