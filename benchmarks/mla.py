@@ -10,7 +10,11 @@ qk_nope 128, v 128, 4 layers, dense MLPs: the bench is about attention), and a G
   - KV bytes per token (the engine's own ModelRunner.bytes_per_token) for MLA fp32 / fp8 and GQA fp32 / fp8, and
     the sequences of 4k tokens that fit in a fixed 1 GiB KV budget;
   - decode ms per step at 1 / 8 / 32 sequences of --context tokens: absorbed (W_UK folded into the query, the
-    latent pages read as they are) vs expanded (every context latent expanded through kv_b_proj each step);
+    latent pages read as they are; attention by the C++ op kernels.cpu.attn.mla_decode_attention), the same with
+    torch ops for the attention (`absorbed_torch`, what the CPU path did before the op), and expanded (every context
+    latent expanded through kv_b_proj each step);
+  - the decode attention op alone (attention_op): the C++ op vs the torch reference, fp32 and int8 latent pages,
+    contexts 512 / 4096, 1 / 8 / 32 sequences, 16 and 64 query heads;
   - prefill of --prefill tokens: expanded vs latent form;
   - fp8 vs fp32 latent pages: mean KL(fp32 || fp8) of the next-token distributions, teacher-forced over 4 chunks of
     a real text (the model is random: this measures the pages' numeric fidelity, not language quality), and the
@@ -89,9 +93,13 @@ def decode_and_prefill(model_dir: Path, levels: list[int], context: int, prefill
     model = load_model(model_dir)
     out: dict = {"decode_ms": {}, "prefill_ms": {}}
     g = torch.Generator().manual_seed(0)
-    for form in ("absorbed", "expanded"):
+    for form in ("absorbed", "absorbed_torch", "expanded"):
         for layer in model.layers:
-            layer.self_attn.decode_form = form
+            attn = layer.self_attn
+            attn.decode_form = "expanded" if form == "expanded" else "absorbed"
+            attn.__dict__.pop("decode", None)
+            if form == "absorbed_torch":   # the same absorbed form with torch ops for the attention (no C++ op)
+                attn.decode = (lambda a: lambda qn, qp, kv, meta, ops=None: type(a).decode(a, qn, qp, kv, meta))(attn)
         out["decode_ms"][form] = {}
         for b in levels:
             kv, positions, meta = decode_batch(model, b, context)
@@ -116,6 +124,48 @@ def decode_and_prefill(model_dir: Path, levels: list[int], context: int, prefill
             model(ids, torch.arange(prefill), kv, meta)
         out["prefill_ms"][form] = round((time.perf_counter() - t) / 2 * 1000, 1)
         say(f"  prefill {form} {prefill} tokens: {out['prefill_ms'][form]} ms")
+    return out
+
+
+def attention_op(contexts: list[int], levels: list[int], heads: list[int], reps: int) -> dict:
+    """The MLA decode attention alone, ms per call: the C++ op (kernels.cpu.attn.mla_decode_attention) against
+    the torch reference it replaced on the CPU path (gather the rows, dequantize, two einsums), on Kimi K2's latent
+    rows (512 + 64) in fp32 and int8 pages, per context, batch and query-head count (16: this bench's model and
+    DeepSeek-V2-Lite; 64: Kimi K2)."""
+    from edgeinfer.kernels.cpu import attn as cpu_attn
+    from edgeinfer.kernels.cpu import attn_reference
+    from edgeinfer.kernels.paged_mla_attention import mla_latent_store
+
+    ext = cpu_attn._ext()
+    rank, rope, page = 512, 64, 16
+    out: dict = {}
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.int8):
+        for ctx in contexts:
+            pages_per = ctx // page
+            for b in levels:
+                cache = torch.zeros(b * pages_per, page, 1, rank + rope, dtype=dtype)
+                scale = torch.ones(cache.shape[:3], dtype=torch.bfloat16) if dtype == torch.int8 else None
+                for i in range(b):   # one sequence's rows at a time (bounded temporary)
+                    rows = torch.randn(pages_per * page, rank + rope, generator=g)
+                    mla_latent_store(rows, cache, torch.arange(i * pages_per * page, (i + 1) * pages_per * page),
+                                     scale)
+                bt = torch.arange(b * pages_per, dtype=torch.int32).view(b, pages_per)
+                cl = torch.full((b,), ctx, dtype=torch.int32)
+                for h in heads:
+                    q = torch.randn(b, h, rank + rope, generator=g) * 0.05
+                    row = {}
+                    for name, fn in (("cpp", ext.mla_decode_attention), ("torch", attn_reference.mla_decode_attention)):
+                        fn(q, cache, bt, cl, 0.07, rank, scale)
+                        t = time.perf_counter()
+                        for _ in range(reps):
+                            fn(q, cache, bt, cl, 0.07, rank, scale)
+                        row[f"{name}_ms"] = round((time.perf_counter() - t) / reps * 1000, 3)
+                    row["speedup"] = round(row["torch_ms"] / row["cpp_ms"], 2)
+                    key = f"{'int8' if dtype == torch.int8 else 'fp32'} ctx{ctx} x{b} h{h}"
+                    out[key] = row
+                    say(f"  attention {key}: {row}")
+                del cache
     return out
 
 
@@ -192,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     result["kv"] = {k: kv_bytes(d) for k, d in dirs.items()}
     say("MLA decode (absorbed vs expanded) and prefill (expanded vs latent)")
     result["mla_speed"] = decode_and_prefill(dirs["mla"], levels, context, prefill, steps)
+    say("the MLA decode attention op alone: C++ vs torch")
+    result["attention_op"] = attention_op([context] if a.quick else [512, 4096], [1, 8] if a.quick else levels,
+                                          [16] if a.quick else [16, 64], 2 if a.quick else 5)
     say("fp8 vs fp32 latent pages")
     tok = Tokenizer.from_dir(smol)
     import pydoc_data.topics
@@ -210,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
                                                      / kv["mla"]["fp8_e4m3"]["bytes_per_token"], 3),
          "decode absorbed / expanded speed": {b: round(sp["decode_ms"]["expanded"][b] / sp["decode_ms"]["absorbed"][b], 2)
                                               for b in sp["decode_ms"]["absorbed"]},
+         "decode C++ MLA op / torch attention speed": {
+             b: round(sp["decode_ms"]["absorbed_torch"][b] / sp["decode_ms"]["absorbed"][b], 2)
+             for b in sp["decode_ms"]["absorbed"]},
          "prefill latent / expanded speed": round(sp["prefill_ms"]["expanded"] / sp["prefill_ms"]["latent"], 2)}
     lc = result.get("llamacpp", {})
     rows = {x["test"]: x["tok_s"] for x in lc.get("rows", [])}

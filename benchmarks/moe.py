@@ -55,10 +55,23 @@ GLM_SPECIALS = ["[gMASK]", "<|user|>", "<|endoftext|>", "<|observation|>"]   # _
 SHAPE = dict(hidden_size=768, intermediate_size=2048, moe_intermediate_size=384, num_hidden_layers=12,
              num_attention_heads=12, num_key_value_heads=4, head_dim=64, n_routed_experts=64, num_experts_per_tok=8)
 QUICK_SHAPE = dict(SHAPE, num_hidden_layers=4, n_routed_experts=16, num_experts_per_tok=4)
+# --arch deepseek2 (benchmarks/mla_peer.py): DeepSeek-V2-Lite's attention and expert shapes (no q LoRA, a 512-wide
+# latent + 64 rope, 16 heads of 128 + 64, v 128; 64 experts of width 1408, top-6, 2 shared; the first layer dense
+# with V2-Lite's 10944-wide MLP) in 4 layers instead of 27, as a DeepSeek-V3 checkpoint (V3's sigmoid routing with a
+# correction bias: V2's softmax greedy routing is not implemented here); llama.cpp converts it to its deepseek2 arch.
+DS_SHAPE = dict(hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=4,
+                num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
+                qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64,
+                num_experts_per_tok=6, n_shared_experts=2)
+DS_QUICK_SHAPE = dict(DS_SHAPE, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=128,
+                      qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, n_routed_experts=8)
+ARCHS = {"glm4moe": (SHAPE, QUICK_SHAPE, "GLM-4.5"), "deepseek2": (DS_SHAPE, DS_QUICK_SHAPE, "DeepSeek-V2-Lite-shaped")}
 
 
-def build_checkpoint(out: Path, shape: dict, seed: int = 0) -> dict:
-    """The random GLM-4.5 checkpoint (bf16 safetensors) and its tokenizer, written to out."""
+def build_checkpoint(out: Path, shape: dict, seed: int = 0, arch: str = "glm4moe") -> dict:
+    """The random GLM-4.5 (or DeepSeek, arch deepseek2) checkpoint (bf16 safetensors) and its tokenizer, written
+    to out."""
     import torch
     from tokenizers import AddedToken, Tokenizer
 
@@ -66,7 +79,7 @@ def build_checkpoint(out: Path, shape: dict, seed: int = 0) -> dict:
     from tests.hf_compat import hide_hub_kernels
 
     hide_hub_kernels()
-    from transformers import AutoModelForCausalLM, Glm4MoeConfig
+    from transformers import AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig
 
     smol = ensure_default_model()
     out.mkdir(parents=True, exist_ok=True)
@@ -74,10 +87,15 @@ def build_checkpoint(out: Path, shape: dict, seed: int = 0) -> dict:
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in GLM_SPECIALS])
     tok.save(str(out / "tokenizer.json"))
     shutil.copy2(smol / "tokenizer_config.json", out / "tokenizer_config.json")
-    cfg = Glm4MoeConfig(vocab_size=tok.get_vocab_size(), n_group=1, topk_group=1, first_k_dense_replace=1,
-                        n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True,
-                        attention_bias=True, partial_rotary_factor=0.5, num_nextn_predict_layers=0,
-                        tie_word_embeddings=True, max_position_embeddings=4096, **shape)
+    if arch == "deepseek2":
+        cfg = DeepseekV3Config(vocab_size=tok.get_vocab_size(), n_group=1, topk_group=1, first_k_dense_replace=1,
+                               routed_scaling_factor=1.0, norm_topk_prob=False, num_nextn_predict_layers=0,
+                               tie_word_embeddings=True, max_position_embeddings=4096, **shape)
+    else:
+        cfg = Glm4MoeConfig(vocab_size=tok.get_vocab_size(), n_group=1, topk_group=1, first_k_dense_replace=1,
+                            n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True,
+                            attention_bias=True, partial_rotary_factor=0.5, num_nextn_predict_layers=0,
+                            tie_word_embeddings=True, max_position_embeddings=4096, **shape)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     with torch.no_grad():
@@ -92,9 +110,9 @@ def build_checkpoint(out: Path, shape: dict, seed: int = 0) -> dict:
     return {"parameters": params, "active_parameters_per_token": active, "config": cfg.to_dict()}
 
 
-def make_gguf(hf_dir: Path, work: Path, src: Path, build: Path) -> Path:
+def make_gguf(hf_dir: Path, work: Path, src: Path, build: Path, stem: str = "glm45-moe") -> Path:
     """llama.cpp's converter (f16), then llama-quantize to Q4_0 with a Q8_0 token embedding."""
-    f16, q4 = work / "glm45-moe-f16.gguf", work / "glm45-moe-q4_0.gguf"
+    f16, q4 = work / f"{stem}-f16.gguf", work / f"{stem}-q4_0.gguf"
     if not f16.exists():
         env = {**os.environ, "PYTHONPATH": str(src / "gguf-py")}
         subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf_dir), "--outfile", str(f16),
@@ -117,9 +135,10 @@ def gguf_types(path: Path) -> dict[str, int]:
     return counts
 
 
-def model_steps(model_dir: Path, levels: list[int], threads: int, steps: int = 12) -> dict:
+def model_steps(model_dir: Path, levels: list[int], threads: int, steps: int = 12, context: int = 31) -> dict:
     """edgeinfer's model alone, in this process (no server, scheduler or HTTP): ms per decode step of `b` sequences
-    at 32 tokens of context, per activation mode (each in a fresh subprocess: the mode is read at prepack)."""
+    at context + 1 tokens of context, per activation mode (each in a fresh subprocess: the mode is read at
+    prepack)."""
     code = f"""
 import json, sys, time, torch
 sys.path.insert(0, {str(ROOT)!r})
@@ -129,7 +148,7 @@ from tests.support.dense import decode_batch
 m = load_model({str(model_dir)!r})
 out = {{}}
 for b in {levels!r}:
-    kv, pos, meta = decode_batch(m, b, 31)
+    kv, pos, meta = decode_batch(m, b, {context})
     ids = torch.randint(100, 40000, (b,), generator=torch.Generator().manual_seed(b))
     for _ in range(3):
         m.compute_logits(m(ids, pos, kv, meta))
@@ -227,6 +246,8 @@ def markdown(summary: dict, rat: dict, gl: dict, levels: list[int], title: str) 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="4 layers of 16 experts, 1 round, levels 1,8, 16 tokens")
+    p.add_argument("--arch", choices=sorted(ARCHS), default="glm4moe",
+                   help="glm4moe (default) or deepseek2 (MLA: benchmarks/mla_peer.py)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--levels", default=None)
@@ -320,13 +341,15 @@ def main(argv: list[str] | None = None) -> int:
         return plan_ab(work, 2, ROOT / "benchmarks" / "results" / "moe.plan_ab.json")
     t0, load0 = time.monotonic(), os.getloadavg()
     a = parse_args(argv)
-    shape = QUICK_SHAPE if a.quick else SHAPE
-    work = a.work / ("quick" if a.quick else "full")
+    full_shape, quick_shape, family = ARCHS[a.arch]
+    shape = quick_shape if a.quick else full_shape
+    work = a.work / (("quick" if a.quick else "full") + ("" if a.arch == "glm4moe" else f"-{a.arch}"))
+    stem = "glm45-moe" if a.arch == "glm4moe" else a.arch
     hf_dir = work / "hf"
     model_info: dict = {}
     if not (hf_dir / "config.json").exists():
-        say(f"building the random GLM-4.5 checkpoint in {hf_dir}")
-        model_info = build_checkpoint(hf_dir, shape)
+        say(f"building the random {family} checkpoint in {hf_dir}")
+        model_info = build_checkpoint(hf_dir, shape, arch=a.arch)
         (work / "model_info.json").write_text(json.dumps(model_info, indent=2))
     else:
         model_info = json.loads((work / "model_info.json").read_text())
@@ -334,14 +357,14 @@ def main(argv: list[str] | None = None) -> int:
         "active per token; " + ("converting with llama.cpp's tools" if a.llamacpp else "quantizing (RTN, INT4)"))
     gguf_path: Path | None = None
     if a.llamacpp:
-        gguf_path = make_gguf(hf_dir, work, a.llamacpp_src, a.llamacpp_build)
-        native = work / "edgeinfer" / "glm45-moe-q4_0"
+        gguf_path = make_gguf(hf_dir, work, a.llamacpp_src, a.llamacpp_build, stem)
+        native = work / "edgeinfer" / f"{stem}-q4_0"
         if not (native / "config.json").exists():
             from edgeinfer.backend.model.gguf_import import import_gguf
 
             import_gguf(gguf_path, native, native=True)
     else:
-        native = work / "edgeinfer" / "glm45-moe-rtn-w4a16-g32"
+        native = work / "edgeinfer" / f"{stem}-rtn-w4a16-g32"
         if not (native / "config.json").exists():
             from edgeinfer.backend.quant.quantize import quantize_checkpoint
 
@@ -386,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     raw: dict = {}
     if a.raw:
         say("raw engines: edgeinfer's model alone per activation mode, llama-bench")
-        raw = {"edgeinfer_model_step": model_steps(native, a.levels, a.threads),
+        raw = {"edgeinfer_model_step": model_steps(native, a.levels, a.threads,
+                                                   context=max(a.decode_prompt_len - 1, 31)),
                "llama_bench": llama_bench_raw(a.llamacpp_build, gguf_path, a.threads) if gguf_path else {}}
         tg = [r["tok_s"] for r in raw["llama_bench"].get("rows", []) if r["test"] == "tg64"]
         for acts, r in raw["edgeinfer_model_step"].items():
@@ -396,14 +420,14 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(runs, a.levels)
     rat = ratios(summary, a.levels)
     gl = goals(rat, a.levels)
-    md = markdown(summary, rat, gl, a.levels, f"{model_info['parameters'] / 1e6:.0f}M-parameter random GLM-4.5 "
+    md = markdown(summary, rat, gl, a.levels, f"{model_info['parameters'] / 1e6:.0f}M-parameter random {family} "
                   f"MoE, Q4_0, {a.threads} threads, {a.max_tokens} tokens/request, {a.rounds} round(s), medians; "
                   f"{platform.node()} ({os.cpu_count()} CPUs)")
     print(md)
-    result = {"bench": "bench_moe", "quick": a.quick, "host": platform.node(), "cpus": os.cpu_count(),
+    result = {"bench": "bench_moe", "arch": a.arch, "quick": a.quick, "host": platform.node(), "cpus": os.cpu_count(),
               "threads": a.threads, "levels": a.levels, "rounds": a.rounds, "max_tokens": a.max_tokens,
               "prefill_len": a.prefill_len, "decode_prompt_len": a.decode_prompt_len, "model": model_info | {
-                  "config": {k: model_info["config"].get(k) for k in (*SHAPE, "first_k_dense_replace",
+                  "config": {k: model_info["config"].get(k) for k in (*full_shape, "first_k_dense_replace",
                                                                        "n_shared_experts", "tie_word_embeddings")}},
               "gguf": str(gguf_path) if gguf_path else None,
               "gguf_tensor_types": gguf_types(gguf_path) if gguf_path else None, "summary": summary, "ratios": rat,

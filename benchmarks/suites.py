@@ -356,10 +356,14 @@ SUITES: list[Suite] = [
               "--work", "{out_dir}/moe-work"],
              _moe, smoke_timeout_s=300),
     ]),
-    Suite("mla", "What do MLA's latent KV pages save?", [
+    Suite("mla", "What do MLA's latent KV pages save, and how fast is MLA against llama.cpp's deepseek2?", [
         Part("mla", "latent bytes per token, absorbed vs expanded decode, fp8 latent accuracy, llama.cpp deepseek2",
              ["--quick"], _keys(("mla fp32 / fp8 bytes per token", "ratios.mla_fp32 / mla_fp8 bytes per token"),
                                 ("absorbed / expanded decode @32", "ratios.decode absorbed / expanded speed.32"))),
+        Part("mla_peer", "a DeepSeek-V2-Lite-shaped MLA MoE GGUF: edgeinfer vs llama-server over HTTP, interleaved",
+             ["--quick", "--levels", "1", "--max-tokens", "4", "--no-raw", "--no-llamacpp", "--also-activations", "",
+              "--work", "{out_dir}/mla-peer-work"],
+             _moe, smoke_timeout_s=300),
     ]),
     Suite("parallel", "What do tensor and expert parallelism move and cost?", [
         Part("parallel", "TP=2 and EP=2 vs one process: bytes all-reduced per step, step time, weights per rank",

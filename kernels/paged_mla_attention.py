@@ -96,6 +96,7 @@ def paged_mla_decode_attention_reference(q, cache, block_tables, context_lens, s
     s = torch.einsum("bhd,bnd->bhn", q.float(), rows) * sm_scale                      # [B, H, n]
     valid = torch.arange(n, device=q.device)[None, :] < context_lens[:, None].long()
     p = torch.softmax(s.masked_fill(~valid[:, None, :], float("-inf")), dim=-1)
+    p = p.masked_fill(~valid[:, None, :], 0.0)   # an empty context attends to nothing: zeros, not softmax's NaN
     return out.copy_(torch.einsum("bhn,bnv->bhv", p, rows[..., :v_dim]))
 
 

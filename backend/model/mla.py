@@ -65,15 +65,19 @@ class MLAAttention(nn.Module):
         latent = torch.cat((c, pe[:, -1].to(c.dtype)), -1)
         return q[..., : m.qk_nope_head_dim], pe[:, :-1].to(q.dtype), latent
 
-    def forward(self, x: torch.Tensor, cos_sin, rotary, kv, meta) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos_sin, rotary, kv, meta, ops=None) -> torch.Tensor:
+        """ops: kernels.cpu.attn's ops (the CPU path): the absorbed decode attends through their
+        mla_decode_attention, which reads the latent pages in their stored dtype."""
         m, t = self.mla, x.shape[0]
         q_nope, q_pe, latent = self._q_and_latent(x, cos_sin, rotary)
         kernels.mla_latent_store(latent, kv.k, meta.slot_mapping, kv.k_scale)
         nd = meta.num_decode
         parts = []
         if nd:
-            decode = self.decode if self.decode_form == "absorbed" else self.decode_expanded
-            parts.append(decode(q_nope[:nd], q_pe[:nd], kv, meta))
+            if self.decode_form == "absorbed":
+                parts.append(self.decode(q_nope[:nd], q_pe[:nd], kv, meta, ops))
+            else:
+                parts.append(self.decode_expanded(q_nope[:nd], q_pe[:nd], kv, meta))
         if t > nd:
             attend = self.prefill_expanded if self.prefill_form == "expanded" else self.prefill_latent
             parts.append(attend(q_nope[nd:], q_pe[nd:], kv, meta))
@@ -81,7 +85,7 @@ class MLAAttention(nn.Module):
         return self.o_proj(out.reshape(t, self.cfg.num_heads * m.v_head_dim))
 
     def forward_cpu(self, x: torch.Tensor, positions: torch.Tensor, rotary, kv, meta, ops) -> torch.Tensor:
-        return self.forward(x, rotary.lookup(positions), rotary, kv, meta)
+        return self.forward(x, rotary.lookup(positions), rotary, kv, meta, ops)
 
     # ---- the two forms
     def absorbed_query(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
@@ -89,12 +93,14 @@ class MLAAttention(nn.Module):
         q_lat = torch.einsum("thn,hnr->thr", q_nope.to(self.w_uk.dtype), self.w_uk)
         return torch.cat((q_lat, q_pe.to(q_lat.dtype)), -1)
 
-    def decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv, meta) -> torch.Tensor:
+    def decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv, meta, ops=None) -> torch.Tensor:
         """One query per decoding sequence, reading only the latent pages -> [B, H, v]."""
         q = self.absorbed_query(q_nope, q_pe)
-        o_lat = kernels.paged_mla_decode_attention(q.contiguous(), kv.k, meta.decode_block_tables,
-                                                   meta.decode_context_lens, self.scale, self.mla.kv_lora_rank,
-                                                   kv.k_scale)
+        attend = kernels.paged_mla_decode_attention
+        if ops is not None and q.dtype == torch.float32:
+            attend = ops.mla_decode_attention
+        o_lat = attend(q.contiguous(), kv.k, meta.decode_block_tables, meta.decode_context_lens, self.scale,
+                       self.mla.kv_lora_rank, kv.k_scale)
         return torch.einsum("bhr,hvr->bhv", o_lat.to(self.w_uv.dtype), self.w_uv)
 
     def decode_expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv, meta) -> torch.Tensor:

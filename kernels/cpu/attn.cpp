@@ -466,21 +466,21 @@ inline void softmax_(float* s, int64_t n, float* ml = nullptr) {
 // GN heads' scores over fp32 rows, then their softmax and p @ V: one query row's attention, as decode and
 // prefill both compute it (the same operations in the same order, whatever else is in the batch)
 inline void attend_rows(const float* q, int64_t qsh, const float* const* krow, const float* const* vrow, int64_t n,
-                        int64_t D, int64_t G, float scale, float* scores, float* o, float* ml = nullptr) {
+                        int64_t D, int64_t DV, int64_t G, float scale, float* scores, float* o, float* ml = nullptr) {
   by_fours(G, [&](auto gn, int64_t g) { dots<gn.value>(q + g * qsh, qsh, krow, n, D, scale, scores + g * n); });
   for (int64_t g = 0; g < G; ++g) {
     float* s = scores + g * n;
     softmax_(s, n, ml ? ml + 2 * g : nullptr);
-    for (int64_t d0 = 0; d0 < D; d0 += 64) {   // p @ V, 64 columns at a time in 8 registers
-      switch (std::min<int64_t>(D - d0, 64) / 8) {
-        case 1: pv<1>(s, vrow, n, d0, o + g * D); break;
-        case 2: pv<2>(s, vrow, n, d0, o + g * D); break;
-        case 3: pv<3>(s, vrow, n, d0, o + g * D); break;
-        case 4: pv<4>(s, vrow, n, d0, o + g * D); break;
-        case 5: pv<5>(s, vrow, n, d0, o + g * D); break;
-        case 6: pv<6>(s, vrow, n, d0, o + g * D); break;
-        case 7: pv<7>(s, vrow, n, d0, o + g * D); break;
-        default: pv<8>(s, vrow, n, d0, o + g * D); break;
+    for (int64_t d0 = 0; d0 < DV; d0 += 64) {   // p @ V, 64 columns at a time in 8 registers
+      switch (std::min<int64_t>(DV - d0, 64) / 8) {
+        case 1: pv<1>(s, vrow, n, d0, o + g * DV); break;
+        case 2: pv<2>(s, vrow, n, d0, o + g * DV); break;
+        case 3: pv<3>(s, vrow, n, d0, o + g * DV); break;
+        case 4: pv<4>(s, vrow, n, d0, o + g * DV); break;
+        case 5: pv<5>(s, vrow, n, d0, o + g * DV); break;
+        case 6: pv<6>(s, vrow, n, d0, o + g * DV); break;
+        case 7: pv<7>(s, vrow, n, d0, o + g * DV); break;
+        default: pv<8>(s, vrow, n, d0, o + g * DV); break;
       }
     }
   }
@@ -490,7 +490,7 @@ inline void attend_rows(const float* q, int64_t qsh, const float* const* krow, c
 template <bool I8>
 EI_AVX512 inline void attend_fp8_rows_512(const float* q, int64_t qsh, const uint8_t* const* krow,
                                           const uint8_t* const* vrow, const float* kf, const float* vf, int64_t n,
-                                          int64_t D, int64_t G, float* scores, float* o, float* ml) {
+                                          int64_t D, int64_t DV, int64_t G, float* scores, float* o, float* ml) {
   by_fours(G, [&](auto gn, int64_t g) { dots_fp8_512<gn.value, I8>(q + g * qsh, qsh, krow, kf, n, D, scores + g * n); });
   for (int64_t g = 0; g < G; ++g) {
     float* s = scores + g * n;
@@ -498,17 +498,17 @@ EI_AVX512 inline void attend_fp8_rows_512(const float* q, int64_t qsh, const uin
     for (int64_t t = 0; t < n; ++t) s[t] *= vf[t];
   }
   by_fours(G, [&](auto gn, int64_t g) {
-    for (int64_t d0 = 0; d0 < D; d0 += 32) pv_fp8_512<gn.value, I8>(scores + g * n, n, vrow, d0, o + g * D, D);
+    for (int64_t d0 = 0; d0 < DV; d0 += 32) pv_fp8_512<gn.value, I8>(scores + g * n, n, vrow, d0, o + g * DV, DV);
   });
 }
 
 // attend_rows on fp8 / int8 pages read in place: kf / vf the rows' scales (* 2^8 for fp8; kf also * sm_scale)
 template <bool I8>
 inline void attend_fp8_rows(const float* q, int64_t qsh, const uint8_t* const* krow, const uint8_t* const* vrow,
-                            const float* kf, const float* vf, int64_t n, int64_t D, int64_t G, float* scores,
-                            float* o, bool avx512, float* ml = nullptr) {
+                            const float* kf, const float* vf, int64_t n, int64_t D, int64_t DV, int64_t G,
+                            float* scores, float* o, bool avx512, float* ml = nullptr) {
   if (avx512) {
-    attend_fp8_rows_512<I8>(q, qsh, krow, vrow, kf, vf, n, D, G, scores, o, ml);
+    attend_fp8_rows_512<I8>(q, qsh, krow, vrow, kf, vf, n, D, DV, G, scores, o, ml);
     return;
   }
   by_fours(G, [&](auto gn, int64_t g) { dots_fp8<gn.value, I8>(q + g * qsh, qsh, krow, kf, n, D, scores + g * n); });
@@ -518,7 +518,7 @@ inline void attend_fp8_rows(const float* q, int64_t qsh, const uint8_t* const* k
     for (int64_t t = 0; t < n; ++t) s[t] *= vf[t];
   }
   by_fours(G, [&](auto gn, int64_t g) {
-    for (int64_t d0 = 0; d0 < D; d0 += 16) pv_fp8<gn.value, I8>(scores + g * n, n, vrow, d0, o + g * D, D);
+    for (int64_t d0 = 0; d0 < DV; d0 += 16) pv_fp8<gn.value, I8>(scores + g * n, n, vrow, d0, o + g * DV, DV);
   });
 }
 
@@ -598,10 +598,16 @@ inline void pv_tile(const float* const* p, const float* const* v, int64_t n, int
 
 }  // namespace
 
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& block_tables, const at::Tensor& context_lens, double sm_scale,
-                            const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
-  check_attention(q, k_cache, v_cache, k_scale, v_scale, "batch");
+namespace {
+
+// decode attention with values of width DV <= D: the first DV values of each v row (DV == D: GQA/MHA pages; MLA
+// passes its latent pool as both k and v, DV = kv_lora_rank). Tasks may also split a kv head's query heads into
+// chunks of a multiple of 4 (MLA at batch 1 has one kv head for every query head): a head's score and output are
+// FMA chains of their own, so the chunking changes no bit.
+at::Tensor decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& block_tables, const at::Tensor& context_lens, double sm_scale,
+                       const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                       int64_t DV) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t P = k_cache.size(0), S = k_cache.size(1), KVH = k_cache.size(2);
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1 &&
@@ -620,7 +626,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                 "] (", W, " pages of ", S, " tokens)");
     max_len = std::max<int64_t>(max_len, lens[b]);
   }
-  auto out = at::empty({B, H, D}, q.options());
+  auto out = at::empty({B, H, DV}, q.options());
   const PoolView pool(k_cache, v_cache, k_scale, v_scale);
   const Kind kind = pool.kind;
   const void *kc = pool.k, *vc = pool.v, *ks = pool.ks, *vs = pool.vs;
@@ -631,31 +637,42 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   const float scale = static_cast<float>(sm_scale);
   const int64_t work = max_len * D * H * 4;
 
-  const bool fused_fp8 = quantized(kind) && D % 16 == 0;   // fp8 / int8 pages read in place, no fp32 copy
+  // fp8 / int8 pages read in place, no fp32 copy
+  const bool fused_fp8 = quantized(kind) && D % 16 == 0 && DV % 16 == 0;
   const float undo = kind == Kind::I8 ? 1.0f : FP8_UNDO;
-  const bool avx512 = fused_fp8 && D % 32 == 0 && use_avx512();
+  const bool avx512 = fused_fp8 && D % 32 == 0 && DV % 32 == 0 && use_avx512();
   // tasks: (sequence, kv head, split of SPLIT keys). A context of up to SPLIT keys is one task written straight to
   // out; a longer one is split (flash-decoding: batch 1 at 4k spreads over the threads), each split's partial
   // (unnormalized p @ V, its max and sum) merged in split order below. The split depends only on the sequence's
   // own length, so a row's result does not depend on its batch.
   struct Task {
-    int64_t b, kvh, t0, t1, part;   // part: the split's partial slot, -1 when unsplit
+    int64_t b, kvh, g0, g1, t0, t1, part;   // heads kvh * G + [g0, g1); part: the split's partial slot, -1 unsplit
   };
+  int64_t base = 0;
+  for (int64_t b = 0; b < B; ++b) base += KVH * (lens[b] > SPLIT ? (lens[b] + SPLIT - 1) / SPLIT : 1);
+  const int64_t threads = at::get_num_threads();
+  int64_t GC = G;   // query heads per task
+  if (G >= 8 && base < threads) {
+    const int64_t chunks = std::min<int64_t>(G / 4, (threads + base - 1) / base);
+    GC = ((G + chunks - 1) / chunks + 3) / 4 * 4;
+  }
   std::vector<Task> tasks;
   int64_t parts = 0;
-  tasks.reserve(B * KVH);
+  tasks.reserve(base * ((G + GC - 1) / GC));
   for (int64_t b = 0; b < B; ++b) {
     const int64_t n = lens[b], ns = n > SPLIT ? (n + SPLIT - 1) / SPLIT : 1;
     for (int64_t kvh = 0; kvh < KVH; ++kvh)
-      for (int64_t sp = 0; sp < ns; ++sp)
-        tasks.push_back({b, kvh, sp * SPLIT, std::min(n, (sp + 1) * SPLIT), ns > 1 ? parts++ : -1});
+      for (int64_t g0 = 0; g0 < G; g0 += GC)
+        for (int64_t sp = 0; sp < ns; ++sp)
+          tasks.push_back({b, kvh, g0, std::min(G, g0 + GC), sp * SPLIT, std::min(n, (sp + 1) * SPLIT),
+                           ns > 1 ? parts++ : -1});
   }
-  std::vector<float> po(parts * G * D), pml(parts * G * 2);   // partials: [part][G][D], [part][G][max, sum]
+  std::vector<float> po(parts * GC * DV), pml(parts * GC * 2);   // partials: [part][GC][DV], [part][GC][max, sum]
   const int64_t ntask = static_cast<int64_t>(tasks.size());
   const int64_t grain = work * B < SMALL_WORK ? std::max<int64_t>(ntask, 1) : 1;
   at::parallel_for(0, ntask, grain, [&](int64_t lo, int64_t hi) {
     const int64_t cap = std::max<int64_t>(std::min(max_len, SPLIT), 1);
-    std::vector<float> scores(G * cap);
+    std::vector<float> scores(GC * cap);
     const bool buffered = kind != Kind::F32 && !fused_fp8;
     std::vector<float> kbuf(buffered ? cap * D : 0), vbuf(buffered ? cap * D : 0);
     std::vector<const float*> krow(fused_fp8 ? 0 : cap), vrow(fused_fp8 ? 0 : cap);
@@ -663,15 +680,15 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
     std::vector<float> kf(fused_fp8 ? cap : 0), vf(fused_fp8 ? cap : 0);
     for (int64_t i = lo; i < hi; ++i) {
       const Task& task = tasks[i];
-      const int64_t b = task.b, kvh = task.kvh, t0 = task.t0, n = task.t1 - task.t0;
-      float* o = task.part < 0 ? op + (b * H + kvh * G) * D : po.data() + task.part * G * D;
-      float* ml = task.part < 0 ? nullptr : pml.data() + task.part * G * 2;
+      const int64_t b = task.b, kvh = task.kvh, t0 = task.t0, n = task.t1 - task.t0, gn = task.g1 - task.g0;
+      float* o = task.part < 0 ? op + (b * H + kvh * G + task.g0) * DV : po.data() + task.part * GC * DV;
+      float* ml = task.part < 0 ? nullptr : pml.data() + task.part * GC * 2;
       if (n == 0) {
-        std::fill(o, o + G * D, 0.0f);
+        std::fill(o, o + gn * DV, 0.0f);
         continue;
       }
       const int32_t* tb = tables + b * tstride;
-      const float* qg = qp + b * qsb + kvh * G * qsh;
+      const float* qg = qp + b * qsb + (kvh * G + task.g0) * qsh;
       for (int64_t j = 0; j < n; ++j) {   // each row once: a pointer into the pool, else dequantized
         const int64_t t = t0 + j;
         const int64_t page = tb[t / S];
@@ -687,30 +704,30 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
           // (measured at 4k, batch 1, int8: 0.47 ms per layer inside a step against 0.15 ms when cache-warm)
           for (int64_t off = 0; off < D; off += 64) {
             _mm_prefetch(reinterpret_cast<const char*>(kb[j]) + off, _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(vb[j]) + off, _MM_HINT_T1);
+            if (off < DV) _mm_prefetch(reinterpret_cast<const char*>(vb[j]) + off, _MM_HINT_T1);
           }
           continue;
         }
         krow[j] = load_row(kc, kind, r, D, scale_at(ks, scale_bf16, r), kbuf.data() + j * D);
-        vrow[j] = load_row(vc, kind, r, D, scale_at(vs, scale_bf16, r), vbuf.data() + j * D);
+        vrow[j] = vc == kc ? krow[j] : load_row(vc, kind, r, D, scale_at(vs, scale_bf16, r), vbuf.data() + j * D);
         if (kind == Kind::F32) {   // rows straight from the pool: start their reads now (the scores read them next)
           const char* kp = reinterpret_cast<const char*>(krow[j]);
           const char* vp = reinterpret_cast<const char*>(vrow[j]);
           for (int64_t off = 0; off < D * 4; off += 64) {
             _mm_prefetch(kp + off, _MM_HINT_T1);
-            _mm_prefetch(vp + off, _MM_HINT_T1);
+            if (vp != kp && off < DV * 4) _mm_prefetch(vp + off, _MM_HINT_T1);
           }
         }
       }
       if (fused_fp8) {
         if (kind == Kind::I8)
-          attend_fp8_rows<true>(qg, qsh, kb.data(), vb.data(), kf.data(), vf.data(), n, D, G, scores.data(), o, avx512,
-                                ml);
+          attend_fp8_rows<true>(qg, qsh, kb.data(), vb.data(), kf.data(), vf.data(), n, D, DV, gn, scores.data(), o,
+                                avx512, ml);
         else
-          attend_fp8_rows<false>(qg, qsh, kb.data(), vb.data(), kf.data(), vf.data(), n, D, G, scores.data(), o,
+          attend_fp8_rows<false>(qg, qsh, kb.data(), vb.data(), kf.data(), vf.data(), n, D, DV, gn, scores.data(), o,
                                  avx512, ml);
       } else {
-        attend_rows(qg, qsh, krow.data(), vrow.data(), n, D, G, scale, scores.data(), o, ml);
+        attend_rows(qg, qsh, krow.data(), vrow.data(), n, D, DV, gn, scale, scores.data(), o, ml);
       }
     }
   });
@@ -722,26 +739,53 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
       continue;
     }
     int64_t ns = 1;
-    while (i + ns < ntask && tasks[i + ns].b == first.b && tasks[i + ns].kvh == first.kvh) ++ns;
-    float* o = op + (first.b * H + first.kvh * G) * D;
-    for (int64_t g = 0; g < G; ++g) {
+    while (i + ns < ntask && tasks[i + ns].b == first.b && tasks[i + ns].kvh == first.kvh &&
+           tasks[i + ns].g0 == first.g0)
+      ++ns;
+    float* o = op + (first.b * H + first.kvh * G + first.g0) * DV;
+    for (int64_t g = 0; g < first.g1 - first.g0; ++g) {
       float mx = -INFINITY;
-      for (int64_t sp = 0; sp < ns; ++sp) mx = std::max(mx, pml[(first.part + sp) * G * 2 + 2 * g]);
+      for (int64_t sp = 0; sp < ns; ++sp) mx = std::max(mx, pml[(first.part + sp) * GC * 2 + 2 * g]);
       float total = 0.0f;
-      std::fill(o + g * D, o + (g + 1) * D, 0.0f);
+      std::fill(o + g * DV, o + (g + 1) * DV, 0.0f);
       for (int64_t sp = 0; sp < ns; ++sp) {
-        const float* m = pml.data() + (first.part + sp) * G * 2 + 2 * g;
+        const float* m = pml.data() + (first.part + sp) * GC * 2 + 2 * g;
         const float w = std::exp(m[0] - mx);
         total += w * m[1];
-        const float* part = po.data() + ((first.part + sp) * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) o[g * D + d] += w * part[d];
+        const float* part = po.data() + ((first.part + sp) * GC + g) * DV;
+        for (int64_t d = 0; d < DV; ++d) o[g * DV + d] += w * part[d];
       }
       const float inv = 1.0f / total;
-      for (int64_t d = 0; d < D; ++d) o[g * D + d] *= inv;
+      for (int64_t d = 0; d < DV; ++d) o[g * DV + d] *= inv;
     }
     i += ns;
   }
   return out;
+}
+
+}  // namespace
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens, double sm_scale,
+                            const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+  check_attention(q, k_cache, v_cache, k_scale, v_scale, "batch");
+  return decode_impl(q, k_cache, v_cache, block_tables, context_lens, sm_scale, k_scale, v_scale, q.size(2));
+}
+
+// MLA decode in the absorbed form over latent pages [P, S, 1, D] (D = kv_lora_rank + rope, 576 for Kimi K2): every
+// query head [W_UK^T q_nope, q_pe] scores the whole latent row, and a row's value is its first v_dim values (the
+// latent c); one scale per row for fp8 / int8 pages. -> [B, H, v_dim]
+at::Tensor mla_decode_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_tables,
+                                const at::Tensor& context_lens, double sm_scale, int64_t v_dim,
+                                const std::optional<at::Tensor>& scale) {
+  check_attention(q, cache, cache, scale, scale, "batch");
+  TORCH_CHECK(cache.size(2) == 1, "an MLA cache has one latent row per token: [pages, page_size, 1, D], got ",
+              cache.sizes());
+  const int64_t D = q.size(2);
+  const int64_t step = quantized(kind_of(cache)) ? 16 : 8;
+  TORCH_CHECK(v_dim > 0 && v_dim < D && v_dim % step == 0, "v_dim = ", v_dim, " must be in (0, ", D,
+              ") and a multiple of ", step);
+  return decode_impl(q, cache, cache, block_tables, context_lens, sm_scale, scale, scale, v_dim);
 }
 
 // Causal attention of the prefill rows of q against their sequences' pages (the new rows' K/V already stored):
@@ -1278,6 +1322,8 @@ at::Tensor decode_layers(at::Tensor& x, const at::Tensor& h0, const at::Tensor& 
 TORCH_LIBRARY(edgeinfer_cpu_attn, m) {
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
         "float sm_scale, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor", &decode_attention);
+  m.def("mla_decode_attention(Tensor q, Tensor cache, Tensor block_tables, Tensor context_lens, float sm_scale, "
+        "int v_dim, Tensor? scale=None) -> Tensor", &mla_decode_attention);
   m.def("rope_kv_store_(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(b!)? k_cache, "
         "Tensor(c!)? v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads, Tensor(d!)? k_scale=None, "
         "Tensor(e!)? v_scale=None, bool hadamard=False) -> ()", &rope_kv_store_);

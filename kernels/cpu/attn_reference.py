@@ -11,12 +11,17 @@ import torch
 from edgeinfer.kernels.kv_store import kv_store_reference
 from edgeinfer.kernels.moe_route import route_topk
 from edgeinfer.kernels.paged_decode_attention import paged_decode_attention_reference
+from edgeinfer.kernels.paged_mla_attention import paged_mla_decode_attention_reference
 from edgeinfer.kernels.paged_prefill_attention import paged_prefill_attention_reference
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, sm_scale, k_scale=None, v_scale=None):
     return paged_decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, sm_scale,
                                             k_scale, v_scale)
+
+
+def mla_decode_attention(q, cache, block_tables, context_lens, sm_scale, v_dim, scale=None):
+    return paged_mla_decode_attention_reference(q, cache, block_tables, context_lens, sm_scale, v_dim, scale)
 
 
 def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, sm_scale, k_scale=None,
