@@ -55,16 +55,18 @@ GLM_SPECIALS = ["[gMASK]", "<|user|>", "<|endoftext|>", "<|observation|>"]   # _
 SHAPE = dict(hidden_size=768, intermediate_size=2048, moe_intermediate_size=384, num_hidden_layers=12,
              num_attention_heads=12, num_key_value_heads=4, head_dim=64, n_routed_experts=64, num_experts_per_tok=8)
 QUICK_SHAPE = dict(SHAPE, num_hidden_layers=4, n_routed_experts=16, num_experts_per_tok=4)
-# --arch deepseek2 (benchmarks/mla_peer.py): DeepSeek-V2-Lite's attention and expert shapes (no q LoRA, a 512-wide
-# latent + 64 rope, 16 heads of 128 + 64, v 128; 64 experts of width 1408, top-6, 2 shared; the first layer dense
-# with V2-Lite's 10944-wide MLP) in 4 layers instead of 27, as a DeepSeek-V3 checkpoint (V3's sigmoid routing with a
+# --arch deepseek2 (benchmarks/mla_peer.py): DeepSeek-V2-Lite's attention and expert shapes (a 512-wide latent + 64
+# rope, 16 heads of 128 + 64, v 128; 64 experts of width 1408, top-6, 2 shared; the first layer dense with V2-Lite's
+# 10944-wide MLP) in 4 layers instead of 27, with DeepSeek-V3's q LoRA (rank 1536: llama.cpp takes a deepseek2
+# model without one for V2-Lite only at exactly 27 layers), as a DeepSeek-V3 checkpoint (V3's sigmoid routing with a
 # correction bias: V2's softmax greedy routing is not implemented here); llama.cpp converts it to its deepseek2 arch.
 DS_SHAPE = dict(hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=4,
-                num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
+                num_attention_heads=16, num_key_value_heads=16, q_lora_rank=1536, kv_lora_rank=512,
                 qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64,
                 num_experts_per_tok=6, n_shared_experts=2)
 DS_QUICK_SHAPE = dict(DS_SHAPE, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=192,
+                      kv_lora_rank=128,
                       qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, n_routed_experts=8)
 ARCHS = {"glm4moe": (SHAPE, QUICK_SHAPE, "GLM-4.5"), "deepseek2": (DS_SHAPE, DS_QUICK_SHAPE, "DeepSeek-V2-Lite-shaped")}
 

@@ -180,10 +180,11 @@ def write_moe_gguf(hf, path: Path, tokenizer_gguf: Path, quant: str = "Q4_0", mt
         for hf_name, g_name in names.items():
             if p + hf_name in sd:
                 add(f"blk.{i}.{g_name}", sd[p + hf_name], hf_name.endswith(("_proj.weight", "_mqa.weight")))
-        if mla:   # kv_b_proj [H * (nope + v), r] -> k_b [H, r, nope] (transposed per head), v_b [H, v, r]
+        if mla:   # kv_b_proj [H * (nope + v), r] -> k_b [H, r, nope] (transposed per head), v_b [H, v, r];
+            # quantized like the linears where their rows are whole blocks, as llama-quantize does
             kv_b = sd[p + "self_attn.kv_b_proj.weight"].view(c.num_attention_heads, -1, c.kv_lora_rank)
-            add(f"blk.{i}.attn_k_b.weight", kv_b[:, : c.qk_nope_head_dim].transpose(1, 2).contiguous(), False)
-            add(f"blk.{i}.attn_v_b.weight", kv_b[:, c.qk_nope_head_dim:].contiguous(), False)
+            add(f"blk.{i}.attn_k_b.weight", kv_b[:, : c.qk_nope_head_dim].transpose(1, 2).contiguous(), True)
+            add(f"blk.{i}.attn_v_b.weight", kv_b[:, c.qk_nope_head_dim:].contiguous(), True)
         if p + "mlp.experts.gate_up_proj" in sd:
             gate_up, down = sd[p + "mlp.experts.gate_up_proj"], sd[p + "mlp.experts.down_proj"]
             inter = gate_up.shape[1] // 2

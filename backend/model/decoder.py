@@ -19,6 +19,7 @@ import edgeinfer.kernels.cpu.attn as cpu_step_ops
 from edgeinfer.backend.model.batch import AttentionMetadata, LayerKV, PageIO
 from edgeinfer.backend.model.cpu_decode import DecodePlan
 from edgeinfer.backend.model.layers import DecoderLayer, RMSNorm, Rotary
+from edgeinfer.backend.model.mla import MLAAttention
 from edgeinfer.backend.model.linear import (
     DenseLinear,
     Q8Embedding,
@@ -106,7 +107,7 @@ class LlamaModel(nn.Module):
         if self.device.type == "cpu" and self.dtype == torch.float32:
             self.step_ops = cpu_step_ops.ops()
         packed = swapped + sum(m.prepack() for m in self.modules()
-                               if isinstance(m, DenseLinear | W4A16Linear | Int4Experts))
+                               if isinstance(m, DenseLinear | W4A16Linear | Int4Experts | MLAAttention))
         self._decode_plan = DecodePlan.build(self) if self.step_ops is not None else None
         head = self.lm_head_linear
         if swapped and isinstance(head, Q8Linear) and linear_mod.HEAD_EXACT_CHANNELS:

@@ -22,9 +22,36 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import edgeinfer.kernels.cpu as cpu_kernels
 from edgeinfer import kernels
 from edgeinfer.backend.model.model_config import MLAConfig, ModelConfig
 from edgeinfer.kernels.paged_mla_attention import gather_latents
+from edgeinfer.kernels.w4a16_gemm import pack_uint4
+
+Q4 = 32   # GGUF block
+
+
+def q4_0_exact_x8(w: torch.Tensor) -> torch.Tensor | None:
+    """w [E, N, K] fp32 whose every 32-value block along K is a dequantized GGUF Q4_0 block (values d * (q - 8),
+    d fp16, q 0..15; ggml's quantizer gives the block's largest-magnitude value q = 0, so d = -that value / 8) ->
+    kernels.cpu's grouped-GEMM layout [E, ceil(N/8), K/32 * 160] holding exactly those values as Q4_1 (scale d,
+    min -8d); None where any block is not such a block (a checkpoint saved in fp32: its maps stay fp32)."""
+    e, n, k = w.shape
+    if k % Q4 or w.dtype != torch.float32:
+        return None
+    b = w.reshape(e, n, k // Q4, Q4)
+    d = -b.gather(-1, b.abs().argmax(-1, keepdim=True)) / 8                     # [E, N, nb, 1]
+    if not torch.equal(d.to(torch.float16).float(), d):
+        return None
+    q = b / torch.where(d == 0, torch.ones_like(d), d) + 8
+    if not (torch.equal(q, q.round()) and bool(((q >= 0) & (q <= 15)).all()) and torch.equal(d * (q - 8), b)):
+        return None
+    d16 = d[..., 0].to(torch.float16)                                            # [E, N, nb]
+    packed = []
+    for i in range(e):
+        blocks = cpu_kernels.pack_q4_1(pack_uint4(q[i].reshape(n, k)), d16[i], -8 * d16[i], Q4)
+        packed.append(cpu_kernels.pack_q4_1x8(blocks))
+    return torch.stack(packed).contiguous()
 
 
 def interleave_to_halves(rope_dim: int) -> torch.Tensor:
@@ -46,6 +73,9 @@ class MLAAttention(nn.Module):
         self.w_uk = nn.Parameter(w[:, : m.qk_nope_head_dim].contiguous(), requires_grad=False)
         self.w_uv = nn.Parameter(w[:, m.qk_nope_head_dim:].contiguous(), requires_grad=False)
         self.scale = m.softmax_scale
+        self.uk_x8: torch.Tensor | None = None   # CPU prepack: W_UK / W_UV as per-head INT4 (q4_0_exact_x8)
+        self.uv_x8: torch.Tensor | None = None
+        self.residual_activations, self.second_pass_tau = False, 0.0
         self.prefill_form = "expanded"
         self.decode_form = "absorbed"   # "expanded": re-expand every context latent each step (the mla benchmark's baseline)
         self.norms_or_partial_rope = True   # never the fused GQA rope op or DecodePlan
@@ -79,13 +109,43 @@ class MLAAttention(nn.Module):
             else:
                 parts.append(self.decode_expanded(q_nope[:nd], q_pe[:nd], kv, meta))
         if t > nd:
-            attend = self.prefill_expanded if self.prefill_form == "expanded" else self.prefill_latent
-            parts.append(attend(q_nope[nd:], q_pe[nd:], kv, meta))
+            if self.prefill_form == "expanded":
+                parts.append(self.prefill_expanded(q_nope[nd:], q_pe[nd:], kv, meta))
+            else:
+                parts.append(self.prefill_latent(q_nope[nd:], q_pe[nd:], kv, meta, ops))
         out = torch.cat(parts) if len(parts) > 1 else parts[0]
         return self.o_proj(out.reshape(t, self.cfg.num_heads * m.v_head_dim))
 
     def forward_cpu(self, x: torch.Tensor, positions: torch.Tensor, rotary, kv, meta, ops) -> torch.Tensor:
         return self.forward(x, rotary.lookup(positions), rotary, kv, meta, ops)
+
+    def prepack(self) -> bool:
+        """CPU: W_UK and W_UV for kernels.cpu's grouped INT4 GEMM (one group a head: the step reads 4-bit maps, not
+        fp32 ones), where their values are exactly a GGUF's Q4_0 blocks along their input (a deepseek2 GGUF's k_b and
+        v_b, which the import dequantized); else False and the fp32 einsums stay. The fp32 maps are kept: the expanded
+        prefill reads them."""
+        if self.w_uk.device.type != "cpu" or not cpu_kernels.enabled():
+            return False
+        uk = q4_0_exact_x8(self.w_uk.data.transpose(1, 2).contiguous())   # per head [r, nope]: input q_nope
+        uv = q4_0_exact_x8(self.w_uv.data)                                 # per head [v, r]: input the latent
+        if uk is None or uv is None:
+            return False
+        self.uk_x8, self.uv_x8 = uk, uv
+        self.residual_activations = cpu_kernels.activations() == "int8x2"
+        self.second_pass_tau = cpu_kernels.second_pass_tau()
+        return True
+
+    def _per_head(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+        """x [T, H, K] through head h's INT4 map of packed (q4_0_exact_x8) -> [T, H, n]: one grouped GEMM."""
+        t, h, k = x.shape
+        rows = x.transpose(0, 1).reshape(h * t, k).contiguous()
+        offsets = torch.arange(h + 1, dtype=torch.int64) * t
+        y = cpu_kernels.q4_1x8_moe_gemm(rows, packed, n, offsets, self.residual_activations, self.second_pass_tau)
+        return y.view(h, t, n).transpose(0, 1)
+
+    def _op_shapes(self, q: torch.Tensor) -> bool:
+        """Whether the CPU ops take this query (fp32, row width and latent width multiples of 8), else torch."""
+        return q.dtype == torch.float32 and q.shape[-1] % 8 == 0 and self.mla.kv_lora_rank % 8 == 0
 
     # ---- the two forms
     def absorbed_query(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
@@ -95,12 +155,20 @@ class MLAAttention(nn.Module):
 
     def decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv, meta, ops=None) -> torch.Tensor:
         """One query per decoding sequence, reading only the latent pages -> [B, H, v]."""
-        q = self.absorbed_query(q_nope, q_pe)
+        native = ops is not None and self.uk_x8 is not None and q_nope.dtype == torch.float32
+        if native:
+            assert self.uk_x8 is not None
+            q = torch.cat((self._per_head(q_nope, self.uk_x8, self.mla.kv_lora_rank), q_pe), -1)
+        else:
+            q = self.absorbed_query(q_nope, q_pe)
         attend = kernels.paged_mla_decode_attention
-        if ops is not None and q.dtype == torch.float32:
+        if ops is not None and self._op_shapes(q):
             attend = ops.mla_decode_attention
         o_lat = attend(q.contiguous(), kv.k, meta.decode_block_tables, meta.decode_context_lens, self.scale,
                        self.mla.kv_lora_rank, kv.k_scale)
+        if native:
+            assert self.uv_x8 is not None
+            return self._per_head(o_lat, self.uv_x8, self.mla.v_head_dim)
         return torch.einsum("bhr,hvr->bhv", o_lat.to(self.w_uv.dtype), self.w_uv)
 
     def decode_expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv, meta) -> torch.Tensor:
@@ -138,10 +206,16 @@ class MLAAttention(nn.Module):
         q = torch.cat((q_nope, q_pe), -1).transpose(0, 1).to(c.dtype)                                  # [H, L, d]
         return _causal(q, k, v, n, self.scale).transpose(0, 1).to(q_nope.dtype)
 
-    def prefill_latent(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv, meta) -> torch.Tensor:
-        """The chunk attends in the latent form, as decode does (scores against the 576-wide rows)."""
+    def prefill_latent(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv, meta, ops=None) -> torch.Tensor:
+        """The chunk attends in the latent form, as decode does (scores against the 576-wide rows); with the CPU
+        ops, through their mla_prefill_attention (causal, reading the pages in their stored dtype)."""
         m = self.mla
         q_all = self.absorbed_query(q_nope, q_pe)
+        if ops is not None and self._op_shapes(q_all):
+            o_lat = ops.mla_prefill_attention(q_all.contiguous(), kv.k, meta.prefill_block_tables,
+                                              meta.prefill_cu_seqlens_q, meta.prefill_context_lens, self.scale,
+                                              m.kv_lora_rank, kv.k_scale)
+            return torch.einsum("thr,hvr->thv", o_lat, self.w_uv).to(q_nope.dtype)
         out = torch.empty(q_nope.shape[0], self.cfg.num_heads, m.v_head_dim, dtype=q_nope.dtype,
                           device=q_nope.device)
         for j, a, b, n in self._chunks(meta):

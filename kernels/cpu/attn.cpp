@@ -772,19 +772,18 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   return decode_impl(q, k_cache, v_cache, block_tables, context_lens, sm_scale, k_scale, v_scale, q.size(2));
 }
 
+namespace {
+void check_mla(const at::Tensor& q, const at::Tensor& cache, const std::optional<at::Tensor>& scale, int64_t v_dim,
+               const char* rows);
+}  // namespace
+
 // MLA decode in the absorbed form over latent pages [P, S, 1, D] (D = kv_lora_rank + rope, 576 for Kimi K2): every
 // query head [W_UK^T q_nope, q_pe] scores the whole latent row, and a row's value is its first v_dim values (the
 // latent c); one scale per row for fp8 / int8 pages. -> [B, H, v_dim]
 at::Tensor mla_decode_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_tables,
                                 const at::Tensor& context_lens, double sm_scale, int64_t v_dim,
                                 const std::optional<at::Tensor>& scale) {
-  check_attention(q, cache, cache, scale, scale, "batch");
-  TORCH_CHECK(cache.size(2) == 1, "an MLA cache has one latent row per token: [pages, page_size, 1, D], got ",
-              cache.sizes());
-  const int64_t D = q.size(2);
-  const int64_t step = quantized(kind_of(cache)) ? 16 : 8;
-  TORCH_CHECK(v_dim > 0 && v_dim < D && v_dim % step == 0, "v_dim = ", v_dim, " must be in (0, ", D,
-              ") and a multiple of ", step);
+  check_mla(q, cache, scale, v_dim, "batch");
   return decode_impl(q, cache, cache, block_tables, context_lens, sm_scale, scale, scale, v_dim);
 }
 
@@ -796,11 +795,14 @@ at::Tensor mla_decode_attention(const at::Tensor& q, const at::Tensor& cache, co
 // value * scale, the reference's bits).
 //   q [T, H, D] fp32 packed by cu_seqlens_q [B + 1] int32; row i of sequence b sits at context_lens[b] -
 //   q_len_b + i and sees the keys up to it.
-at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                             const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
-                             const at::Tensor& context_lens, double sm_scale, const std::optional<at::Tensor>& k_scale,
-                             const std::optional<at::Tensor>& v_scale) {
-  check_attention(q, k_cache, v_cache, k_scale, v_scale, "tokens");
+namespace {
+
+// prefill attention with values of width DV <= D (the first DV values of each v row; MLA: DV = kv_lora_rank over
+// its latent pool passed as both k and v)
+at::Tensor prefill_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q, const at::Tensor& context_lens,
+                        double sm_scale, const std::optional<at::Tensor>& k_scale,
+                        const std::optional<at::Tensor>& v_scale, int64_t DV) {
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t P = k_cache.size(0), S = k_cache.size(1), KVH = k_cache.size(2);
   const int64_t B = block_tables.size(0);
@@ -832,7 +834,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
     row0[b + 1] = row0[b] + lens[b];
     max_len = std::max<int64_t>(max_len, lens[b]);
   }
-  auto out = at::empty({T, H, D}, q.options());
+  auto out = at::empty({T, H, DV}, q.options());
   if (T == 0) return out;
   const PoolView pool(k_cache, v_cache, k_scale, v_scale);
   const Kind kind = pool.kind;
@@ -845,6 +847,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
   const int64_t rows = row0[B], prows = prow0[B];
   std::vector<float> kt(KVH * prows * D, 0.0f);
   std::vector<const float*> vrow(KVH * rows);
+  const bool same = kc == vc;   // MLA: the value is the key row's first DV values
   std::vector<float> vbuf(kind == Kind::F32 ? 0 : KVH * rows * D);
   at::parallel_for(0, KVH * B, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> kx(D);
@@ -854,6 +857,12 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
       for (int64_t t = 0; t < lens[b]; ++t) {
         const int64_t r = (tables[b * tstride + t / S] * S + t % S) * KVH + kvh;
         const int64_t j = kvh * rows + row0[b] + t;
+        if (same) {   // one dequantization serves the key (transposed) and the value row
+          const float* x = load_row(kc, kind, r, D, scale_at(ks, scale_bf16, r), vbuf.data() + j * D);
+          for (int64_t i = 0; i < D; ++i) kb[i * npad + t] = x[i];
+          vrow[j] = x;
+          continue;
+        }
         const float* x = load_row(kc, kind, r, D, scale_at(ks, scale_bf16, r), kx.data());
         for (int64_t i = 0; i < D; ++i) kb[i * npad + t] = x[i];
         vrow[j] = load_row(vc, kind, r, D, scale_at(vs, scale_bf16, r), vbuf.data() + j * D);
@@ -895,7 +904,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
           const int64_t m = r * G + g, row = cu[b] + i0 + r;
           qv[m] = qp + row * qst + (kvh * G + g) * qsh;
           sv[m] = scores.data() + m * cap;
-          ov[m] = op + (row * H + kvh * G + g) * D;
+          ov[m] = op + (row * H + kvh * G + g) * DV;
           nv[m] = prefix + i0 + r + 1;                   // keys this row sees
         }
       const int64_t nmax = prefix + i0 + rn, tmax = (nmax + 15) / 16 * 16;
@@ -915,13 +924,44 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
         float* const* om = ov.data() + m0;
         by_fours(mt, [&](auto mn, int64_t) {
           int64_t d0 = 0;
-          for (; d0 + 16 <= D; d0 += 16) pv_tile<mn.value, 2>(pm, vr, n, d0, om);
-          if (d0 < D) pv_tile<mn.value, 1>(pm, vr, n, d0, om);    // head_dim % 16 == 8
+          for (; d0 + 16 <= DV; d0 += 16) pv_tile<mn.value, 2>(pm, vr, n, d0, om);
+          if (d0 < DV) pv_tile<mn.value, 1>(pm, vr, n, d0, om);    // head_dim % 16 == 8
         });
       }
     }
   });
   return out;
+}
+
+void check_mla(const at::Tensor& q, const at::Tensor& cache, const std::optional<at::Tensor>& scale, int64_t v_dim,
+               const char* rows) {
+  check_attention(q, cache, cache, scale, scale, rows);
+  TORCH_CHECK(cache.size(2) == 1, "an MLA cache has one latent row per token: [pages, page_size, 1, D], got ",
+              cache.sizes());
+  const int64_t D = q.size(2);
+  const int64_t step = quantized(kind_of(cache)) ? 16 : 8;
+  TORCH_CHECK(v_dim > 0 && v_dim < D && v_dim % step == 0, "v_dim = ", v_dim, " must be in (0, ", D,
+              ") and a multiple of ", step);
+}
+
+}  // namespace
+
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
+                             const at::Tensor& context_lens, double sm_scale, const std::optional<at::Tensor>& k_scale,
+                             const std::optional<at::Tensor>& v_scale) {
+  check_attention(q, k_cache, v_cache, k_scale, v_scale, "tokens");
+  return prefill_impl(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, sm_scale, k_scale, v_scale,
+                      q.size(2));
+}
+
+// MLA prefill in the latent form, causal as prefill_attention: q [T, H, D] absorbed rows against their sequences'
+// latent rows, values their first v_dim -> [T, H, v_dim]
+at::Tensor mla_prefill_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_tables,
+                                 const at::Tensor& cu_seqlens_q, const at::Tensor& context_lens, double sm_scale,
+                                 int64_t v_dim, const std::optional<at::Tensor>& scale) {
+  check_mla(q, cache, scale, v_dim, "tokens");
+  return prefill_impl(q, cache, cache, block_tables, cu_seqlens_q, context_lens, sm_scale, scale, scale, v_dim);
 }
 
 namespace {
@@ -1324,6 +1364,8 @@ TORCH_LIBRARY(edgeinfer_cpu_attn, m) {
         "float sm_scale, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor", &decode_attention);
   m.def("mla_decode_attention(Tensor q, Tensor cache, Tensor block_tables, Tensor context_lens, float sm_scale, "
         "int v_dim, Tensor? scale=None) -> Tensor", &mla_decode_attention);
+  m.def("mla_prefill_attention(Tensor q, Tensor cache, Tensor block_tables, Tensor cu_seqlens_q, "
+        "Tensor context_lens, float sm_scale, int v_dim, Tensor? scale=None) -> Tensor", &mla_prefill_attention);
   m.def("rope_kv_store_(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(b!)? k_cache, "
         "Tensor(c!)? v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads, Tensor(d!)? k_scale=None, "
         "Tensor(e!)? v_scale=None, bool hadamard=False) -> ()", &rope_kv_store_);

@@ -7,6 +7,8 @@ INT4 kernels in kernels.cpu: auto | ext | torch).
   mla_decode_attention(q [B, H, D] fp32 (absorbed: [W_UK^T q_nope, q_pe]), cache [P, S, 1, D] latent rows (same
                    dtypes), block_tables, context_lens, sm_scale, v_dim, scale=None) -> [B, H, v_dim]
                  (MLA: the latent row is every head's key, its first v_dim values the value)
+  mla_prefill_attention(q [T, H, D] fp32 (absorbed), cache [P, S, 1, D], block_tables, cu_seqlens_q, context_lens,
+                        sm_scale, v_dim, scale=None) -> [T, H, v_dim]   (MLA's latent-form prefill, causal)
   prefill_attention(q [T, H, D] fp32, k_cache, v_cache, block_tables [B, W] int32, cu_seqlens_q [B + 1] int32,
                     context_lens [B] int32, sm_scale, k_scale=None, v_scale=None) -> [T, H, D]
                  (causal; each score and output element one FMA chain of its own: row-invariant)

@@ -24,6 +24,13 @@ def mla_decode_attention(q, cache, block_tables, context_lens, sm_scale, v_dim, 
     return paged_mla_decode_attention_reference(q, cache, block_tables, context_lens, sm_scale, v_dim, scale)
 
 
+def mla_prefill_attention(q, cache, block_tables, cu_seqlens_q, context_lens, sm_scale, v_dim, scale=None):
+    # the latent pool as both K and V: each output column is its own p @ V column, so the first v_dim columns are
+    # the attention over the values' latent part
+    return paged_prefill_attention_reference(q, cache, cache, block_tables, cu_seqlens_q, context_lens, sm_scale,
+                                             scale, scale)[..., :v_dim].contiguous()
+
+
 def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, sm_scale, k_scale=None,
                       v_scale=None):
     return paged_prefill_attention_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, sm_scale,

@@ -93,3 +93,30 @@ def test_deepseek2_gguf_imports_to_transformers_model_and_native_equals_dequanti
     assert type(native.layers[1].self_attn.kv_a_proj).__name__ == "W4A16Linear"     # Q4_0 MLA linears stay 4-bit
     got, got_out = greedy(native, PROMPT, 16, num_pages=8)
     assert (got - logits).abs().max().item() <= 1e-4 and got_out == out
+
+
+def test_a_q4_0_gguf_k_b_and_v_b_run_as_per_head_int4_maps(smol_dir, tmp_path):
+    """A deepseek2 GGUF whose k_b and v_b are Q4_0 (as llama-quantize leaves them): on the CPU path the absorbed
+    decode reads them as per-head INT4 maps (one grouped GEMM each) holding exactly the dequantized values, and
+    decodes what the fp32 maps decode; an fp32 checkpoint keeps its fp32 maps."""
+    from edgeinfer.backend.model.mla import q4_0_exact_x8
+    from edgeinfer.kernels import cpu as cpu_kernels
+
+    hf = moe_checkpoints.servable("deepseek_v3", tmp_path / "hf", smol_dir, qk_nope_head_dim=32, v_head_dim=32)
+    src = moe_checkpoints.write_moe_gguf(hf, tmp_path / "m.gguf", default_gguf_path(), quant="Q4_0")
+    native = import_gguf(src, tmp_path / "native", native=True, progress=False)
+    plain, packed = load_model(native, prepack=False), load_model(native)
+    for layer in packed.layers:
+        attn = layer.self_attn
+        assert attn.uk_x8 is not None and attn.uv_x8 is not None
+        for x8, w in ((attn.uk_x8, attn.w_uk.transpose(1, 2)), (attn.uv_x8, attn.w_uv)):
+            for h in range(w.shape[0]):
+                blocks = cpu_kernels.unpack_q4_1x8(x8[h], w.shape[1])
+                out = torch.empty(w.shape[1], w.shape[2])
+                assert torch.equal(cpu_kernels.q4_1_dequant(blocks, out), w[h])      # the same values exactly
+    want_logits, want = greedy(plain, PROMPT, 16, num_pages=8)
+    got_logits, got = greedy(packed, PROMPT, 16, num_pages=8)
+    assert got == want
+    assert (got_logits - want_logits).abs().max().item() <= 0.05 * want_logits.abs().max().item()
+    assert q4_0_exact_x8(torch.randn(2, 8, 64)) is None                    # fp32 values: the maps stay fp32
+    assert load_model(tmp_path / "hf").layers[0].self_attn.uk_x8 is None   # the fp32 checkpoint

@@ -128,3 +128,37 @@ def test_bad_inputs_name_the_numbers(ext):
         ext.mla_decode_attention(torch.randn(1, 4, 96), two_heads, bt, cl, 0.1, 64)
     with pytest.raises(RuntimeError, match=r"context_lens\[0\] = 100 is outside"):
         ext.mla_decode_attention(q, cache, bt, torch.tensor([100], dtype=torch.int32), 0.1, 64, scale)
+
+
+def _packed(q_lens: list[int]) -> torch.Tensor:
+    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(q_lens), 0)
+    return cu
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mla_prefill_matches_the_reference_and_a_row_does_not_depend_on_its_chunk(ext, dtype):
+    """The latent-form prefill (causal, values the latent part): the reference's attention on every stored dtype,
+    plausible bugs far outside the tolerance, and a prompt's rows the same bits whole or as a suffix after a cached
+    prefix (what makes a prefix-cache hit change no answer)."""
+    rank, rope, num_pages = 64, 32, 40
+    cache, scale = latent_pool(num_pages, rank, rope, dtype)
+    lens, q_lens = [17, 160, 33, 300], [17, 40, 1, 35]
+    bt, cl = tables(lens, num_pages, 20)
+    cu = _packed(q_lens)
+    q = torch.randn(int(cu[-1]), 8, rank + rope, generator=torch.Generator().manual_seed(9)) * 0.3
+    got = ext.mla_prefill_attention(q, cache, bt, cu, cl, 0.1, rank, scale)
+    want = ref.mla_prefill_attention(q, cache, bt, cu, cl, 0.1, rank, scale)
+    assert got.shape == want.shape == (q.shape[0], 8, rank)
+    assert rel_err(got, want) < TOL
+    bugs = {"not causal": ext.mla_prefill_attention(q, cache, bt, cu, cl + 1, 0.1, rank, scale),
+            "scale off by 2%": ext.mla_prefill_attention(q, cache, bt, cu, cl, 0.102, rank, scale)}
+    if scale is not None:
+        bugs["row scales ignored"] = ext.mla_prefill_attention(q, cache, bt, cu, cl, 0.1, rank, torch.ones_like(scale))
+    for name, bad in bugs.items():
+        assert rel_err(bad, want) > 50 * TOL, name
+    whole = ext.mla_prefill_attention(q[-35:].contiguous(), cache, bt[3:], _packed([35]), cl[3:], 0.1, rank, scale)
+    for start in (1, 16, 33):
+        part = ext.mla_prefill_attention(q[-35 + start:].contiguous(), cache, bt[3:], _packed([35 - start]), cl[3:],
+                                         0.1, rank, scale)
+        assert torch.equal(part, whole[start:]), start
