@@ -19,13 +19,13 @@ import edgeinfer.kernels.cpu.attn as cpu_step_ops
 from edgeinfer.backend.model.batch import AttentionMetadata, LayerKV, PageIO
 from edgeinfer.backend.model.cpu_decode import DecodePlan
 from edgeinfer.backend.model.layers import DecoderLayer, RMSNorm, Rotary
-from edgeinfer.backend.model.mla import MLAAttention
 from edgeinfer.backend.model.linear import (
     DenseLinear,
     Q8Embedding,
     Q8Linear,
     W4A16Linear,
 )
+from edgeinfer.backend.model.mla import MLAAttention
 from edgeinfer.backend.model.model_config import ModelConfig
 from edgeinfer.backend.model.moe import Int4Experts
 from edgeinfer.backend.model.mtp import MTPLayer
