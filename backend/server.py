@@ -32,13 +32,12 @@ import msgspec
 from aiohttp import web
 
 from edgeinfer.backend.engine.engine import LLMEngine, RequestError
-from edgeinfer.backend.engine.kv_faults import refuse_in_production
+from edgeinfer.backend.fault_injection import refuse_in_production
 from edgeinfer.backend.metrics import BackendMetrics
 from edgeinfer.backend.node_config import VERSION, BackendConfig, parse_args
 from edgeinfer.backend.quant import kv_gate
 from edgeinfer.backend.quant.kv_gate import log_decision
 from edgeinfer.backend.tracing import RequestTraces
-from edgeinfer.protocol import observability as obs
 from edgeinfer.protocol.page_id import HASH_BYTES
 from edgeinfer.protocol.wire import (
     AbortRequest,
@@ -49,6 +48,7 @@ from edgeinfer.protocol.wire import (
     encode,
     pages_request_decoder,
 )
+from edgeinfer.telemetry import observability as obs
 
 log = logging.getLogger("edgeinfer.backend")
 
@@ -70,7 +70,7 @@ class BackendState:
     extensions: list = field(default_factory=list)     # objects with async start(app)/stop(app)
     parallel_node: object | None = None   # backend.parallel.node.Node of a --tensor-parallel node (rank 0)
     role: str = "both"                    # --role: prefill | decode | both (docs/DISAGGREGATION.md)
-    traces: RequestTraces | None = None   # set when tracing is on (protocol/observability.py)
+    traces: RequestTraces | None = None   # set when tracing is on (telemetry/observability.py)
     kv_gate: dict | None = None           # the KV format decision and its measurements (backend/quant/kv_gate.py)
 
 

@@ -9,15 +9,16 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("protocol", "cache_store", "gateway", "kernels", "backend", "ops")
+PACKAGES = ("protocol", "telemetry", "cache_store", "gateway", "kernels", "backend", "ops")
 # package -> the packages of ours it may import (docs/ARCHITECTURE.md, "Layout")
 ALLOWED = {
     "protocol": set(),
+    "telemetry": set(),
     "cache_store": {"protocol"},
-    "gateway": {"protocol", "cache_store"},
+    "gateway": {"protocol", "telemetry", "cache_store"},
     "kernels": set(),
-    "backend": {"protocol", "cache_store", "kernels"},
-    "ops": {"protocol", "cache_store", "gateway", "backend"},
+    "backend": {"protocol", "telemetry", "cache_store", "kernels"},
+    "ops": {"protocol", "telemetry", "cache_store", "gateway", "backend"},
 }
 
 

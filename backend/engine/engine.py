@@ -363,10 +363,11 @@ class LLMEngine:
             self._check_pages(batch)
         if batch.empty:
             return
-        seqs, logits = self.runner.execute(batch)
-        for s, start, rows in self.runner.prompt_logits:
+        out = self.runner.execute(batch)
+        seqs, logits = out.seqs, out.logits
+        for s, start, rows in out.prompt_logits:
             self._prompt_logprobs(s, start, rows)
-        verified = [self._verify(s, d, rows) for (s, d), rows in zip(batch.verifies, self.runner.verify_logits)]
+        verified = [self._verify(s, d, rows) for (s, d), rows in zip(batch.verifies, out.verify_logits)]
         pending = {id(s): d[:s.num_computed_tokens - s.num_tokens] for (s, d) in batch.verifies}   # accepted drafts
         sealed: list[int] = []
         for s in [*batch.decodes, *(s for s, _ in batch.prefills), *(s for s, _ in batch.verifies)]:
@@ -393,7 +394,7 @@ class LLMEngine:
                     break
                 self._take(seq, (tok, None), now)
         if self.runner.mtp_kv is not None:
-            self._mtp_drafts(batch)
+            self._mtp_drafts(batch, out.step_rows)
         self.steps += 1
         dt = time.monotonic() - t0
         prefill = sum(n for _, n in batch.prefills)
@@ -449,7 +450,7 @@ class LLMEngine:
             batch.verifies = [(s, chosen[id(s)]) for s in batch.decodes if id(s) in chosen]
             batch.decodes = [s for s in batch.decodes if id(s) not in chosen]
 
-    def _mtp_drafts(self, batch) -> None:
+    def _mtp_drafts(self, batch, step_rows: dict[int, tuple[int, int, int]]) -> None:
         """Speculative 'mtp' (backend/model/mtp.py): the MTP layer runs over the positions this step computed and
         counted (a verify: up to its last accepted token), each paired with the token after it, which stores its KV
         there; its prediction at a sequence's last position is that sequence's draft for the next step."""
@@ -457,7 +458,7 @@ class LLMEngine:
         for s in [*batch.decodes, *(s for s, _ in batch.prefills), *(s for s, _ in batch.verifies)]:
             if s.status == SeqStatus.FINISHED or not speculative.eligible(s):
                 continue
-            p0 = self.runner.step_rows[id(s)][1]
+            p0 = step_rows[id(s)][1]
             n = min(s.num_computed_tokens, len(s.all_ids) - 1) - p0
             if n > 0:
                 items.append((s, n))
