@@ -295,7 +295,7 @@ def load_report(st: BackendState) -> dict:
 
 async def health(request: web.Request) -> web.Response:
     st = request.app[STATE]
-    if st.engine._thread is None or not st.engine._thread.is_alive():
+    if not st.engine.is_alive():
         return _error(503, "engine thread is not running")
     return web.json_response({"status": "ok", **load_report(st)})
 

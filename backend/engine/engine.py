@@ -303,7 +303,7 @@ class LLMEngine:
                     self.step()
                 elif self.backlog.queued_tokens:
                     self.backlog.observe(self.scheduler)      # everything ended or was aborted: nothing queued
-                self._flush()
+                self.flush()
             except Exception as e:  # a failed step must not hang clients, nor fail the sequences it did not cause
                 log.exception("engine step failed")
                 try:
@@ -311,7 +311,7 @@ class LLMEngine:
                 except Exception:  # the recovery failed too: end every request (503) rather than hang them all
                     log.exception("isolating the failed step failed: ending every request with 503")
                     self._fail_all("the engine failed and could not isolate the cause; retry elsewhere")
-                self._flush()
+                self.flush()
 
     def _fail_all(self, msg: str) -> None:
         """End every admitted and queued request with a 503 error chunk, even where giving back its pages fails
@@ -328,7 +328,15 @@ class LLMEngine:
                 log.exception("request %s: its pages could not be given back", seq.request_id)
             self._close(seq, "error", error=msg, code=503)
 
-    def _flush(self) -> None:
+    def has_request(self, request_id: str) -> bool:
+        """Whether a request of this id is live in the engine (a second one is refused)."""
+        return request_id in self._seqs
+
+    def is_alive(self) -> bool:
+        """Whether the engine thread runs."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def flush(self) -> None:
         """Hand this step's chunks to their event loops: one wake-up per loop, not one per chunk
         (per-chunk call_soon_threadsafe cost ~25% of decode throughput at 32 sequences)."""
         if not self._outbox:
@@ -343,7 +351,7 @@ class LLMEngine:
             except RuntimeError:      # that loop is closed: its clients are gone
                 pass
 
-    def _finish_error(self, seq: Sequence, msg: str, code: int = 500) -> None:
+    def finish_error(self, seq: Sequence, msg: str, code: int = 500) -> None:
         """End one sequence with an error chunk. code 500: this request failed on a healthy node (the gateway
         does not retry it); 503: the node failed (the gateway may retry elsewhere)."""
         if seq.status == SeqStatus.FINISHED:
@@ -515,10 +523,10 @@ class LLMEngine:
         except Exception as e:
             if isinstance(e, GrammarFailed):
                 log.info("request %s: %s", seq.request_id, e)
-                self._finish_error(seq, str(e), e.code)
+                self.finish_error(seq, str(e), e.code)
                 return
             log.warning("request %s failed: %s: %s", seq.request_id, type(e).__name__, e)
-            self._finish_error(seq, f"generation failed: {e}" if isinstance(e, SamplingError)
+            self.finish_error(seq, f"generation failed: {e}" if isinstance(e, SamplingError)
                                else f"generation failed: {type(e).__name__}: {e}")
 
     def _fast_forward(self, seq: Sequence, now: float) -> None:
