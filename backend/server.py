@@ -26,7 +26,6 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 import msgspec
 from aiohttp import web
@@ -375,8 +374,7 @@ def make_app(state: BackendState) -> web.Application:
             node = state.parallel_node
             node.stopping = True  # type: ignore[attr-defined]
             if not getattr(node, "failed", False):
-                stop_workers: Any = state.engine.model.stop_workers
-                stop_workers()
+                state.engine.model.stop_workers()
             node.stop()  # type: ignore[attr-defined]
 
     app.cleanup_ctx.append(lifecycle)

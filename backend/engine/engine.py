@@ -36,7 +36,7 @@ from edgeinfer.backend.engine.step_cost import StepCost
 from edgeinfer.backend.engine.stop import StopChecker
 from edgeinfer.backend.engine.streaming import Keepalive
 from edgeinfer.backend.engine.threads import ThreadGovernor
-from edgeinfer.backend.model.decoder import LlamaModel
+from edgeinfer.backend.model.paged import PagedModel
 from edgeinfer.protocol.page_id import PageKeyContext
 from edgeinfer.protocol.tokenizer import Tokenizer
 from edgeinfer.protocol.wire import GenerateRequest, StreamChunk, TokenLogprob, Usage
@@ -45,7 +45,7 @@ log = logging.getLogger("edgeinfer.engine")
 
 
 class LLMEngine:
-    def __init__(self, model: LlamaModel, tokenizer: Tokenizer | None, cfg: EngineConfig | None = None,
+    def __init__(self, model: PagedModel, tokenizer: Tokenizer | None, cfg: EngineConfig | None = None,
                  fingerprint: str = "", model_name: str = "model") -> None:
         self.cfg = cfg or EngineConfig()
         self.model = model

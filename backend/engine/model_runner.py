@@ -14,7 +14,7 @@ from edgeinfer.backend.engine.kv_pool import KVFormat, allocate_pool
 from edgeinfer.backend.engine.scheduler import ScheduledBatch
 from edgeinfer.backend.engine.sequence import Sequence
 from edgeinfer.backend.model.batch import AttentionMetadata, LayerKV
-from edgeinfer.backend.model.decoder import LlamaModel
+from edgeinfer.backend.model.paged import PagedModel
 
 
 @dataclasses.dataclass
@@ -32,7 +32,7 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, cfg: EngineConfig) -> None:
+    def __init__(self, model: PagedModel, cfg: EngineConfig) -> None:
         self.model = model
         self.cfg = cfg
         c = model.cfg

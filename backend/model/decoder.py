@@ -203,6 +203,9 @@ class LlamaModel(nn.Module):
         return PageIO(kv)
 
     @torch.inference_mode()
+    def stop_workers(self) -> None:
+        """One process: no other rank to stop (PagedModel)."""
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head_linear(hidden).float()
         return logits if self.parallel is None else self.parallel.all_gather_cat(logits, dim=-1)

@@ -35,6 +35,7 @@ from edgeinfer.backend.model.batch import AttentionMetadata, LayerKV, PageIO
 from edgeinfer.backend.model.decoder import LlamaModel
 from edgeinfer.backend.model.loader import load_model
 from edgeinfer.backend.model.model_config import ModelConfig
+from edgeinfer.backend.model.mtp import MTPLayer
 from edgeinfer.backend.parallel.comm import Comm
 from edgeinfer.backend.parallel.shard import local_config, shard_model
 from edgeinfer.protocol.tokenizer import Tokenizer
@@ -66,6 +67,29 @@ class TensorParallelModel:
 
     def __getattr__(self, name: str):
         return getattr(self.shard, name)
+
+    # PagedModel (backend/model/paged.py): the shard's
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.shard.cfg
+
+    @property
+    def device(self) -> torch.device:
+        return self.shard.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.shard.dtype
+
+    @property
+    def mtp(self) -> MTPLayer | None:
+        return self.shard.mtp
+
+    def weight_bytes(self) -> int:
+        return self.shard.weight_bytes()
+
+    def prepacked_copy_bytes(self) -> int:
+        return self.shard.prepacked_copy_bytes()
 
     def _sync_pool(self, kv_caches: list[LayerKV]) -> None:
         kv = kv_caches[0]
@@ -274,7 +298,7 @@ def load_parallel_engine(model_dir: str | Path, cfg, world: int, expert_parallel
     model_dir = Path(model_dir)
     model, node = start_node(model_dir, world, expert_parallel, dtype)
     tok = Tokenizer.from_dir(model_dir, model_vocab_size=model.cfg.vocab_size)
-    engine = LLMEngine(model, tok, cfg, fingerprint=model_fingerprint(model_dir),  # type: ignore[arg-type]
+    engine = LLMEngine(model, tok, cfg, fingerprint=model_fingerprint(model_dir),
                        model_name=model_name or model_dir.name)
     return engine, node
 
