@@ -30,7 +30,7 @@ from edgeinfer.backend.model.moe import Int4Experts
 from edgeinfer.backend.model.mtp import MTPLayer
 
 
-class LlamaModel(nn.Module):
+class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, embed: torch.Tensor | Q8Embedding, layers: list[DecoderLayer],
                  norm: RMSNorm, lm_head: torch.Tensor | None, device: torch.device) -> None:
         super().__init__()

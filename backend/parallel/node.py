@@ -32,7 +32,7 @@ from edgeinfer.backend.engine.engine import LLMEngine
 from edgeinfer.backend.engine.kv_pool import lazy_zeros
 from edgeinfer.backend.engine.loading import model_fingerprint
 from edgeinfer.backend.model.batch import AttentionMetadata, LayerKV, PageIO
-from edgeinfer.backend.model.decoder import LlamaModel
+from edgeinfer.backend.model.decoder import DecoderModel
 from edgeinfer.backend.model.loader import load_model
 from edgeinfer.backend.model.model_config import ModelConfig
 from edgeinfer.backend.model.mtp import MTPLayer
@@ -44,7 +44,7 @@ log = logging.getLogger("edgeinfer.parallel")
 
 
 def load_shard(model_dir: str | Path, comm: Comm, expert_parallel: bool, dtype: torch.dtype = torch.float32,
-               device: str = "cpu", prepack: bool = True) -> LlamaModel:
+               device: str = "cpu", prepack: bool = True) -> DecoderModel:
     model = load_model(model_dir, dtype=dtype, device=device, fuse_gate_up=True, prepack=False)
     shard_model(model, comm, expert_parallel)
     if prepack:
@@ -56,7 +56,7 @@ class TensorParallelModel:
     """Rank 0's face of the node: the engine's model. Its own shard computes; every call is mirrored on the other
     ranks first. Everything else (cfg: this rank's view, dtype, device, weight_bytes, ...) is the shard's."""
 
-    def __init__(self, shard: LlamaModel, comm: Comm) -> None:
+    def __init__(self, shard: DecoderModel, comm: Comm) -> None:
         self.shard, self.comm = shard, comm
         self._pool: int | None = None   # id of the pool the other ranks mirror (a new pool: they allocate its twin)
 
@@ -140,7 +140,7 @@ class NodePageIO(PageIO):
         scatter_pages(self.node, self.kv, pages, buf)
 
 
-def worker_loop(shard: LlamaModel, comm: Comm) -> None:
+def worker_loop(shard: DecoderModel, comm: Comm) -> None:
     """Ranks 1..N-1: mirror rank 0's calls until it says stop (or the group fails)."""
     kv: list[LayerKV] = []
     device = shard.device
