@@ -202,7 +202,7 @@ class BackendMetrics(EngineObserver):
     def set_memory(self, engine) -> None:
         m = self.model
         self.weight_bytes.labels(m).set(engine.model.weight_bytes())
-        self.prepacked_copy_bytes.labels(m).set(getattr(engine.model, "prepacked_copy_bytes", lambda: 0)())
+        self.prepacked_copy_bytes.labels(m).set(engine.model.prepacked_copy_bytes())
         self.kv_bytes_per_token.labels(m).set(engine.runner.bytes_per_token)
         self.max_kv_tokens.labels(m).set(engine.blocks.num_pages * engine.cfg.page_size)
         self.pages_total.labels(m).set(engine.blocks.num_pages)

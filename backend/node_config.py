@@ -22,9 +22,9 @@ from edgeinfer.protocol.defaults import (
     named,
     on_command_line,
 )
-from edgeinfer.protocol.observability import LOG_LEVELS
 from edgeinfer.protocol.secrets import is_loopback, placeholder, weak_secret
 from edgeinfer.protocol.wire import ROLES
+from edgeinfer.telemetry.observability import LOG_LEVELS
 
 VERSION = os.environ.get("EDGEINFER_VERSION", "0.1.0")
 INTERNAL_SECRET_ENV = "EDGEINFER_INTERNAL_SECRET"
@@ -82,7 +82,7 @@ class BackendConfig:
     version: str
     heartbeat: float
     log_level: str
-    log_format: str           # text | json (protocol/observability.py)
+    log_format: str           # text | json (telemetry/observability.py)
     advertise_url: str | None  # registered URL (default http://host:port)
     otlp_endpoint: str | None  # OpenTelemetry collector (OTLP/HTTP); else OTEL_EXPORTER_OTLP_ENDPOINT; else no traces
     speculative: str          # ngram | off (backend/engine/speculative.py)

@@ -26,19 +26,18 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 import msgspec
 from aiohttp import web
 
 from edgeinfer.backend.engine.engine import LLMEngine, RequestError
-from edgeinfer.backend.engine.kv_faults import refuse_in_production
+from edgeinfer.backend.extension import ServerExtension
+from edgeinfer.backend.fault_injection import refuse_in_production
 from edgeinfer.backend.metrics import BackendMetrics
 from edgeinfer.backend.node_config import VERSION, BackendConfig, parse_args
 from edgeinfer.backend.quant import kv_gate
 from edgeinfer.backend.quant.kv_gate import log_decision
 from edgeinfer.backend.tracing import RequestTraces
-from edgeinfer.protocol import observability as obs
 from edgeinfer.protocol.page_id import HASH_BYTES
 from edgeinfer.protocol.wire import (
     AbortRequest,
@@ -49,6 +48,7 @@ from edgeinfer.protocol.wire import (
     encode,
     pages_request_decoder,
 )
+from edgeinfer.telemetry import observability as obs
 
 log = logging.getLogger("edgeinfer.backend")
 
@@ -67,10 +67,10 @@ class BackendState:
     started_at: float = field(default_factory=time.time)
     keepalive_s: float | None = 1.0      # None: no keepalive lines
     max_queue_wait_s: float | None = None  # None: no bound on the estimated queue wait
-    extensions: list = field(default_factory=list)     # objects with async start(app)/stop(app)
+    extensions: list[ServerExtension] = field(default_factory=list)   # backend/extension.py
     parallel_node: object | None = None   # backend.parallel.node.Node of a --tensor-parallel node (rank 0)
     role: str = "both"                    # --role: prefill | decode | both (docs/DISAGGREGATION.md)
-    traces: RequestTraces | None = None   # set when tracing is on (protocol/observability.py)
+    traces: RequestTraces | None = None   # set when tracing is on (telemetry/observability.py)
     kv_gate: dict | None = None           # the KV format decision and its measurements (backend/quant/kv_gate.py)
 
 
@@ -189,11 +189,10 @@ async def _generate(request: web.Request, st: BackendState, req: GenerateRequest
     st.in_flight.add(req.request_id)   # counted from admission, so a drain never sees it as idle
     try:
         for ext in st.extensions:      # e.g. the page store: fetch + verify + upload pages beyond the local cache
-            if hasattr(ext, "before_generate"):
-                with obs.span("backend.kv_fetch", {"edgeinfer.request_id": req.request_id}) as sp:
-                    got = await ext.before_generate(request.app, req)
-                    if isinstance(got, int):
-                        sp.set_attribute("edgeinfer.pages_uploaded", got)
+            with obs.span("backend.kv_fetch", {"edgeinfer.request_id": req.request_id}) as sp:
+                got = await ext.before_generate(request.app, req)
+                if isinstance(got, int):
+                    sp.set_attribute("edgeinfer.pages_uploaded", got)
         resp = web.StreamResponse(headers={"content-type": "application/x-ndjson", "x-node-id": st.node_id})
         try:
             await resp.prepare(request)
@@ -249,7 +248,7 @@ async def kv_pages(request: web.Request) -> web.StreamResponse:
     if len(set(req.hashes)) != len(req.hashes):
         return _error(400, f"invalid page request: {len(req.hashes) - len(set(req.hashes))} page hashes repeated; "
                            "a request names each page of one chain once")
-    handoff = next((ext.handoff for ext in st.extensions if hasattr(ext, "handoff")), None)
+    handoff = next((ext.handoff for ext in st.extensions if ext.handoff is not None), None)
     if handoff is None:
         return _error(404, f"node {st.node_id} has no page hand-off (no page store and --role both)")
     resp = web.StreamResponse(headers={"content-type": "application/octet-stream"})   # chunked: streamed
@@ -295,7 +294,7 @@ def load_report(st: BackendState) -> dict:
 
 async def health(request: web.Request) -> web.Response:
     st = request.app[STATE]
-    if st.engine._thread is None or not st.engine._thread.is_alive():
+    if not st.engine.is_alive():
         return _error(503, "engine thread is not running")
     return web.json_response({"status": "ok", **load_report(st)})
 
@@ -341,23 +340,22 @@ async def internal_auth(request: web.Request, handler):
     return await handler(request)
 
 
-async def _set_state(request: web.Request, state: str, hook: str) -> web.Response:
+async def _set_state(request: web.Request, state: str) -> web.Response:
     if not _operator_ok(request):
         return _error(401, "operator key required")
     st = request.app[STATE]
     st.state = state
     for ext in st.extensions:
-        if hasattr(ext, hook):
-            await getattr(ext, hook)(request.app)
+        await (ext.on_drain(request.app) if state == "draining" else ext.on_undrain(request.app))
     return web.json_response(load_report(st))
 
 
 async def admin_drain(request: web.Request) -> web.Response:
-    return await _set_state(request, "draining", "on_drain")
+    return await _set_state(request, "draining")
 
 
 async def admin_undrain(request: web.Request) -> web.Response:
-    return await _set_state(request, "active", "on_undrain")
+    return await _set_state(request, "active")
 
 
 def make_app(state: BackendState) -> web.Application:
@@ -376,8 +374,7 @@ def make_app(state: BackendState) -> web.Application:
             node = state.parallel_node
             node.stopping = True  # type: ignore[attr-defined]
             if not getattr(node, "failed", False):
-                stop_workers: Any = state.engine.model.stop_workers
-                stop_workers()
+                state.engine.model.stop_workers()
             node.stop()  # type: ignore[attr-defined]
 
     app.cleanup_ctx.append(lifecycle)

@@ -1,4 +1,4 @@
-"""The backend's spans (protocol/observability.py): per request, `backend.generate` (the caller's trace, from its
+"""The backend's spans (telemetry/observability.py): per request, `backend.generate` (the caller's trace, from its
 `traceparent`) with children `backend.kv_fetch` (made in backend/server.py), and `backend.queue` (arrival to
 first admission), `backend.prefill` (admission to the first token), `backend.decode` (first token to the end),
 recorded after the fact from the sequence's own times (the engine thread keeps no trace context); and a
@@ -13,7 +13,7 @@ from collections import OrderedDict
 
 from edgeinfer.backend.engine.observer import EngineObserver
 from edgeinfer.backend.engine.sequence import Sequence
-from edgeinfer.protocol import observability as obs
+from edgeinfer.telemetry import observability as obs
 
 KEEP = 10_000     # finished requests' times kept for their handlers (a handler pops its own)
 

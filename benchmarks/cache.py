@@ -55,7 +55,7 @@ from edgeinfer.cache_store.index import RedisPageIndex  # noqa: E402
 from edgeinfer.cache_store.resilience import RedisGuard, redis_client  # noqa: E402
 from edgeinfer.cache_store.store import RedisPageStore  # noqa: E402
 from edgeinfer.protocol.page_id import PageKeyContext, page_hashes  # noqa: E402
-from tests.redis_server import ValkeyCluster, ValkeyServer  # noqa: E402
+from tests.support.redis_server import ValkeyCluster, ValkeyServer  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM, PAGE = 30, 3, 64, 16
 RESULTS = ROOT / "benchmarks" / "results" / "cache.json"

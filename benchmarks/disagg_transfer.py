@@ -42,8 +42,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.harness.results import run_stamp, write_result  # noqa: E402
 from benchmarks.harness.servers import ProcessGroup, free_port, wait_http  # noqa: E402
-from tests.backend_process import metric_sum  # noqa: E402
-from tests.redis_server import ValkeyServer  # noqa: E402
+from tests.support.backend_process import metric_sum  # noqa: E402
+from tests.support.redis_server import ValkeyServer  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "disagg_transfer.json"
 SECRET = "disagg-transfer-bench-internal-secret"

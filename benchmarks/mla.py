@@ -58,7 +58,7 @@ def say(msg: str) -> None:
 
 
 def build(kind: str, out: Path, vocab: int, tokenizer_dir: Path) -> None:
-    from tests.hf_compat import hide_hub_kernels
+    from tests.support.hf_compat import hide_hub_kernels
 
     hide_hub_kernels()
     from transformers import AutoModelForCausalLM, DeepseekV3Config, LlamaConfig

@@ -4,7 +4,7 @@
       [--llamacpp-src DIR] [--llamacpp-build DIR] [--work DIR] [--out FILE]
   python -m benchmarks moe --plan-ab [--work DIR]     (the decode plan on vs off, in-process; no peer)
 
---plan-ab: the same shape through the project's own Q4_0 GGUF writer (tests/moe_checkpoints.py) and the native
+--plan-ab: the same shape through the project's own Q4_0 GGUF writer (tests/support/moe_checkpoints.py) and the native
 import, the model alone in this process: ms per decode step at 1 / 8 / 32 sequences (64 tokens of context) with
 the decode plan (backend/model/cpu_decode.py: the C++ layer loop, MoE layers included) and with the module path,
 alternated over 6 rounds (medians); writes benchmarks/results/moe.plan_ab.json.
@@ -78,7 +78,7 @@ def build_checkpoint(out: Path, shape: dict, seed: int = 0, arch: str = "glm4moe
     from tokenizers import AddedToken, Tokenizer
 
     from edgeinfer.backend.model.gguf_import import ensure_default_model
-    from tests.hf_compat import hide_hub_kernels
+    from tests.support.hf_compat import hide_hub_kernels
 
     hide_hub_kernels()
     from transformers import AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig
@@ -294,7 +294,7 @@ def plan_ab(work: Path, threads: int, out: Path) -> int:
 
     from edgeinfer.backend.model.gguf_import import default_gguf_path, ensure_default_model, import_gguf
     from edgeinfer.backend.model.loader import load_model
-    from tests import moe_checkpoints
+    from tests.support import moe_checkpoints
     from tests.support.dense import decode_batch
 
     t0, load0 = time.monotonic(), os.getloadavg()

@@ -42,7 +42,7 @@ SHAPE = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, moe_inte
 
 
 def build(out: Path) -> None:
-    from tests.hf_compat import hide_hub_kernels
+    from tests.support.hf_compat import hide_hub_kernels
 
     hide_hub_kernels()
     from transformers import AutoModelForCausalLM, Glm4MoeConfig

@@ -26,7 +26,7 @@ from edgeinfer.gateway.errors import APIError
 from edgeinfer.gateway.openapi import openapi_document
 from edgeinfer.gateway.state import STATE, GatewayState, build_state
 from edgeinfer.gateway.tokenpool import TokenizerPool
-from edgeinfer.protocol import observability as obs
+from edgeinfer.telemetry import observability as obs
 
 log = logging.getLogger("edgeinfer.gateway")
 access_log = logging.getLogger("edgeinfer.gateway.access")

@@ -23,7 +23,7 @@ import msgspec
 
 from edgeinfer.gateway import config as config_mod
 from edgeinfer.gateway.config import GatewayConfig, NodeConfig, ServedModelConfig
-from edgeinfer.protocol import observability as obs
+from edgeinfer.telemetry import observability as obs
 
 log = logging.getLogger("edgeinfer.gateway")
 

@@ -29,7 +29,6 @@ from edgeinfer.gateway.errors import APIError
 from edgeinfer.gateway.nodes import Node
 from edgeinfer.gateway.routing import Choice
 from edgeinfer.gateway.upstream import BackendRejected, Overloaded, Retryable, UpstreamBroken, UpstreamStream
-from edgeinfer.protocol import observability as obs
 from edgeinfer.protocol.wire import (
     Constraint,
     GenerateRequest,
@@ -39,6 +38,7 @@ from edgeinfer.protocol.wire import (
     TenantSpec,
     Usage,
 )
+from edgeinfer.telemetry import observability as obs
 
 log = logging.getLogger(__name__)
 

@@ -42,8 +42,8 @@ from edgeinfer.gateway.state import STATE, GatewayState
 from edgeinfer.gateway.structured import SchemaLimits, check_depth
 from edgeinfer.gateway.tools import ToolPlan, ToolStream, split_output
 from edgeinfer.gateway.upstream import GRAMMAR_FAILED, UpstreamBroken, error_code_name
-from edgeinfer.protocol import observability as obs
 from edgeinfer.protocol.wire import Constraint, SamplingParams, StreamChunk
+from edgeinfer.telemetry import observability as obs
 
 _SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache", "x-accel-buffering": "no"}
 _DONE = b"data: [DONE]\n\n"

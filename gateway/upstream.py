@@ -20,8 +20,8 @@ import msgspec
 
 from edgeinfer.gateway.http1 import HTTPProtocolError, Pool, Response
 from edgeinfer.gateway.nodes import Node
-from edgeinfer.protocol import observability as obs
 from edgeinfer.protocol.wire import AbortRequest, GenerateRequest, StreamChunk, chunk_decoder
+from edgeinfer.telemetry import observability as obs
 
 log = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder().encode

@@ -28,12 +28,12 @@ from pathlib import Path
 
 import msgspec
 
-from edgeinfer.backend.engine.kv_faults import refuse_in_production
+from edgeinfer.backend.fault_injection import refuse_in_production
 from edgeinfer.ops.children import Children, Stopped, exit_code, raise_on_stop_signals
 from edgeinfer.ops.local_state import HomeLock, LocalSecrets, clear_running, write_running
 from edgeinfer.ops.local_valkey import MAXMEMORY, LocalValkey, ValkeyError
-from edgeinfer.protocol import observability as obs
 from edgeinfer.protocol.defaults import BACKEND_OPTIONS, env_defaults, home_dir, named
+from edgeinfer.telemetry import observability as obs
 
 PAGE_KEY_ENV = "EDGEINFER_PAGE_KEY"     # what backend.server reads (backend/page_store/wiring.py)
 REDIS_URL_ENV = "EDGEINFER_REDIS_URL"   # backend.server's --redis-url default

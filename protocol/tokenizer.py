@@ -87,6 +87,10 @@ class Tokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)
 
+    def to_json(self) -> str:
+        """The tokenizer.json this tokenizer was read from, as text (llguidance builds its token table from it)."""
+        return self._tok.to_str()
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         if not self.chat_template:
             raise TokenizerError(f"{self.source}: the model has no chat template; use /v1/completions")

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from tests.hf_compat import hide_hub_kernels
-from tests.redis_server import ValkeyServer
+from tests.support.hf_compat import hide_hub_kernels
+from tests.support.redis_server import ValkeyServer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -54,7 +54,7 @@ def hf_smol(smol_dir):
 @pytest.fixture(scope="session")
 def compat_serve(tmp_path_factory):
     """One `edgeinfer serve` (default model, no page store) shared by the client-compatibility modules."""
-    from tests.ops.test_serve import Serve
+    from tests.support.serve import Serve
 
     home = tmp_path_factory.mktemp("compat-home")
     s = Serve(home, home, "--no-page-store")

@@ -9,15 +9,16 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("protocol", "cache_store", "gateway", "kernels", "backend", "ops")
+PACKAGES = ("protocol", "telemetry", "cache_store", "gateway", "kernels", "backend", "ops")
 # package -> the packages of ours it may import (docs/ARCHITECTURE.md, "Layout")
 ALLOWED = {
     "protocol": set(),
+    "telemetry": set(),
     "cache_store": {"protocol"},
-    "gateway": {"protocol", "cache_store"},
+    "gateway": {"protocol", "telemetry", "cache_store"},
     "kernels": set(),
-    "backend": {"protocol", "cache_store", "kernels"},
-    "ops": {"protocol", "cache_store", "gateway", "backend"},
+    "backend": {"protocol", "telemetry", "cache_store", "kernels"},
+    "ops": {"protocol", "telemetry", "cache_store", "gateway", "backend"},
 }
 
 
@@ -193,3 +194,49 @@ def test_the_installed_packages_never_import_the_benchmarks_or_the_tests():
                 [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
             bad += [f"{name} imports {t}" for t in targets if t.split(".")[0] in ("benchmarks", "tests")]
     assert not bad, bad
+
+
+def test_the_engine_imports_no_concrete_model():
+    """The engine sees a model through backend/model/paged.py's PagedModel only (the decoder and tensor
+    parallelism's face both satisfy it), never backend/model/decoder.py."""
+    graph = import_graph(modules())
+    bad = sorted(a for a, outs in graph.items() if folder(a) == "engine" and "edgeinfer.backend.model.decoder" in outs)
+    assert bad == [], f"the engine imports the concrete decoder: {bad}"
+
+
+def private_reads(mods: dict[str, Path]) -> list[str]:
+    """`x._name` read in one package (a backend room counts as one) of a private `_name` defined only in other
+    packages (a `def _name`, a `_name = ...` at class or module level, a `self._name = ...`): a module reaching into
+    another package's internals. `self._x` / `cls._x` and dunders are not counted."""
+    defined: dict[str, set[str]] = {}
+    reads: list[tuple[str, str, int]] = []
+    for name, f in mods.items():
+        room = folder(name)
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name.startswith("_"):
+                defined.setdefault(node.name, set()).add(room)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                for t in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                    if isinstance(t, ast.Name) and t.id.startswith("_"):
+                        defined.setdefault(t.id, set()).add(room)
+                    elif isinstance(t, ast.Attribute) and t.attr.startswith("_"):
+                        defined.setdefault(t.attr, set()).add(room)
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                reads.append((name, node.attr, node.lineno))
+    return sorted({f"{m}:{line} ._{a[1:]}" for m, a, line in reads
+                   if a in defined and folder(m) not in defined[a]})
+
+
+def test_no_module_reads_another_packages_private_attribute():
+    bad = private_reads(modules())
+    assert bad == [], "private attributes read across packages: " + ", ".join(bad)
+
+
+def test_the_private_read_check_finds_one(tmp_path):
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text("class E:\n    def __init__(self):\n        self._seqs = {}\n")
+    b.write_text("def f(engine):\n    return engine._seqs\n")
+    found = private_reads({"edgeinfer.backend.engine.e": a, "edgeinfer.backend.server": b})
+    assert found == ["edgeinfer.backend.server:2 ._seqs"]
+    assert private_reads({"edgeinfer.backend.engine.e": a, "edgeinfer.backend.engine.f": b}) == []

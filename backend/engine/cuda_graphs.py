@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from edgeinfer.backend.model.batch import AttentionMetadata, LayerKV
-from edgeinfer.backend.model.decoder import LlamaModel
+from edgeinfer.backend.model.paged import PagedModel
 from edgeinfer.kernels.dispatch import use_triton
 
 GRAPHS_ENV = "EDGEINFER_CUDA_GRAPHS"
@@ -132,7 +132,7 @@ class CudaCapture(Capture):
 class DecodeGraphs:
     """Static decode inputs, one captured forward (+ logits) per bucket, captured on first use."""
 
-    def __init__(self, model: LlamaModel, kv: list[LayerKV], buckets: tuple[int, ...], width: int,
+    def __init__(self, model: PagedModel, kv: list[LayerKV], buckets: tuple[int, ...], width: int,
                  make_capture: Callable[[], Capture]) -> None:
         if width < 1:
             raise ValueError(f"DecodeGraphs: table width {width} must be >= 1")
@@ -190,7 +190,7 @@ class DecodeGraphs:
         return out[:n]
 
 
-def decode_graphs_for(model: LlamaModel, kv: list[LayerKV], enabled: bool, max_num_seqs: int,
+def decode_graphs_for(model: PagedModel, kv: list[LayerKV], enabled: bool, max_num_seqs: int,
                       width: int) -> DecodeGraphs | None:
     """DecodeGraphs on CUDA with Triton dispatch, unless disabled (config or EDGEINFER_CUDA_GRAPHS=0)."""
     env = graphs_env()

@@ -36,7 +36,7 @@ from edgeinfer.backend.engine.step_cost import StepCost
 from edgeinfer.backend.engine.stop import StopChecker
 from edgeinfer.backend.engine.streaming import Keepalive
 from edgeinfer.backend.engine.threads import ThreadGovernor
-from edgeinfer.backend.model.decoder import LlamaModel
+from edgeinfer.backend.model.paged import PagedModel
 from edgeinfer.protocol.page_id import PageKeyContext
 from edgeinfer.protocol.tokenizer import Tokenizer
 from edgeinfer.protocol.wire import GenerateRequest, StreamChunk, TokenLogprob, Usage
@@ -45,7 +45,7 @@ log = logging.getLogger("edgeinfer.engine")
 
 
 class LLMEngine:
-    def __init__(self, model: LlamaModel, tokenizer: Tokenizer | None, cfg: EngineConfig | None = None,
+    def __init__(self, model: PagedModel, tokenizer: Tokenizer | None, cfg: EngineConfig | None = None,
                  fingerprint: str = "", model_name: str = "model") -> None:
         self.cfg = cfg or EngineConfig()
         self.model = model
@@ -303,7 +303,7 @@ class LLMEngine:
                     self.step()
                 elif self.backlog.queued_tokens:
                     self.backlog.observe(self.scheduler)      # everything ended or was aborted: nothing queued
-                self._flush()
+                self.flush()
             except Exception as e:  # a failed step must not hang clients, nor fail the sequences it did not cause
                 log.exception("engine step failed")
                 try:
@@ -311,7 +311,7 @@ class LLMEngine:
                 except Exception:  # the recovery failed too: end every request (503) rather than hang them all
                     log.exception("isolating the failed step failed: ending every request with 503")
                     self._fail_all("the engine failed and could not isolate the cause; retry elsewhere")
-                self._flush()
+                self.flush()
 
     def _fail_all(self, msg: str) -> None:
         """End every admitted and queued request with a 503 error chunk, even where giving back its pages fails
@@ -328,7 +328,15 @@ class LLMEngine:
                 log.exception("request %s: its pages could not be given back", seq.request_id)
             self._close(seq, "error", error=msg, code=503)
 
-    def _flush(self) -> None:
+    def has_request(self, request_id: str) -> bool:
+        """Whether a request of this id is live in the engine (a second one is refused)."""
+        return request_id in self._seqs
+
+    def is_alive(self) -> bool:
+        """Whether the engine thread runs."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def flush(self) -> None:
         """Hand this step's chunks to their event loops: one wake-up per loop, not one per chunk
         (per-chunk call_soon_threadsafe cost ~25% of decode throughput at 32 sequences)."""
         if not self._outbox:
@@ -343,7 +351,7 @@ class LLMEngine:
             except RuntimeError:      # that loop is closed: its clients are gone
                 pass
 
-    def _finish_error(self, seq: Sequence, msg: str, code: int = 500) -> None:
+    def finish_error(self, seq: Sequence, msg: str, code: int = 500) -> None:
         """End one sequence with an error chunk. code 500: this request failed on a healthy node (the gateway
         does not retry it); 503: the node failed (the gateway may retry elsewhere)."""
         if seq.status == SeqStatus.FINISHED:
@@ -363,10 +371,11 @@ class LLMEngine:
             self._check_pages(batch)
         if batch.empty:
             return
-        seqs, logits = self.runner.execute(batch)
-        for s, start, rows in self.runner.prompt_logits:
+        out = self.runner.execute(batch)
+        seqs, logits = out.seqs, out.logits
+        for s, start, rows in out.prompt_logits:
             self._prompt_logprobs(s, start, rows)
-        verified = [self._verify(s, d, rows) for (s, d), rows in zip(batch.verifies, self.runner.verify_logits)]
+        verified = [self._verify(s, d, rows) for (s, d), rows in zip(batch.verifies, out.verify_logits)]
         pending = {id(s): d[:s.num_computed_tokens - s.num_tokens] for (s, d) in batch.verifies}   # accepted drafts
         sealed: list[int] = []
         for s in [*batch.decodes, *(s for s, _ in batch.prefills), *(s for s, _ in batch.verifies)]:
@@ -393,7 +402,7 @@ class LLMEngine:
                     break
                 self._take(seq, (tok, None), now)
         if self.runner.mtp_kv is not None:
-            self._mtp_drafts(batch)
+            self._mtp_drafts(batch, out.step_rows)
         self.steps += 1
         dt = time.monotonic() - t0
         prefill = sum(n for _, n in batch.prefills)
@@ -449,7 +458,7 @@ class LLMEngine:
             batch.verifies = [(s, chosen[id(s)]) for s in batch.decodes if id(s) in chosen]
             batch.decodes = [s for s in batch.decodes if id(s) not in chosen]
 
-    def _mtp_drafts(self, batch) -> None:
+    def _mtp_drafts(self, batch, step_rows: dict[int, tuple[int, int, int]]) -> None:
         """Speculative 'mtp' (backend/model/mtp.py): the MTP layer runs over the positions this step computed and
         counted (a verify: up to its last accepted token), each paired with the token after it, which stores its KV
         there; its prediction at a sequence's last position is that sequence's draft for the next step."""
@@ -457,7 +466,7 @@ class LLMEngine:
         for s in [*batch.decodes, *(s for s, _ in batch.prefills), *(s for s, _ in batch.verifies)]:
             if s.status == SeqStatus.FINISHED or not speculative.eligible(s):
                 continue
-            p0 = self.runner.step_rows[id(s)][1]
+            p0 = step_rows[id(s)][1]
             n = min(s.num_computed_tokens, len(s.all_ids) - 1) - p0
             if n > 0:
                 items.append((s, n))
@@ -514,10 +523,10 @@ class LLMEngine:
         except Exception as e:
             if isinstance(e, GrammarFailed):
                 log.info("request %s: %s", seq.request_id, e)
-                self._finish_error(seq, str(e), e.code)
+                self.finish_error(seq, str(e), e.code)
                 return
             log.warning("request %s failed: %s: %s", seq.request_id, type(e).__name__, e)
-            self._finish_error(seq, f"generation failed: {e}" if isinstance(e, SamplingError)
+            self.finish_error(seq, f"generation failed: {e}" if isinstance(e, SamplingError)
                                else f"generation failed: {type(e).__name__}: {e}")
 
     def _fast_forward(self, seq: Sequence, now: float) -> None:

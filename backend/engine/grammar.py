@@ -92,7 +92,7 @@ class GrammarCompiler:
         with self._tok_lock:
             if self._lltok is None:
                 eos = sorted(self.tokenizer.eos_token_ids)
-                self._lltok = llg.LLTokenizer(self.tokenizer._tok.to_str(), n_vocab=self.tokenizer.vocab_size,
+                self._lltok = llg.LLTokenizer(self.tokenizer.to_json(), n_vocab=self.tokenizer.vocab_size,
                                               eos_token=eos or None)
             return self._lltok
 

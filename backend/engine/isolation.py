@@ -38,7 +38,7 @@ def isolate(engine: Any, error: Exception) -> None:
     engine.scheduler.waiting.extendleft(reversed(rest))
     code = 503 if len(failed) == len(suspects) > 1 else 500
     for seq, msg in failed:
-        engine._finish_error(seq, msg, code)
+        engine.finish_error(seq, msg, code)
     if failed:
         log.warning("step failure isolated: %d of %d sequence(s) failed alone (%s): %s", len(failed),
                     len(suspects), ", ".join(s.request_id for s, _ in failed), error)
@@ -65,7 +65,7 @@ def probe(engine: Any, seq: Sequence) -> str | None:
         return f"engine step failed on this request: {type(e).__name__}: {e}"
     finally:
         engine.scheduler = main
-        engine._flush()
+        engine.flush()
     if seq.status != SeqStatus.FINISHED:
         main.running.append(seq)
     return None

@@ -14,11 +14,25 @@ from edgeinfer.backend.engine.kv_pool import KVFormat, allocate_pool
 from edgeinfer.backend.engine.scheduler import ScheduledBatch
 from edgeinfer.backend.engine.sequence import Sequence
 from edgeinfer.backend.model.batch import AttentionMetadata, LayerKV
-from edgeinfer.backend.model.decoder import LlamaModel
+from edgeinfer.backend.model.paged import PagedModel
+
+
+@dataclasses.dataclass
+class RunnerOutput:
+    """What one step computed, for the engine to act on."""
+    seqs: list[Sequence]                                 # the sequences that need a new token
+    logits: torch.Tensor                                 # [len(seqs), vocab], on the CPU
+    verify_logits: list[torch.Tensor] = dataclasses.field(default_factory=list)   # one per batch.verifies entry:
+    #                                                      a row per verified position (its num_computed_tokens is left
+    #                                                      for the engine to advance by what it accepts)
+    prompt_logits: list[tuple[Sequence, int, torch.Tensor]] = dataclasses.field(default_factory=list)
+    #                                                      (seq, first position, [n, vocab]): prompt logprobs' rows
+    step_rows: dict[int, tuple[int, int, int]] = dataclasses.field(default_factory=dict)
+    #                                                      MTP only: id(seq) -> (first row, first position, rows)
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, cfg: EngineConfig) -> None:
+    def __init__(self, model: PagedModel, cfg: EngineConfig) -> None:
         self.model = model
         self.cfg = cfg
         c = model.cfg
@@ -90,22 +104,21 @@ class ModelRunner:
             ids += [s.last_token_id, *draft]
         return seqs, pos, ids
 
-    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
-        """Run one step; returns the sequences that need a new token and their logits [n, vocab]; a verify chunk's
-        logits (one row per position) are left in `self.verify_logits`, one tensor per batch.verifies entry, and its
-        num_computed_tokens is left for the engine to advance by what it accepts.
+    def execute(self, batch: ScheduledBatch) -> RunnerOutput:
+        """Run one step -> RunnerOutput: the sequences that need a new token and their logits, each verify chunk's
+        logits, the prompt-logprob rows.
         Block tables come from self.tables, which the BlockManager keeps in step with every seq.block_table."""
         stage, cu, dec_tables, pre_tables = self._inputs(batch)
         nd0 = len(batch.decodes)                 # decode rows of decoding sequences; verify rows follow them
         nd = nd0 + sum(len(d) + 1 for _, d in batch.verifies)
-        self.verify_logits: list[torch.Tensor] = []
-        self.prompt_logits: list[tuple[Sequence, int, torch.Tensor]] = []    # (seq, first position, [n, vocab])
+        out = RunnerOutput([], torch.empty(0))
         if self.graphs is not None and not batch.prefills and not batch.verifies and self.mtp_kv is None:
             logits = self.graphs.run(stage, dec_tables)
             if logits is not None:
                 for s in batch.decodes:
                     s.num_computed_tokens += 1
-                return list(batch.decodes), logits.cpu()
+                out.seqs, out.logits = list(batch.decodes), logits.cpu()
+                return out
         dev = self.model.device
 
         def to_dev(a) -> torch.Tensor:   # no stream sync: pageable H2D copies are staged at once
@@ -143,23 +156,25 @@ class ModelRunner:
         hidden = self.model(ids, pos, self.kv, meta)
         if self.mtp_kv is not None:
             self._keep_rows(batch, hidden, cu, nd0, nd)
+            out.step_rows = self.step_rows
         for s in batch.decodes:
             s.num_computed_tokens += 1
         for s, n in batch.prefills:
             s.num_computed_tokens += n
         if not rows:
-            return [], torch.empty(0)
+            return out
         if len(rows) < hidden.shape[0] or rows != list(range(len(rows))):
             hidden = hidden.index_select(0, to_dev(np.asarray(rows, dtype=np.int64)))
         logits = self.model.compute_logits(hidden).cpu()
         at = len(need)
         for _, d in batch.verifies:
-            self.verify_logits.append(logits[at:at + len(d) + 1])
+            out.verify_logits.append(logits[at:at + len(d) + 1])
             at += len(d) + 1
         for s, start, count in wanted:
-            self.prompt_logits.append((s, start, logits[at:at + count]))
+            out.prompt_logits.append((s, start, logits[at:at + count]))
             at += count
-        return need, logits[:len(need)]
+        out.seqs, out.logits = need, logits[:len(need)]
+        return out
 
     # ---- the MTP draft layer (speculative 'mtp', backend/model/mtp.py)
     def _keep_rows(self, batch: ScheduledBatch, hidden: torch.Tensor, cu: list[int], nd0: int, nd: int) -> None:

@@ -32,7 +32,7 @@ def validate_request(engine: Any, req: GenerateRequest) -> None:
     if engine.blocks.pages_needed(n + 1) > engine.blocks.num_pages:
         raise RequestError(f"prompt of {n} tokens needs {engine.blocks.pages_needed(n + 1)} KV pages; the KV "
                            f"cache has {engine.blocks.num_pages} pages of {engine.cfg.page_size} tokens", 400)
-    if req.request_id in engine._seqs:
+    if engine.has_request(req.request_id):
         raise RequestError(f"request_id {req.request_id!r} is already running", 409)
     if not req.cache_namespace:
         raise RequestError("cache_namespace is empty: expected the tenant's namespace")

@@ -33,7 +33,7 @@ class LayerKV:
 class PageIO:
     """Page bodies in and out of one process's KV pool: a page body is the page's bytes in every layer, k, v, then
     the fp8/int8 scales (an MLA pool: the latent and its scale), in layer order (backend/page_store/bridge.py names the
-    layout). The engine reads and writes pages only through its model's PageIO (LlamaModel.page_io); a
+    layout). The engine reads and writes pages only through its model's PageIO (DecoderModel.page_io); a
     tensor-parallel node's spans its ranks (backend/parallel/node.py: world > 1). Engine thread only."""
 
     world = 1       # processes whose pools one page body spans

@@ -1,5 +1,5 @@
 """The CPU decode plan of a natively packed model: decode-only steps through one lean layer loop (in C++ when
-the native GEMMs and step ops are there: kernels/cpu/attn.cpp decode_layers), built by LlamaModel.prepack() (backend/model/decoder.py)
+the native GEMMs and step ops are there: kernels/cpu/attn.cpp decode_layers), built by DecoderModel.prepack() (backend/model/decoder.py)
 once the linears are packed (docs/KERNELS.md)."""
 
 from __future__ import annotations

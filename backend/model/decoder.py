@@ -31,7 +31,7 @@ from edgeinfer.backend.model.moe import Int4Experts
 from edgeinfer.backend.model.mtp import MTPLayer
 
 
-class LlamaModel(nn.Module):
+class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, embed: torch.Tensor | Q8Embedding, layers: list[DecoderLayer],
                  norm: RMSNorm, lm_head: torch.Tensor | None, device: torch.device) -> None:
         super().__init__()
@@ -204,6 +204,9 @@ class LlamaModel(nn.Module):
         return PageIO(kv)
 
     @torch.inference_mode()
+    def stop_workers(self) -> None:
+        """One process: no other rank to stop (PagedModel)."""
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head_linear(hidden).float()
         return logits if self.parallel is None else self.parallel.all_gather_cat(logits, dim=-1)

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from edgeinfer.backend.model.decoder import LlamaModel
+from edgeinfer.backend.model.decoder import DecoderModel
 from edgeinfer.backend.model.layers import MLP, Attention, DecoderLayer, RMSNorm
 from edgeinfer.backend.model.linear import (
     DenseLinear,
@@ -63,7 +63,7 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
                 make_linear=None, source: str = "", fuse_gate_up: bool | None = None,
-                prepack: bool = False, mtp: bool = False) -> LlamaModel:
+                prepack: bool = False, mtp: bool = False) -> DecoderModel:
     """Assemble the model; `make_linear(prefix_list, tensors) -> nn.Module` builds (fused) linears;
     `prepack` packs dense linears for oneDNN where the device and dtype allow it; `mtp` also builds the checkpoint's
     multi-token-prediction layer (model.mtp; CheckpointError where it has none)."""
@@ -130,7 +130,7 @@ def build_model(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch
     if not cfg.tie_word_embeddings:
         lm_head = check("lm_head.weight", take("lm_head.weight"), (cfg.vocab_size, h))
     final_norm = RMSNorm(check("model.norm.weight", take("model.norm.weight"), (h,)), cfg.rms_norm_eps)
-    model = LlamaModel(cfg, embed, layers, final_norm, lm_head, device).eval()
+    model = DecoderModel(cfg, embed, layers, final_norm, lm_head, device).eval()
     if mtp:
         model.mtp = _mtp_layer(cfg, tensors, decoder_layer, make_linear, check, source)
     if prepack:
@@ -263,7 +263,7 @@ def _sparse_moe(cfg: ModelConfig, p: str, tensors: dict[str, torch.Tensor], take
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               fuse_gate_up: bool | None = None, prepack: bool | None = None, mtp: bool = False) -> LlamaModel:
+               fuse_gate_up: bool | None = None, prepack: bool | None = None, mtp: bool = False) -> DecoderModel:
     """prepack=None: pack dense linears for oneDNN on CPU unless EDGEINFER_CPU_PREPACK=0. Code that
     reads or rewrites weights (the quantizer) passes prepack=False."""
     path = Path(path)

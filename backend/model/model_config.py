@@ -8,15 +8,40 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3MoeForCausalLM",
-                           "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM")
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM")
-UNSUPPORTED_MLA = ("DeepseekV2ForCausalLM",)   # MLA with V2's softmax greedy-group routing: not implemented
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class CheckpointError(ValueError):
     pass
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What an architecture name in config.json means to the one paged decoder: its registry entry (every
+    per-architecture decision of the config parser is here, none in from_dict)."""
+    name: str
+    routing: str | None = None          # MoE: "softmax" (Qwen3-MoE) or "sigmoid" (grouped, GLM-4.5 / DeepSeek-V3)
+    mla: bool = False                   # Multi-head Latent Attention (DeepSeek-V3, Kimi K2)
+    qkv_bias: bool = False              # attention_bias when config.json leaves it out (Qwen2)
+    qk_norm: bool = False               # QK-norm whatever config.json says (Qwen3-MoE); else its use_qk_norm
+    sliding_window: bool = False        # use_sliding_window when config.json leaves it out (Mistral)
+
+    @property
+    def moe(self) -> bool:
+        return self.routing is not None
+
+
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
+    Architecture("LlamaForCausalLM"),
+    Architecture("MistralForCausalLM", sliding_window=True),
+    Architecture("Qwen2ForCausalLM", qkv_bias=True),
+    Architecture("Qwen3MoeForCausalLM", routing="softmax", qk_norm=True),
+    Architecture("Glm4MoeForCausalLM", routing="sigmoid"),
+    Architecture("DeepseekV3ForCausalLM", routing="sigmoid", mla=True),
+)}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+MOE_ARCHITECTURES = tuple(a.name for a in ARCHITECTURES.values() if a.moe)
+UNSUPPORTED_MLA = ("DeepseekV2ForCausalLM",)   # MLA with V2's softmax greedy-group routing: not implemented
 
 
 @dataclass(frozen=True)
@@ -116,7 +141,8 @@ class ModelConfig:
         if arch in UNSUPPORTED_MLA:
             raise CheckpointError(f"{source}: architecture {arch!r} is unsupported (DeepSeek-V2's routing); "
                                   "DeepseekV3ForCausalLM (DeepSeek-V3, Kimi K2) is supported")
-        if arch not in SUPPORTED_ARCHITECTURES:
+        spec = ARCHITECTURES.get(arch) if isinstance(arch, str) else None
+        if spec is None:
             raise CheckpointError(f"{source}: unsupported architecture {arch!r}; supported: "
                                   f"{', '.join(SUPPORTED_ARCHITECTURES)}")
 
@@ -151,10 +177,10 @@ class ModelConfig:
             rope_scaling = {**rope_scaling, "rope_type": rtype}
         sliding = raw.get("sliding_window")
         max_pos = raw.get("max_position_embeddings", 2048)
-        if sliding and raw.get("use_sliding_window", arch == "MistralForCausalLM") and sliding < max_pos:
+        if sliding and raw.get("use_sliding_window", spec.sliding_window) and sliding < max_pos:
             raise CheckpointError(f"{source}: sliding_window={sliding} < max_position_embeddings={max_pos} "
                                   "is unsupported (full attention only)")
-        mla = _mla_config(raw, need, rope_scaling, source) if arch == "DeepseekV3ForCausalLM" else None
+        mla = _mla_config(raw, need, rope_scaling, source) if spec.mla else None
         head_dim = raw.get("head_dim") or hidden // heads
         if mla is not None:   # the cache's view: one latent row per token, rope on its qk_rope_head_dim part
             kv_heads, head_dim = 1, mla.latent_dim
@@ -165,14 +191,14 @@ class ModelConfig:
         if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
             raise CheckpointError(f"{source}: partial_rotary_factor={partial!r} gives a rotary dim of {rotary_dim}; "
                                   f"expected an even number in (0, head_dim={head_dim}]")
-        moe = _moe_config(arch, raw, need, source) if arch in MOE_ARCHITECTURES else None
+        moe = _moe_config(spec, raw, need, source) if spec.moe else None
         nextn = raw.get("num_nextn_predict_layers", 0) or 0
         if not isinstance(nextn, int) or isinstance(nextn, bool) or nextn < 0:
             raise CheckpointError(f"{source}: num_nextn_predict_layers={nextn!r} is invalid: expected an integer >= 0")
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
-            architecture=arch,
+            architecture=spec.name,
             hidden_size=hidden,
             intermediate_size=need("intermediate_size"),
             num_layers=need("num_hidden_layers"),
@@ -184,11 +210,11 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            attention_bias=bool(raw.get("attention_bias", spec.qkv_bias)),
             rope_scaling=rope_scaling,
             eos_token_ids=eos_ids,
             quantization=raw.get("quantization_config"),
-            qk_norm=arch == "Qwen3MoeForCausalLM" or bool(raw.get("use_qk_norm", False)),
+            qk_norm=spec.qk_norm or bool(raw.get("use_qk_norm", False)),
             rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
             moe=moe,
             mla=mla,
@@ -197,7 +223,7 @@ class ModelConfig:
         )
 
 
-def _moe_config(arch: str, raw: dict, need, source: str) -> MoEConfig:
+def _moe_config(spec: Architecture, raw: dict, need, source: str) -> MoEConfig:
     layers = need("num_hidden_layers")
     experts = raw.get("num_experts", raw.get("num_local_experts", raw.get("n_routed_experts")))
     if not isinstance(experts, int) or isinstance(experts, bool) or experts <= 0:
@@ -207,7 +233,7 @@ def _moe_config(arch: str, raw: dict, need, source: str) -> MoEConfig:
     if top_k > experts:
         raise CheckpointError(f"{source}: num_experts_per_tok={top_k} > num_experts={experts}")
     inter = need("moe_intermediate_size")
-    if arch == "Qwen3MoeForCausalLM":
+    if spec.routing == "softmax":
         step = raw.get("decoder_sparse_step", 1) or 1
         dense_only = set(raw.get("mlp_only_layers") or [])
         sparse = tuple(i not in dense_only and (i + 1) % step == 0 for i in range(layers))

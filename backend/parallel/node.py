@@ -32,9 +32,10 @@ from edgeinfer.backend.engine.engine import LLMEngine
 from edgeinfer.backend.engine.kv_pool import lazy_zeros
 from edgeinfer.backend.engine.loading import model_fingerprint
 from edgeinfer.backend.model.batch import AttentionMetadata, LayerKV, PageIO
-from edgeinfer.backend.model.decoder import LlamaModel
+from edgeinfer.backend.model.decoder import DecoderModel
 from edgeinfer.backend.model.loader import load_model
 from edgeinfer.backend.model.model_config import ModelConfig
+from edgeinfer.backend.model.mtp import MTPLayer
 from edgeinfer.backend.parallel.comm import Comm
 from edgeinfer.backend.parallel.shard import local_config, shard_model
 from edgeinfer.protocol.tokenizer import Tokenizer
@@ -43,7 +44,7 @@ log = logging.getLogger("edgeinfer.parallel")
 
 
 def load_shard(model_dir: str | Path, comm: Comm, expert_parallel: bool, dtype: torch.dtype = torch.float32,
-               device: str = "cpu", prepack: bool = True) -> LlamaModel:
+               device: str = "cpu", prepack: bool = True) -> DecoderModel:
     model = load_model(model_dir, dtype=dtype, device=device, fuse_gate_up=True, prepack=False)
     shard_model(model, comm, expert_parallel)
     if prepack:
@@ -55,7 +56,7 @@ class TensorParallelModel:
     """Rank 0's face of the node: the engine's model. Its own shard computes; every call is mirrored on the other
     ranks first. Everything else (cfg: this rank's view, dtype, device, weight_bytes, ...) is the shard's."""
 
-    def __init__(self, shard: LlamaModel, comm: Comm) -> None:
+    def __init__(self, shard: DecoderModel, comm: Comm) -> None:
         self.shard, self.comm = shard, comm
         self._pool: int | None = None   # id of the pool the other ranks mirror (a new pool: they allocate its twin)
 
@@ -66,6 +67,29 @@ class TensorParallelModel:
 
     def __getattr__(self, name: str):
         return getattr(self.shard, name)
+
+    # PagedModel (backend/model/paged.py): the shard's
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.shard.cfg
+
+    @property
+    def device(self) -> torch.device:
+        return self.shard.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.shard.dtype
+
+    @property
+    def mtp(self) -> MTPLayer | None:
+        return self.shard.mtp
+
+    def weight_bytes(self) -> int:
+        return self.shard.weight_bytes()
+
+    def prepacked_copy_bytes(self) -> int:
+        return self.shard.prepacked_copy_bytes()
 
     def _sync_pool(self, kv_caches: list[LayerKV]) -> None:
         kv = kv_caches[0]
@@ -116,7 +140,7 @@ class NodePageIO(PageIO):
         scatter_pages(self.node, self.kv, pages, buf)
 
 
-def worker_loop(shard: LlamaModel, comm: Comm) -> None:
+def worker_loop(shard: DecoderModel, comm: Comm) -> None:
     """Ranks 1..N-1: mirror rank 0's calls until it says stop (or the group fails)."""
     kv: list[LayerKV] = []
     device = shard.device
@@ -274,7 +298,7 @@ def load_parallel_engine(model_dir: str | Path, cfg, world: int, expert_parallel
     model_dir = Path(model_dir)
     model, node = start_node(model_dir, world, expert_parallel, dtype)
     tok = Tokenizer.from_dir(model_dir, model_vocab_size=model.cfg.vocab_size)
-    engine = LLMEngine(model, tok, cfg, fingerprint=model_fingerprint(model_dir),  # type: ignore[arg-type]
+    engine = LLMEngine(model, tok, cfg, fingerprint=model_fingerprint(model_dir),
                        model_name=model_name or model_dir.name)
     return engine, node
 

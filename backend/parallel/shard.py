@@ -22,7 +22,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from edgeinfer.backend.model.decoder import LlamaModel
+from edgeinfer.backend.model.decoder import DecoderModel
 from edgeinfer.backend.model.layers import MLP, Attention
 from edgeinfer.backend.model.linear import DenseLinear, Q8Embedding, W4A16Linear
 from edgeinfer.backend.model.mla import MLAAttention
@@ -154,7 +154,7 @@ def _shard_experts(experts: DenseExperts | Int4Experts, rank: int, world: int, e
     return Int4Experts(gu_s, dn_s, g)
 
 
-def shard_model(model: LlamaModel, comm: Comm, expert_parallel: bool = False) -> LlamaModel:
+def shard_model(model: DecoderModel, comm: Comm, expert_parallel: bool = False) -> DecoderModel:
     """In place: `model` becomes rank comm.rank's shard (see the module docstring). Returns it."""
     rank, world = comm.rank, comm.world
     cfg = model.cfg

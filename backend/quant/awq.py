@@ -19,7 +19,7 @@ from typing import cast
 import torch
 from tqdm import tqdm
 
-from edgeinfer.backend.model.decoder import LlamaModel
+from edgeinfer.backend.model.decoder import DecoderModel
 from edgeinfer.backend.model.packing import effective_group_size, fake_quantize
 from edgeinfer.backend.quant.calib import paged_prefill
 
@@ -55,7 +55,7 @@ def _modules(layer) -> dict[str, torch.nn.Module]:
 
 
 @torch.inference_mode()
-def collect_stats(model: LlamaModel, chunks: list[list[int]], batch: int = 2, skip_first: int = 0
+def collect_stats(model: DecoderModel, chunks: list[list[int]], batch: int = 2, skip_first: int = 0
                   ) -> list[LayerStats]:
     """Input statistics of every linear; the first skip_first tokens of each chunk (attention-sink
     positions with outlier activations) are left out."""
@@ -131,7 +131,7 @@ def search_clip(w: torch.Tensor, h: torch.Tensor, group: int, frozen_rows: int =
 
 
 @torch.inference_mode()
-def apply_awq(model: LlamaModel, stats: list[LayerStats], group_size: int, grid: int = GRID
+def apply_awq(model: DecoderModel, stats: list[LayerStats], group_size: int, grid: int = GRID
               ) -> dict[str, torch.Tensor]:
     """Fold the searched scales into the fp model in place; -> clip per fused module name."""
     c = model.cfg

@@ -17,7 +17,7 @@ import torch
 
 from edgeinfer.backend.engine.engine_config import EngineConfig
 from edgeinfer.backend.engine.model_runner import ModelRunner
-from edgeinfer.backend.model.decoder import LlamaModel
+from edgeinfer.backend.model.decoder import DecoderModel
 
 
 def calibration_text() -> tuple[str, str]:
@@ -84,7 +84,7 @@ def token_chunks(ids: list[int], num: int, length: int) -> list[list[int]]:
     return [ids[i * length:(i + 1) * length] for i in range(num)]
 
 
-def paged_prefill(model: LlamaModel, chunks: list[list[int]], kv_dtype: str = "auto", page_size: int = 16) -> torch.Tensor:
+def paged_prefill(model: DecoderModel, chunks: list[list[int]], kv_dtype: str = "auto", page_size: int = 16) -> torch.Tensor:
     """One teacher-forced forward of several sequences through the engine's paged KV pool (any KV dtype, fp8
     included) -> hidden [sum(len), h]."""
     pages = sum((len(c) + page_size - 1) // page_size for c in chunks)

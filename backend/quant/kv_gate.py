@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from edgeinfer.backend.engine.kv_pool import KVFormat
-from edgeinfer.backend.model.decoder import LlamaModel
+from edgeinfer.backend.model.decoder import DecoderModel
 from edgeinfer.backend.quant.calib import paged_prefill
 from edgeinfer.protocol.defaults import DEFAULT_KV_KLD_BUDGET, home_dir
 
@@ -66,7 +66,7 @@ def calibration_ids(tokenizer, vocab_size: int, n: int) -> list[int]:
     return [i % vocab_size for i in ids[:n]]
 
 
-def logprobs(model: LlamaModel, ids: list[int], kv_dtype: str) -> torch.Tensor:
+def logprobs(model: DecoderModel, ids: list[int], kv_dtype: str) -> torch.Tensor:
     """One teacher-forced forward of ids through the engine's paged pool in kv_dtype -> log-probs [n, vocab]."""
     with torch.inference_mode():
         hidden = paged_prefill(model, [ids], kv_dtype, 16)
@@ -90,7 +90,7 @@ def cost_against(ref: torch.Tensor, got: torch.Tensor, ids: list[int], ident: st
                       ppl_ratio=math.exp(float(p["nll"].mean() - p["nll_ref"].mean())))
 
 
-def measure(model: LlamaModel, ids: list[int], formats: tuple[str, ...] = CANDIDATES) -> dict[str, FormatCost]:
+def measure(model: DecoderModel, ids: list[int], formats: tuple[str, ...] = CANDIDATES) -> dict[str, FormatCost]:
     """Each format's cost against fp32 KV on the window `ids`, through the engine's paged pool."""
     c = model.cfg
     ref = logprobs(model, ids, EXACT)
@@ -162,7 +162,7 @@ class GateDecision:
                 "measured": {n: asdict(c) for n, c in self.measured.items()}}
 
 
-def decide(model: LlamaModel, tokenizer, model_dir: Path, fingerprint: str, requested: str,
+def decide(model: DecoderModel, tokenizer, model_dir: Path, fingerprint: str, requested: str,
            budget: float = DEFAULT_BUDGET) -> GateDecision:
     """The format to serve: `auto` -> pick() over the measured candidates; a forced name -> itself, measured.
     A budget of 0 measures nothing: `auto` serves fp32 (no loss allowed), a forced name is served unmeasured."""

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from edgeinfer.backend.model.atomic_dir import atomic_directory
-from edgeinfer.backend.model.decoder import LlamaModel
+from edgeinfer.backend.model.decoder import DecoderModel
 from edgeinfer.backend.model.layers import MLP, Attention
 from edgeinfer.backend.model.loader import dense_weight, load_model
 from edgeinfer.backend.model.mla import MLAAttention
@@ -111,7 +111,7 @@ def _kept(layer, i: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def quantized_tensors(model: LlamaModel, group_size: int, clips: dict[str, torch.Tensor] | None = None,
+def quantized_tensors(model: DecoderModel, group_size: int, clips: dict[str, torch.Tensor] | None = None,
                       hessians: dict[str, torch.Tensor] | None = None, progress: bool = True
                       ) -> dict[str, torch.Tensor]:
     """Per fused module: round to nearest (optionally clipped), or GPTQ rounding where a Hessian is given."""

@@ -1,6 +1,6 @@
 """What MTP drafting (`--speculative mtp`, backend/model/mtp.py) costs per step and what it gives back at a given
 acceptance, measured side by side with plain decoding in one run, on random GLM-4.5-shaped checkpoints with an MTP
-layer (tests/moe_checkpoints.build_mtp). No real MTP weights are reachable from these machines: a random MTP layer's
+layer (tests/support/moe_checkpoints.build_mtp). No real MTP weights are reachable from these machines: a random MTP layer's
 drafts are almost never accepted, so what is measured is the cost, and the gain is projected from it.
 
 Modes, interleaved per round (medians over --rounds), for each --layers depth and B in --levels sequences (greedy,
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     t0, load0 = time.monotonic(), os.getloadavg()
     from edgeinfer.backend.engine.loading import in_fresh_thread
     from edgeinfer.backend.model.loader import load_model
-    from tests import moe_checkpoints
+    from tests.support import moe_checkpoints
     from tests.support.tiny import prompt
 
     torch.set_num_threads(min(2, os.cpu_count() or 1))

@@ -138,8 +138,8 @@ def _instrument(model=None) -> Timers:
     else:
         t.wrap(layers.Rotary, "forward", "rope")
     t.wrap(layers.Rotary, "lookup", "rope")
-    t.wrap(decoder.LlamaModel, "forward", "model")
-    t.wrap(decoder.LlamaModel, "compute_logits", "model")
+    t.wrap(decoder.DecoderModel, "forward", "model")
+    t.wrap(decoder.DecoderModel, "compute_logits", "model")
     t.wrap(engine_mod, "sample", "sampling")
     t.wrap(engine_mod.LLMEngine, "step", "step")
     if getattr(model, "lean_decode", False):   # the timers sit on the module path: DecodePlan bypasses it

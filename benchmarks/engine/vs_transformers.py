@@ -105,7 +105,7 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_engine: --device cuda but torch sees no CUDA device")
     if not args.no_hf:
-        from tests.hf_compat import hide_hub_kernels
+        from tests.support.hf_compat import hide_hub_kernels
 
         hide_hub_kernels()
 

@@ -121,7 +121,7 @@ def chat_ids(texts: list[str]) -> tuple[list[list[int]], object]:
 
 def llamacpp_answers(build: Path, gguf: Path, ids: list[list[int]], max_tokens: int, threads: int) -> list[list[int]]:
     from benchmarks.harness.servers import find_binary
-    from tests.redis_server import free_port
+    from tests.support.redis_server import free_port
 
     server = find_binary("llama-server", build, build / "bin")
     if server is None:

@@ -244,7 +244,7 @@ def main() -> int:
     me = [sys.executable, "-m", "benchmarks.serving.gateway"]
     valkey = None
     if args.redis:
-        from tests.redis_server import ValkeyServer
+        from tests.support.redis_server import ValkeyServer
 
         valkey = ValkeyServer().start()
         if valkey.proc is not None and hasattr(os, "sched_setaffinity"):

@@ -89,7 +89,7 @@ def key_order_kept(value, schema_props: dict, defs: dict) -> bool:
 def main() -> int:
     import openai
 
-    from tests.ops.test_serve import Serve
+    from tests.support.serve import Serve
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--max-tokens", type=int, default=256)

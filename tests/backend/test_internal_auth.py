@@ -256,8 +256,16 @@ class _SlowExtension:
     """An extension whose before_generate finishes its work even when the caller leaves (shielded), as a
     store write must: the handler reaches the response headers after the client is gone."""
 
+    handoff = None
+
     def __init__(self) -> None:
         self.done = asyncio.Event()
+
+    async def on_drain(self, app) -> None:
+        pass
+
+    async def on_undrain(self, app) -> None:
+        pass
 
     async def before_generate(self, app, req) -> None:
         try:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from benchmarks import sizing as ms
-from tests import moe_checkpoints
+from tests.support import moe_checkpoints
 
 
 @pytest.mark.parametrize("kind", ["glm4_moe", "deepseek_v3"])

@@ -13,7 +13,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from edgeinfer.cache_store.resilience import RedisGuard, redis_client  # noqa: E402
-from tests.redis_server import ValkeyCluster, ValkeyServer  # noqa: E402
+from tests.support.redis_server import ValkeyCluster, ValkeyServer  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@ from edgeinfer.cache_store.index import InMemoryPageIndex, RedisPageIndex, leadi
 from edgeinfer.cache_store.keys import KeySpace
 from edgeinfer.cache_store.store import HostPageStore, PageStore, RedisPageStore
 from edgeinfer.protocol.page_id import PageKeyContext, page_hashes
-from tests.redis_server import ValkeyServer
+from tests.support.redis_server import ValkeyServer
 
 MODEL = "smollm2-135m"
 

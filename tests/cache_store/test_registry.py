@@ -12,7 +12,7 @@ from edgeinfer.cache_store.registry import (
     keep_registered,
 )
 from edgeinfer.cache_store.resilience import RedisGuard, redis_client
-from tests.redis_server import ValkeyServer, command
+from tests.support.redis_server import ValkeyServer, command
 
 
 def record(node_id: str, model: str = "smollm2-135m", **kw) -> NodeRecord:

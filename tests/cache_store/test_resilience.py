@@ -11,7 +11,7 @@ from edgeinfer.cache_store.index import RedisPageIndex
 from edgeinfer.cache_store.registry import NodeRecord, RedisNodeRegistry
 from edgeinfer.cache_store.resilience import RedisGuard, redis_client
 from edgeinfer.cache_store.store import RedisPageStore
-from tests.redis_server import ValkeyServer, command
+from tests.support.redis_server import ValkeyServer, command
 
 H = [bytes([i]) * 16 for i in range(8)]
 NODE = NodeRecord(node_id="n1", url="http://n1", model="m", version="1")

@@ -27,9 +27,9 @@ import requests
 
 from edgeinfer.gateway import config as config_mod
 from edgeinfer.gateway.routing import affinity_node
-from tests.backend_process import INTERNAL_AUTH, INTERNAL_SECRET, BackendProcess
 from tests.conftest import wait_until
 from tests.gateway.conftest import DEMO_KEY, OTHER_KEY, client, parsed, tenant
+from tests.support.backend_process import INTERNAL_AUTH, INTERNAL_SECRET, BackendProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 SEED = "disagg-test-seed"

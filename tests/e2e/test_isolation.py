@@ -22,9 +22,9 @@ from edgeinfer.gateway import config as config_mod
 from edgeinfer.gateway.state import STATE as GW_STATE
 from edgeinfer.protocol.page_id import PageKeyContext, page_hashes
 from edgeinfer.protocol.wire import GenerateRequest, SamplingParams
-from tests.backend_process import INTERNAL_AUTH, INTERNAL_SECRET
 from tests.gateway.conftest import Harness, client
 from tests.gateway.server_thread import ServerThread
+from tests.support.backend_process import INTERNAL_AUTH, INTERNAL_SECRET
 
 pytestmark = pytest.mark.slow
 SEED = "isolation-test-seed"

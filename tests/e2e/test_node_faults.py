@@ -26,7 +26,7 @@ from edgeinfer.gateway import config as config_mod
 from tests.conftest import wait_until
 from tests.gateway.conftest import MODEL, client, tenant
 from tests.gateway.stub_process import StubProcess
-from tests.redis_server import ValkeyServer
+from tests.support.redis_server import ValkeyServer
 
 MSGS = [{"role": "user", "content": "hi"}]
 ADMIN = "gw-node-faults-admin"

@@ -19,9 +19,9 @@ import openai
 import pytest
 import requests
 
-from tests.backend_process import INTERNAL_AUTH, INTERNAL_SECRET, BackendProcess
 from tests.gateway.conftest import DEMO_KEY, MODEL, client, parsed, tenant
 from tests.gateway.test_routing import session_for
+from tests.support.backend_process import INTERNAL_AUTH, INTERNAL_SECRET, BackendProcess
 
 POISON = [{"top_p": 1e-46}, {"temperature": 1e-40}, {"repetition_penalty": 1e-40}]
 MSGS = [{"role": "user", "content": "hi"}]

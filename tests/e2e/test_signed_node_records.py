@@ -24,7 +24,7 @@ from edgeinfer.gateway import config as config_mod
 from tests.conftest import wait_until
 from tests.gateway.conftest import MODEL, client, tenant
 from tests.gateway.stub_process import StubProcess
-from tests.redis_server import ValkeyServer
+from tests.support.redis_server import ValkeyServer
 
 SECRET = "signed-records-test-internal-secret"
 ADMIN = "gw-signed-records-admin"

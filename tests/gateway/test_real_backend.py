@@ -14,9 +14,9 @@ import openai
 import pytest
 import requests
 
-from tests.backend_process import INTERNAL_AUTH, INTERNAL_SECRET, BackendProcess
 from tests.gateway.conftest import DEMO_KEY, aclient, client, parsed, tenant
-from tests.redis_server import free_port
+from tests.support.backend_process import INTERNAL_AUTH, INTERNAL_SECRET, BackendProcess
+from tests.support.redis_server import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]   # e2e: claims through the public API (a real stack)
 SEED = "real-backend-test-seed"

@@ -14,8 +14,8 @@ import pytest
 import requests
 from pydantic import BaseModel, Field
 
-from tests.backend_process import INTERNAL_AUTH, BackendProcess
 from tests.gateway.conftest import DEMO_KEY, parsed, tenant
+from tests.support.backend_process import INTERNAL_AUTH, BackendProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]   # e2e: claims through the public API (a real stack)
 SEED = "structured-test-seed"
@@ -46,7 +46,7 @@ def backend(model_dir):
 @pytest.fixture
 def gw(harness, model_dir, backend):
     name = requests.get(backend.url + "/internal/info", headers=INTERNAL_AUTH, timeout=5).json()["model"]
-    from tests.backend_process import INTERNAL_SECRET
+    from tests.support.backend_process import INTERNAL_SECRET
 
     cfg = parsed({"server": {"page_seed": SEED, "health_interval_s": 0.5, "internal_secret": INTERNAL_SECRET},
                   "models": [{"name": name, "tokenizer": str(model_dir)}],

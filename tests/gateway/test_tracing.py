@@ -1,4 +1,4 @@
-"""OpenTelemetry traces (protocol/observability.py) through the real stack in one process, exported to the SDK's
+"""OpenTelemetry traces (telemetry/observability.py) through the real stack in one process, exported to the SDK's
 in-memory exporter: the official openai client sends a W3C traceparent -> the gateway (its own server thread) ->
 the real backend app on SmolLM2 (served in-process on loopback). One request gives one trace: the client's trace id
 everywhere, the expected spans parented as documented, the expected attributes, and no prompt text, output text or
@@ -20,7 +20,7 @@ from edgeinfer.backend.engine.engine import LLMEngine
 from edgeinfer.backend.engine.engine_config import EngineConfig
 from edgeinfer.backend.metrics import BackendMetrics
 from edgeinfer.backend.server import BackendState, enable_tracing
-from edgeinfer.protocol import observability as obs
+from edgeinfer.telemetry import observability as obs
 from tests.gateway.conftest import DEMO_KEY, parsed, tenant
 from tests.support.inproc import serve
 

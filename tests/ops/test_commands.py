@@ -57,7 +57,7 @@ def test_status_leaves_out_records_not_signed_with_the_internal_secret(capsys, m
 
     from edgeinfer.cache_store.node_auth import NodeRecordKey
     from edgeinfer.cache_store.registry import NodeRecord
-    from tests.redis_server import ValkeyServer
+    from tests.support.redis_server import ValkeyServer
 
     secret = "ops-test-internal-secret-0123"
     now = time.time()

@@ -23,8 +23,8 @@ import pytest
 import requests
 
 from edgeinfer.gateway.config import hash_key
-from tests.backend_process import INTERNAL_AUTH, INTERNAL_SECRET
-from tests.redis_server import ValkeyServer, command, free_port
+from tests.support.backend_process import INTERNAL_AUTH, INTERNAL_SECRET
+from tests.support.redis_server import ValkeyServer, command, free_port
 
 pytestmark = pytest.mark.slow
 

@@ -11,9 +11,9 @@ import openai
 import pytest
 import torch
 
-from tests import moe_checkpoints
 from tests.gateway.conftest import DEMO_KEY
-from tests.ops.test_serve import Serve
+from tests.support import moe_checkpoints
+from tests.support.serve import Serve
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]   # e2e: claims through the public API (a real stack)
 NAMES = {"glm4_moe": "tiny-glm45-moe", "deepseek_v3": "tiny-deepseek-v3"}

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from edgeinfer.backend.model.batch import AttentionMetadata, LayerKV
-from edgeinfer.backend.model.decoder import LlamaModel
+from edgeinfer.backend.model.decoder import DecoderModel
 
 
-def fresh_kv(model: LlamaModel, num_pages: int, page_size: int = 16) -> list[LayerKV]:
+def fresh_kv(model: DecoderModel, num_pages: int, page_size: int = 16) -> list[LayerKV]:
     c = model.cfg
     shape = (num_pages, page_size, c.num_kv_heads, c.head_dim)
     dev = model.device
@@ -20,7 +20,7 @@ def _none_tables(width: int, dev: torch.device) -> tuple[torch.Tensor, torch.Ten
     return torch.zeros((0, width), dtype=torch.int32, device=dev), torch.zeros(0, dtype=torch.int32, device=dev)
 
 
-def prefill_logits(model: LlamaModel, ids: list[int], kv: list[LayerKV], page_size: int = 16) -> torch.Tensor:
+def prefill_logits(model: DecoderModel, ids: list[int], kv: list[LayerKV], page_size: int = 16) -> torch.Tensor:
     """Tensors on the model's device (CUDA runs the Triton kernels); logits returned on the host."""
     n, dev = len(ids), model.device
     width = kv[0].k.shape[0]
@@ -33,7 +33,7 @@ def prefill_logits(model: LlamaModel, ids: list[int], kv: list[LayerKV], page_si
     return model.compute_logits(model(torch.tensor(ids, device=dev), torch.arange(n, device=dev), kv, meta)).cpu()
 
 
-def greedy(model: LlamaModel, ids: list[int], steps: int, num_pages: int = 64, page_size: int = 16) -> tuple[
+def greedy(model: DecoderModel, ids: list[int], steps: int, num_pages: int = 64, page_size: int = 16) -> tuple[
         torch.Tensor, list[int]]:
     kv = fresh_kv(model, num_pages, page_size)
     logits = prefill_logits(model, ids, kv, page_size)
@@ -52,7 +52,7 @@ def greedy(model: LlamaModel, ids: list[int], steps: int, num_pages: int = 64, p
     return logits, out
 
 
-def decode_batch(model: LlamaModel, batch: int, context: int, page_size: int = 16
+def decode_batch(model: DecoderModel, batch: int, context: int, page_size: int = 16
                  ) -> tuple[list[LayerKV], torch.Tensor, AttentionMetadata]:
     """A decode step of `batch` sequences at `context` tokens of context each (their own pages, the new token at
     position `context`) -> (a fresh pool, positions [batch], metadata); the benchmarks time steps on it."""
@@ -66,7 +66,7 @@ def decode_batch(model: LlamaModel, batch: int, context: int, page_size: int = 1
     return kv, torch.full((batch,), context), meta
 
 
-def prefill_batch(model: LlamaModel, n: int, page_size: int = 16) -> tuple[list[LayerKV], AttentionMetadata]:
+def prefill_batch(model: DecoderModel, n: int, page_size: int = 16) -> tuple[list[LayerKV], AttentionMetadata]:
     """One sequence's prefill of n tokens on pages 0.. of a fresh pool -> (pool, metadata)."""
     width = -(-n // page_size)
     meta = AttentionMetadata(torch.arange(n), 0, torch.zeros((0, width), dtype=torch.int32),

@@ -48,7 +48,7 @@ class Stepper:
         for _ in range(n):
             if self.eng.scheduler.has_work:
                 self.eng.step()
-                self.eng._flush()
+                self.eng.flush()
 
     def run(self, max_steps: int = 100_000) -> None:
         for _ in range(max_steps):

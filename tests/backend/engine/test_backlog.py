@@ -9,7 +9,7 @@ import pytest
 
 from edgeinfer.backend.engine.backlog import Backlog
 from edgeinfer.backend.engine.step_cost import StepCost
-from tests.step_costs import measured
+from tests.support.step_costs import measured
 
 
 def seq(uncomputed: int) -> SimpleNamespace:

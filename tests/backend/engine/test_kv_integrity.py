@@ -1,4 +1,4 @@
-"""KV integrity inside the engine (backend/engine/kv_integrity.py): each fault of backend/engine/kv_faults.py is
+"""KV integrity inside the engine (backend/engine/kv_integrity.py): each fault of tests/support/kv_faults.py is
 caught, the request's output equals its clean run and the other requests' outputs are unaffected; the same fault
 with the checks off (EngineConfig(kv_integrity=False)) changes an output, so each test would fail without them.
 On a tiny random Llama (transformers' classes, safetensors), fp32 KV, driven step by step on the test's thread."""
@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from edgeinfer.backend.engine.kv_faults import ENV, KVFaults, refuse_in_production
 from edgeinfer.backend.engine.kv_integrity import PageLedger, body_checksums
+from edgeinfer.backend.fault_injection import refuse_in_production
 from edgeinfer.backend.model.loader import load_model
 from edgeinfer.protocol.page_id import page_hashes
 from tests.support.engine_steps import Stepper, engine, solo
+from tests.support.kv_faults import ENV, KVFaults
 from tests.support.tiny import prompt, tiny_llama
 
 NEW = 24

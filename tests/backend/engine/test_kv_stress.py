@@ -6,7 +6,7 @@ published page leaves the host tier, so the second half swaps pages in from the 
 from Redis. Every greedy
 output that was not aborted must equal the same request served alone on a fresh engine; where one differs,
 the first differing token must be a near-tie in the solo run (top-2 logprob gap < EPS). The suite must catch a
-page from another request: with a fault of backend/engine/kv_faults.py injected mid-run and the checks off it
+page from another request: with a fault of tests/support/kv_faults.py injected mid-run and the checks off it
 reports a divergence beyond EPS; with the checks on, none.
 
 EPS: the tiny fp32 model's batched and solo logits differ in the last bits (~1e-6, the GEMM blocks by batch
@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from edgeinfer.backend.engine.kv_faults import ENV, KVFaults
 from edgeinfer.backend.model.loader import load_model
 from edgeinfer.backend.page_store.bridge import PageStoreBridge
 from edgeinfer.cache_store.codec import PageKey
@@ -29,6 +28,7 @@ from edgeinfer.cache_store.resilience import RedisGuard, redis_client
 from edgeinfer.cache_store.store import HostPageStore, RedisPageStore, TieredPageStore
 from edgeinfer.protocol.wire import GenerateRequest, SamplingParams, TenantSpec
 from tests.support.engine_steps import engine, solo
+from tests.support.kv_faults import ENV, KVFaults
 from tests.support.tiny import prompt, tiny_llama
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,7 @@ import torch
 from edgeinfer.backend.engine.engine_config import EngineConfig
 from edgeinfer.backend.engine.loading import load_engine
 from edgeinfer.backend.quant.quantize import quantize_checkpoint
-from tests import moe_checkpoints
+from tests.support import moe_checkpoints
 from tests.support.engine_steps import generate_together
 
 

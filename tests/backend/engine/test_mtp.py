@@ -1,5 +1,5 @@
 """MTP drafts (backend/model/mtp.py, `speculative="mtp"`) on tiny GLM-4.5 and DeepSeek-V3 checkpoints that carry an
-MTP layer as the published ones do (tests/moe_checkpoints.build_mtp: transformers' own decoder layer as its block).
+MTP layer as the published ones do (tests/support/moe_checkpoints.build_mtp: transformers' own decoder layer as its block).
 
 transformers drops MTP layers, so there are two oracles:
 - the MTP layer's logits at every step of a real engine run (chunked prefill, batched decodes, verify steps with
@@ -20,7 +20,7 @@ import torch
 from edgeinfer.backend.model.loader import load_model
 from edgeinfer.backend.model.model_config import CheckpointError
 from edgeinfer.protocol.wire import GenerateRequest, SamplingParams
-from tests import moe_checkpoints
+from tests.support import moe_checkpoints
 from tests.support.engine_steps import Stepper, engine
 from tests.support.tiny import prompt
 

@@ -221,8 +221,7 @@ def _all_logits(model, ids: list[int]) -> torch.Tensor:
     assert eng.scheduler._admit(seq, 512, ScheduledBatch())
     eng.scheduler.waiting.remove(seq)
     assert eng.blocks.ensure_capacity(seq, len(ids))
-    eng.runner.execute(ScheduledBatch(verifies=[(seq, ids[1:])]))
-    return eng.runner.verify_logits[0]
+    return eng.runner.execute(ScheduledBatch(verifies=[(seq, ids[1:])])).verify_logits[0]
 
 
 def test_a_seeded_sampled_request_does_not_draft():

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from edgeinfer.backend.engine.step_cost import StepCost
-from tests.step_costs import CPU, steps
+from tests.support.step_costs import CPU, steps
 
 
 def close(coef, want, rel: float) -> bool:

@@ -154,7 +154,7 @@ def glm_native(smol_dir, tmp_path_factory):
     bias, a shared expert) through a Q4_0 GGUF, imported natively: its experts prepacked for q4_1x8_moe."""
     from edgeinfer.backend.model.gguf_import import default_gguf_path, import_gguf
     from edgeinfer.backend.model.loader import load_model
-    from tests import moe_checkpoints
+    from tests.support import moe_checkpoints
 
     d = tmp_path_factory.mktemp("glm-plan")
     hf = moe_checkpoints.servable("glm4_moe", d / "hf", smol_dir)

@@ -14,7 +14,7 @@ import torch
 from edgeinfer.backend.model.gguf_import import ModelImportError, default_gguf_path, import_gguf
 from edgeinfer.backend.model.loader import load_model
 from edgeinfer.backend.model.moe import Int4Experts
-from tests import moe_checkpoints
+from tests.support import moe_checkpoints
 from tests.support.dense import greedy
 
 PROMPT = list(range(200, 240))

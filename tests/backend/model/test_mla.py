@@ -17,7 +17,7 @@ from edgeinfer.backend.model.loader import load_model
 from edgeinfer.backend.model.mla import MLAAttention
 from edgeinfer.cache_store.codec import DecodedPage, Miss, MissReason, PageFormat, PageKey, decode, encode
 from edgeinfer.protocol.page_id import PageKeyContext, page_hashes
-from tests import moe_checkpoints
+from tests.support import moe_checkpoints
 from tests.support.dense import fresh_kv, greedy, prefill_logits
 from tests.support.engine_steps import generate_together
 

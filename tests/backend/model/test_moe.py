@@ -16,7 +16,7 @@ from edgeinfer.backend.model.moe import ExpertOrder, Int4Experts, route
 from edgeinfer.backend.model.packing import group_dequantize_mins
 from edgeinfer.backend.quant.quantize import QuantizeError, quantize_checkpoint
 from edgeinfer.kernels.cpu import reference as ref
-from tests import moe_checkpoints
+from tests.support import moe_checkpoints
 from tests.support.dense import greedy
 
 PROMPT = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(3)).tolist()

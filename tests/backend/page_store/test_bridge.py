@@ -22,8 +22,8 @@ import requests
 from edgeinfer.cache_store.codec import ENVELOPE_BYTES, TAG_BYTES, DecodedPage, PageKey, decode
 from edgeinfer.protocol.page_id import PageKeyContext, page_hashes
 from edgeinfer.protocol.wire import GenerateRequest, SamplingParams
-from tests.backend_process import INTERNAL_AUTH, INTERNAL_SECRET, BackendProcess
 from tests.conftest import wait_until
+from tests.support.backend_process import INTERNAL_AUTH, INTERNAL_SECRET, BackendProcess
 
 pytestmark = pytest.mark.slow
 SEED = "page-store-test-seed"

@@ -24,7 +24,6 @@ from aiohttp import web
 
 from edgeinfer.backend.engine.engine import LLMEngine
 from edgeinfer.backend.engine.engine_config import EngineConfig
-from edgeinfer.backend.engine.kv_faults import ENV, KVFaults
 from edgeinfer.backend.metrics import BackendMetrics
 from edgeinfer.backend.model.loader import load_model
 from edgeinfer.backend.page_store.bridge import PageStoreBridge
@@ -34,6 +33,7 @@ from edgeinfer.cache_store.codec import PageKey
 from edgeinfer.protocol.page_id import page_hashes
 from edgeinfer.protocol.wire import StreamChunk
 from tests.support.inproc import serve
+from tests.support.kv_faults import ENV, KVFaults
 from tests.support.tiny import prompt, tiny_llama
 
 PAGE = 16

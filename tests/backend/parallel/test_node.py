@@ -11,10 +11,10 @@ import time
 import pytest
 import requests
 
-from tests import moe_checkpoints
 from tests.backend.page_store.test_bridge import SEED, Backend, random_prompt
-from tests.backend_process import BackendProcess
 from tests.conftest import wait_until
+from tests.support import moe_checkpoints
+from tests.support.backend_process import BackendProcess
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ class Node(Backend):
 
 
 def children(pid: int) -> list[int]:
-    from tests.ops.test_serve import children_of
+    from tests.support.serve import children_of
 
     return children_of(pid)
 

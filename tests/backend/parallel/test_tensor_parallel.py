@@ -10,10 +10,10 @@ import torch.multiprocessing as mp
 
 from edgeinfer.backend.model.loader import load_model
 from edgeinfer.backend.parallel.shard import ParallelError, local_config
-from tests import moe_checkpoints
 from tests.backend.parallel.parallel_ranks import run_rank
-from tests.redis_server import free_port
+from tests.support import moe_checkpoints
 from tests.support.dense import greedy
+from tests.support.redis_server import free_port
 from tests.support.tiny import tiny_llama
 
 PROMPT = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(3)).tolist()

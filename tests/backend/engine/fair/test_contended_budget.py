@@ -12,8 +12,8 @@ from edgeinfer.backend.engine.engine_config import EngineConfig
 from edgeinfer.backend.engine.fair import CONTENDED_MIN_TOKENS
 from edgeinfer.backend.server import parse_args
 from edgeinfer.protocol.wire import TenantSpec
-from tests.step_costs import measured
 from tests.support.fair_sim import Sim, seq
+from tests.support.step_costs import measured
 
 A, B = TenantSpec("a"), TenantSpec("b")
 BUDGET, CAP = 512, 64

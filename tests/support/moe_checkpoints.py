@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tests.hf_compat import hide_hub_kernels
+from tests.support.hf_compat import hide_hub_kernels
 
 COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, num_experts_per_tok=4, max_position_embeddings=512,

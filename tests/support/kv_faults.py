@@ -8,31 +8,22 @@ Each fault is a bug the engine's integrity checks (backend/engine/kv_integrity.p
   keep_stale_entries  prefix-cache entries kept after their page was evicted and reused (a phantom hit).
 
 Off unless EDGEINFER_KV_FAULT_INJECTION=1 is set (KVFaults refuses to exist otherwise), and the backend and
-serve commands refuse to start while it is set (refuse_in_production): no deployment can carry it. Call the
+serve commands refuse to start while it is set (edgeinfer.backend.fault_injection.refuse_in_production): no
+deployment can carry it. Call the
 faults on the engine thread (engine.call_in_engine) or while the engine is driven by the caller's thread.
 """
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
+
+from edgeinfer.backend.fault_injection import ENV, enabled
 
 if TYPE_CHECKING:
     from edgeinfer.backend.engine.engine import LLMEngine
     from edgeinfer.backend.engine.sequence import Sequence
 
-ENV = "EDGEINFER_KV_FAULT_INJECTION"
-
-
-def enabled() -> bool:
-    return os.environ.get(ENV, "") == "1"
-
-
-def refuse_in_production() -> None:
-    """Called by `edgeinfer backend` and `edgeinfer serve` before anything starts."""
-    if os.environ.get(ENV, "") not in ("", "0"):
-        raise SystemExit(f"{ENV}={os.environ[ENV]!r} is set: KV fault injection exists for the test suite only; "
-                         f"unset it to start a backend")
+__all__ = ["ENV", "KVFaults", "enabled"]
 
 
 class KVFaults:

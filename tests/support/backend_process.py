@@ -12,7 +12,7 @@ from pathlib import Path
 
 import requests
 
-from tests.redis_server import free_port
+from tests.support.redis_server import free_port
 
 INTERNAL_SECRET = "edgeinfer-test-internal-secret"     # what the gateway sends on /internal/*
 INTERNAL_AUTH = {"authorization": f"Bearer {INTERNAL_SECRET}"}
