@@ -146,7 +146,8 @@ class BackendMetrics(EngineObserver):
         self._tenants(engine, batch)
 
     def _speculative(self, engine) -> None:
-        now = (engine.spec_drafted, engine.spec_accepted, engine.fast_forwarded)
+        st = engine.speculation.stats
+        now = (st.drafted, st.accepted, engine.fast_forwarded)
         if now != self._spec:
             m = self.model
             for counter, a, b in zip((self.spec_drafted, self.spec_accepted, self.fast_forwarded), now, self._spec):

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edgeinfer.backend.engine.engine_config import EngineConfig
-from edgeinfer.backend.engine.speculative import SPECULATIVE
+from edgeinfer.backend.engine.spec.policy import SPECULATIVE
 from edgeinfer.protocol.defaults import (
     CACHE_SEED,
     CACHE_SEED_ENV,
@@ -85,7 +85,7 @@ class BackendConfig:
     log_format: str           # text | json (telemetry/observability.py)
     advertise_url: str | None  # registered URL (default http://host:port)
     otlp_endpoint: str | None  # OpenTelemetry collector (OTLP/HTTP); else OTEL_EXPORTER_OTLP_ENDPOINT; else no traces
-    speculative: str          # ngram | off (backend/engine/speculative.py)
+    speculative: str          # ngram | off (backend/engine/spec/)
     spec_tokens: int
     spec_max_batch: int
     no_grammar_fast_forward: bool

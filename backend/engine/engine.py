@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from edgeinfer.backend.engine import speculative
 from edgeinfer.backend.engine.backlog import Backlog
 from edgeinfer.backend.engine.block_manager import BlockManager
 from edgeinfer.backend.engine.engine_config import EngineConfig
@@ -32,6 +31,7 @@ from edgeinfer.backend.engine.sampler import (
     sample,
 )
 from edgeinfer.backend.engine.sequence import SeqStatus, Sequence
+from edgeinfer.backend.engine.spec.driver import SpecDriver
 from edgeinfer.backend.engine.step_cost import StepCost
 from edgeinfer.backend.engine.stop import StopChecker
 from edgeinfer.backend.engine.streaming import Keepalive
@@ -84,9 +84,8 @@ class LLMEngine:
                              "DeepSeek-V3 / Kimi K2 / GLM-4.5 class; one process, not tensor-parallel): "
                              f"{model.cfg.architecture} here has num_nextn_predict_layers="
                              f"{model.cfg.num_nextn_predict_layers}; use 'ngram' or 'off'")
-        self.spec_drafted = 0          # draft tokens verified (speculative decoding)
-        self.spec_accepted = 0         # of those, accepted
-        self.spec_steps = 0            # verify chunks run
+        self.speculation = SpecDriver(self.spec, self.blocks, self.scheduler, self.cfg.max_num_batched_tokens,
+                                      lambda: self.step_cost.coef, self.runner.mtp)   # backend/engine/spec/
         self.fast_forwarded = 0        # tokens a grammar forced, emitted without a model step each
         self.threads: ThreadGovernor | None = None   # set on the engine thread (torch's thread count is per thread)
 
@@ -365,8 +364,7 @@ class LLMEngine:
         for seq in batch.out_of_room:
             assert seq.stop_checker is not None   # set in _make_seq
             self._finish(seq, "length", text=seq.stop_checker.flush())
-        if self.spec.method != "off" and batch.decodes:
-            self._draft(batch)
+        self.speculation.draft(batch, self.steps)
         if self.integrity is not None and not batch.empty:
             self._check_pages(batch)
         if batch.empty:
@@ -375,7 +373,7 @@ class LLMEngine:
         seqs, logits = out.seqs, out.logits
         for s, start, rows in out.prompt_logits:
             self._prompt_logprobs(s, start, rows)
-        verified = [self._verify(s, d, rows) for (s, d), rows in zip(batch.verifies, out.verify_logits)]
+        verified = self.speculation.accept(batch, out.verify_logits, self.steps)
         pending = {id(s): d[:s.num_computed_tokens - s.num_tokens] for (s, d) in batch.verifies}   # accepted drafts
         sealed: list[int] = []
         for s in [*batch.decodes, *(s for s, _ in batch.prefills), *(s for s, _ in batch.verifies)]:
@@ -401,8 +399,7 @@ class LLMEngine:
                 if seq.status == SeqStatus.FINISHED:
                     break
                 self._take(seq, (tok, None), now)
-        if self.runner.mtp_kv is not None:
-            self._mtp_drafts(batch, out.step_rows)
+        self.speculation.after_step(batch, out.step_rows)
         self.steps += 1
         dt = time.monotonic() - t0
         prefill = sum(n for _, n in batch.prefills)
@@ -433,65 +430,6 @@ class LLMEngine:
         else:
             tops = [[] for _ in chosen]
         lps += [TokenLogprob(t, c, top) for t, c, top in zip(targets.tolist(), chosen, tops)]
-
-    def _draft(self, batch) -> None:
-        """Speculative decoding (backend/engine/speculative.py): decodes with an n-gram draft become verify chunks of
-        the draft tokens that pay (speculative.plan), while the step's decoding sequences are at most
-        spec.max_batch and the draft's pages fit (no preemption for a draft). The drafts' tokens come out of what
-        is left of the step's token budget."""
-        if len(batch.decodes) > self.spec.max_batch:
-            return
-        prefill = sum(n for _, n in batch.prefills)
-        room = self.cfg.max_num_batched_tokens - len(batch.decodes) - prefill
-        drafts = [(seq, d) for seq in batch.decodes if speculative.eligible(seq)
-                  for d in [speculative.draft_for(seq, self.spec)] if d]
-        if not drafts or room <= 0:
-            return
-        ks = speculative.plan(drafts, self.spec, self.steps, len(batch.decodes), prefill, self.step_cost.coef)
-        chosen: dict[int, list[int]] = {}
-        for (seq, d), k in zip(drafts, ks):
-            k = min(k, room)
-            if k > 0 and self.blocks.ensure_capacity(seq, seq.num_computed_tokens + 1 + k):
-                chosen[id(seq)] = d[:k]
-                room -= k
-        if chosen:
-            batch.verifies = [(s, chosen[id(s)]) for s in batch.decodes if id(s) in chosen]
-            batch.decodes = [s for s in batch.decodes if id(s) not in chosen]
-
-    def _mtp_drafts(self, batch, step_rows: dict[int, tuple[int, int, int]]) -> None:
-        """Speculative 'mtp' (backend/model/mtp.py): the MTP layer runs over the positions this step computed and
-        counted (a verify: up to its last accepted token), each paired with the token after it, which stores its KV
-        there; its prediction at a sequence's last position is that sequence's draft for the next step."""
-        items = []
-        for s in [*batch.decodes, *(s for s, _ in batch.prefills), *(s for s, _ in batch.verifies)]:
-            if s.status == SeqStatus.FINISHED or not speculative.eligible(s):
-                continue
-            p0 = step_rows[id(s)][1]
-            n = min(s.num_computed_tokens, len(s.all_ids) - 1) - p0
-            if n > 0:
-                items.append((s, n))
-        if not items:
-            return
-        drafts = self.runner.mtp_step(items).argmax(-1).tolist()
-        for (s, _), d in zip(items, drafts):
-            if s.num_computed_tokens == s.num_tokens - 1:    # decoding next: the draft follows its last token
-                speculative.set_mtp_draft(s, self.spec, [d])
-
-    def _verify(self, seq: Sequence, draft: list[int], rows) -> list[int] | SamplingError:
-        """The tokens a verify chunk emits; its KV counts up to the last accepted draft token."""
-        try:
-            out, accepted = speculative.verify(seq, draft, rows)
-        except SamplingError as e:
-            seq.num_computed_tokens += 1
-            return e
-        seq.num_computed_tokens += 1 + accepted
-        if accepted:
-            self.scheduler.charge_extra(seq, accepted)
-        self.spec_steps += 1
-        self.spec_drafted += len(draft)
-        self.spec_accepted += accepted
-        speculative.record(seq, len(draft), accepted, self.steps)
-        return out
 
     def _check_pages(self, batch) -> None:
         """Before the forward pass: a scheduled sequence whose table names a page it does not hold gives back the

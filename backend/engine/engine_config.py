@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from edgeinfer.backend.engine.kv_pool import KVFormat
-from edgeinfer.backend.engine.speculative import SpecPolicy
+from edgeinfer.backend.engine.spec.policy import SpecPolicy
 from edgeinfer.protocol.defaults import CACHE_SEED, PAGE_SIZE
 
 
@@ -40,7 +40,7 @@ class EngineConfig:
                                             # and frees; sealed pages checksummed (backend/engine/kv_integrity.py)
     kv_verify_fraction: float = 1.0         # of the sealed pages a prefix hit takes, the fraction whose checksum is
                                             # verified (0: none; needs kv_integrity)
-    speculative: str = "ngram"              # ngram (prompt lookup drafts, adaptive) | off (backend/engine/speculative.py)
+    speculative: str = "ngram"              # ngram (prompt lookup drafts, adaptive) | off (backend/engine/spec/)
     spec_tokens: int = 4                    # the most draft tokens of a sequence per verify step
     spec_max_batch: int = 64                # no drafts in a step with more decoding sequences than this
     spec_adaptive: bool = True              # draft tokens only where they raise tokens/s (speculative.plan)

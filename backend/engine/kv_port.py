@@ -166,7 +166,8 @@ class EngineKVPort:
         body = buf if len(rows) == len(pages) else buf[rows]
         try:
             self.engine.runner.page_io.write(taken, body)
-            self.engine.runner.clear_mtp(taken)
+            if self.engine.runner.mtp is not None:
+                self.engine.runner.mtp.clear(taken)
         except BaseException:
             for h in hs:
                 blocks.drop_cached(h)

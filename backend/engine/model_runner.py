@@ -13,6 +13,7 @@ from edgeinfer.backend.engine.engine_config import EngineConfig
 from edgeinfer.backend.engine.kv_pool import KVFormat, allocate_pool
 from edgeinfer.backend.engine.scheduler import ScheduledBatch
 from edgeinfer.backend.engine.sequence import Sequence
+from edgeinfer.backend.engine.spec.mtp import MTPRunner
 from edgeinfer.backend.model.batch import AttentionMetadata, LayerKV
 from edgeinfer.backend.model.paged import PagedModel
 
@@ -47,15 +48,14 @@ class ModelRunner:
                              f"tokens is {per_page} bytes in {self.kv_format.ident}")
         self.num_pages = cfg.num_pages or cfg.kv_cache_bytes // per_page
         self.kv: list[LayerKV] = allocate_pool(self.kv_format, self.num_pages, cfg.page_size, c, model.device)
-        self.mtp_kv: LayerKV | None = None
-        if model.mtp is not None:
-            one = dataclasses.replace(c, num_layers=1)
-            self.mtp_kv = allocate_pool(self.kv_format, self.num_pages, cfg.page_size, one, model.device)[0]
-        self.step_hidden: torch.Tensor | None = None   # MTP: the last step's hidden states, every row
-        self.step_rows: dict[int, tuple[int, int, int]] = {}   # MTP: id(seq) -> (first row, first position, rows)
         self.page_io = model.page_io(self.kv)   # page bodies in and out (a tensor-parallel node's span its ranks)
         max_len = min(cfg.max_model_len or c.max_position_embeddings, c.max_position_embeddings)
         self.tables = BlockTables(cfg.max_num_seqs, -(-max_len // cfg.page_size))   # kept by the BlockManager
+        self.mtp: MTPRunner | None = None   # the MTP layer and its KV (speculative 'mtp'): backend/engine/spec/mtp.py
+        if model.mtp is not None:
+            one = dataclasses.replace(c, num_layers=1)
+            mtp_kv = allocate_pool(self.kv_format, self.num_pages, cfg.page_size, one, model.device)[0]
+            self.mtp = MTPRunner(model, mtp_kv, self.tables, cfg.page_size)
         self._stage = np.zeros((4, cfg.max_num_batched_tokens + cfg.max_num_seqs), dtype=np.int64)   # reused
         self.graphs = decode_graphs_for(model, self.kv, cfg.cuda_graphs, cfg.max_num_seqs, self.tables.array.shape[1])
 
@@ -93,7 +93,7 @@ class ModelRunner:
     @staticmethod
     def decode_rows(batch: ScheduledBatch) -> tuple[list[Sequence], list[int], list[int]]:
         """(sequence, position, token) of every decode row: one per decoding sequence, then k+1 per verify chunk
-        (the last token and the draft: backend/engine/speculative.py)."""
+        (the last token and the draft: backend/engine/spec/)."""
         seqs = list(batch.decodes)
         pos = [s.num_computed_tokens for s in batch.decodes]
         ids = [s.last_token_id for s in batch.decodes]
@@ -112,7 +112,7 @@ class ModelRunner:
         nd0 = len(batch.decodes)                 # decode rows of decoding sequences; verify rows follow them
         nd = nd0 + sum(len(d) + 1 for _, d in batch.verifies)
         out = RunnerOutput([], torch.empty(0))
-        if self.graphs is not None and not batch.prefills and not batch.verifies and self.mtp_kv is None:
+        if self.graphs is not None and not batch.prefills and not batch.verifies and self.mtp is None:
             logits = self.graphs.run(stage, dec_tables)
             if logits is not None:
                 for s in batch.decodes:
@@ -154,9 +154,8 @@ class ModelRunner:
                     wanted.append((s, start, last - start))
                     rows += range(nd + cu[j], nd + cu[j] + last - start)
         hidden = self.model(ids, pos, self.kv, meta)
-        if self.mtp_kv is not None:
-            self._keep_rows(batch, hidden, cu, nd0, nd)
-            out.step_rows = self.step_rows
+        if self.mtp is not None:
+            out.step_rows = self.mtp.keep_rows(batch, hidden, cu, nd0, nd)
         for s in batch.decodes:
             s.num_computed_tokens += 1
         for s, n in batch.prefills:
@@ -175,66 +174,6 @@ class ModelRunner:
             at += count
         out.seqs, out.logits = need, logits[:len(need)]
         return out
-
-    # ---- the MTP draft layer (speculative 'mtp', backend/model/mtp.py)
-    def _keep_rows(self, batch: ScheduledBatch, hidden: torch.Tensor, cu: list[int], nd0: int, nd: int) -> None:
-        """Where each sequence's rows of this step are in `hidden` (before num_computed_tokens advances)."""
-        self.step_hidden = hidden
-        rows = self.step_rows = {}
-        for i, s in enumerate(batch.decodes):
-            rows[id(s)] = (i, s.num_computed_tokens, 1)
-        at = nd0
-        for s, d in batch.verifies:
-            rows[id(s)] = (at, s.num_computed_tokens, len(d) + 1)
-            at += len(d) + 1
-        for j, (s, n) in enumerate(batch.prefills):
-            rows[id(s)] = (nd + cu[j], s.num_computed_tokens, n)
-
-    def mtp_step(self, items: list[tuple[Sequence, int]]) -> torch.Tensor:
-        """Run the MTP layer over the rows the last step computed for each (sequence, rows) item (rows: how many of
-        its step rows count, from the first: a verify's accepted ones), pairing the hidden state at position i with
-        the token at i + 1 (the sequence's ids must reach it); store its KV there. Returns the MTP logits at each
-        item's last row [len(items), vocab] (a draft for the token after the sequence's last)."""
-        assert self.model.mtp is not None and self.mtp_kv is not None and self.step_hidden is not None
-        p, dev = self.cfg.page_size, self.model.device
-        rows: list[int] = []
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        cu = [0]
-        for s, n in items:
-            r0, p0, _ = self.step_rows[id(s)]
-            rows += range(r0, r0 + n)
-            ids += s.all_ids[p0 + 1:p0 + n + 1]
-            pos += range(p0, p0 + n)
-            slots += [s.block_table[j // p] * p + j % p for j in range(p0, p0 + n)]
-            cu.append(cu[-1] + n)
-        seqs = [s for s, _ in items]
-        width = max(-(-(self.step_rows[id(s)][1] + n) // p) for s, n in items)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev), num_decode=0,
-            decode_block_tables=torch.zeros((0, 1), dtype=torch.int32, device=dev),
-            decode_context_lens=torch.zeros(0, dtype=torch.int32, device=dev),
-            prefill_block_tables=torch.from_numpy(self.tables.gather(seqs, width)).to(dev),
-            prefill_cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-            prefill_context_lens=torch.tensor([self.step_rows[id(s)][1] + n for s, n in items], dtype=torch.int32,
-                                              device=dev),
-            prefill_max_seqlen_q=max(n for _, n in items))
-        hidden = self.step_hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=dev))
-        with torch.inference_mode():
-            y = self.model.mtp(self.model, torch.tensor(ids, dtype=torch.long, device=dev),
-                               torch.tensor(pos, dtype=torch.long, device=dev), hidden, self.mtp_kv, meta)
-            last = torch.tensor([c - 1 for c in cu[1:]], dtype=torch.long, device=dev)
-            return self.model.mtp.logits(self.model, y.index_select(0, last)).cpu()
-
-    def clear_mtp(self, pages: list[int]) -> None:
-        """Zero the MTP rows of pages written from outside the pool (their bodies carry the main layers only)."""
-        if self.mtp_kv is None or not pages:
-            return
-        idx = torch.tensor(pages, dtype=torch.long, device=self.mtp_kv.k.device)
-        for t in (self.mtp_kv.k, self.mtp_kv.v):
-            if t is not None:
-                t.view(torch.uint8).index_fill_(0, idx, 0)
 
     # ---- page movement (for the page store)
     def read_page(self, page: int) -> list[torch.Tensor]:

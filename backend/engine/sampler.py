@@ -62,7 +62,7 @@ def _apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
     return logits.clamp_(-_F32_MAX, _F32_MAX)
 
 
-def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
     """Each filter keeps at least the top token."""
     if top_k and top_k < logits.shape[0]:
         kth = torch.topk(logits, top_k).values[-1]
@@ -80,7 +80,7 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> tor
     return logits
 
 
-def _check_row(raw: torch.Tensor, seq: Sequence) -> None:
+def check_row(raw: torch.Tensor, seq: Sequence) -> None:
     """-inf marks an impossible token; NaN, +inf or nothing finite cannot be sampled."""
     if bool(torch.isfinite(raw).all()):
         return
@@ -91,7 +91,7 @@ def _check_row(raw: torch.Tensor, seq: Sequence) -> None:
 
 def _sample_one(seq: Sequence, raw: torch.Tensor) -> int:
     sp = seq.sampling
-    _check_row(raw, seq)
+    check_row(raw, seq)
     row = raw
     if _has_penalty(seq):
         row = _apply_penalties(raw.clone(), seq)
@@ -100,7 +100,7 @@ def _sample_one(seq: Sequence, raw: torch.Tensor) -> int:
     if is_greedy(sp):
         return int(row.argmax())
     scaled = (row - row.max()) / min(sp.temperature, HOTTEST)   # in [-inf, 0], 0 at the top token: no NaN
-    probs = _filter(scaled, sp.top_k, sp.top_p, sp.min_p).softmax(-1)
+    probs = filter_logits(scaled, sp.top_k, sp.top_p, sp.min_p).softmax(-1)
     if not bool(torch.isfinite(probs).all()):
         raise SamplingError(f"request {seq.request_id}: probabilities are not finite (temperature="
                             f"{sp.temperature}, top_p={sp.top_p}, top_k={sp.top_k}, min_p={sp.min_p}, "
@@ -151,7 +151,7 @@ def sample(seqs: list[Sequence], logits: torch.Tensor, grammars: GrammarCompiler
             if i in greedy:
                 tok = greedy[i]
                 if i in odd:
-                    _check_row(raw, seq)
+                    check_row(raw, seq)
             else:
                 tok = _sample_one(seq, raw)
             out.append((tok, _logprob(seq, raw, tok)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from edgeinfer.protocol.page_id import PageKeyContext, hash_page, page_hashes
 from edgeinfer.protocol.wire import SamplingParams, TenantSpec
@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     import torch
     from llguidance import LLMatcher
 
+    from edgeinfer.backend.engine.spec.state import SpecState
     from edgeinfer.backend.engine.stop import StopChecker
 
 
@@ -69,7 +70,7 @@ class Sequence:
         # SamplingParams.prompt_logprobs: one entry per prompt token computed so far (the first None); sent whole
         # with the first chunk (then None)
         self.prompt_lps: list | None = [None] if sampling.prompt_logprobs is not None else None
-        self.spec: Any = None                               # speculative.SpecState once it has drafted
+        self.spec: SpecState | None = None                  # once it has drafted (backend/engine/spec/)
 
     @property
     def all_ids(self) -> list[int]:

@@ -1,6 +1,6 @@
 """The multi-token-prediction (MTP, "NextN") layer that DeepSeek-V3 / Kimi K2 and GLM-4.5/4.6 checkpoints ship after
 their decoder layers (`num_nextn_predict_layers` = 1: tensors `model.layers.<num_hidden_layers>.*`), used as the
-draft model of speculative decoding (backend/engine/speculative.py, `--speculative mtp`).
+draft model of speculative decoding (backend/engine/spec/, `--speculative mtp`).
 
 At position i it combines the main model's final hidden state h_i (after the final norm: what vLLM and SGLang hand
 their MTP modules) with the embedding of the token at i + 1 and predicts the token at i + 2 (DeepSeek-V3 report,

@@ -41,8 +41,9 @@ def _decode(model, prompts: list[list[int]], tokens: int, **cfg) -> dict:
     eng = LLMEngine(model, None, EngineConfig(kv_dtype="fp32", num_pages=len(prompts) * 16 + 16,
                                               max_num_seqs=len(prompts), **cfg))
     mtp_s = [0.0]
-    if eng.runner.mtp_kv is not None:
-        step = eng.runner.mtp_step
+    if eng.runner.mtp is not None:
+        runner = eng.runner.mtp
+        step = runner.step
 
         def timed(items):
             t = time.perf_counter()
@@ -50,7 +51,7 @@ def _decode(model, prompts: list[list[int]], tokens: int, **cfg) -> dict:
             mtp_s[0] += time.perf_counter() - t
             return out
 
-        eng.runner.mtp_step = timed
+        runner.step = timed  # type: ignore[method-assign]
     s = Stepper(eng)
     for i, p in enumerate(prompts):
         s.add(f"r{i}", p, tokens)
@@ -62,7 +63,7 @@ def _decode(model, prompts: list[list[int]], tokens: int, **cfg) -> dict:
     dt = time.perf_counter() - t0
     emitted = sum(len(s.tokens[f"r{i}"]) - 1 for i in range(len(prompts)))
     return {"tok_s": emitted / dt, "steps": eng.steps - steps0, "emitted": emitted, "step_s": dt / (eng.steps - steps0),
-            "drafted": eng.spec_drafted, "accepted": eng.spec_accepted, "mtp_share": mtp_s[0] / dt,
+            "drafted": eng.speculation.stats.drafted, "accepted": eng.speculation.stats.accepted, "mtp_share": mtp_s[0] / dt,
             "tokens": [s.tokens[f"r{i}"] for i in range(len(prompts))]}
 
 

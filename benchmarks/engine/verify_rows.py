@@ -1,5 +1,5 @@
 """What a draft token costs: the step time of B decoding sequences each verifying k draft tokens (k+1 decode rows
-each: backend/engine/speculative.py), on the default model as served (INT4, fp8 KV), on the caller's thread.
+each: backend/engine/spec/), on the default model as served (INT4, fp8 KV), on the caller's thread.
 
 For B in --levels and k in --drafts, `ModelRunner.execute` of a batch whose every sequence carries a k-token verify
 chunk (k = 0: a plain decode step) is timed --reps times at a context of --prompt-len tokens; medians. Reported:

@@ -79,14 +79,14 @@ async def test_sampling_failure_of_one_sequence_ends_only_it(smol_model, smol_to
     sampled request reaches) is that request's error; the greedy victims are untouched."""
     from edgeinfer.backend.engine import sampler
 
-    real = sampler._filter
+    real = sampler.filter_logits
 
     def broken(logits, top_k, *a):
         if top_k == 13:
             raise RuntimeError("injected sampling fault")
         return real(logits, top_k, *a)
 
-    monkeypatch.setattr(sampler, "_filter", broken)
+    monkeypatch.setattr(sampler, "filter_logits", broken)
     eng = make_engine(smol_model, smol_tokenizer)
     try:
         res, (toks, last) = await victims_with(eng, lambda: run(eng, [1, 2, 3], max_tokens=8, top_k=13))

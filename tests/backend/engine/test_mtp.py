@@ -46,14 +46,15 @@ def echo(request, tmp_path_factory):
 def run(model, prompts: list[list[int]], max_tokens: int, record: list | None = None, **cfg):
     eng = engine(model, kv_dtype="fp32", num_pages=64, **cfg)
     if record is not None:
-        step = eng.runner.mtp_step
+        assert eng.runner.mtp is not None
+        step = eng.runner.mtp.step
 
         def recording(items):
             logits = step(items)
-            record.append(([(list(s.all_ids), eng.runner.step_rows[id(s)][1], n) for s, n in items], logits))
+            record.append(([(list(s.all_ids), eng.runner.mtp.step_rows[id(s)][1], n) for s, n in items], logits))
             return logits
 
-        eng.runner.mtp_step = recording
+        eng.runner.mtp.step = recording  # type: ignore[method-assign]
     s = Stepper(eng)
     for i, p in enumerate(prompts):
         s.add(f"r{i}", p, max_tokens)
@@ -74,9 +75,9 @@ def _check_against_the_reference(kind, hf, mtp, m, accepted: bool) -> None:
     record: list = []
     prompts = [prompt(s, 20 + 9 * s) for s in range(3)]
     _, eng = run(m, prompts, 20, record, speculative="mtp", spec_adaptive=False, max_num_batched_tokens=32)
-    assert eng.spec_drafted > 0
+    assert eng.speculation.stats.drafted > 0
     if accepted:
-        assert eng.spec_accepted > 0          # verify steps whose accepted rows fed the MTP layer
+        assert eng.speculation.stats.accepted > 0          # verify steps whose accepted rows fed the MTP layer
     chunked = any(len(ids) > p0 + n + 1 for items, _ in record for ids, p0, n in items)
     assert chunked                            # a prefill chunk that was not the prompt's last (max_num_batched_tokens)
     checked = 0
@@ -95,7 +96,7 @@ def test_greedy_output_with_mtp_drafts_is_exactly_the_plain_output(echo, n_seqs)
     plain, _ = run(plain_model, prompts, 40, speculative="off")
     spec, eng = run(m, prompts, 40, speculative="mtp", spec_adaptive=False)
     assert spec == plain
-    assert 0 < eng.spec_accepted < eng.spec_drafted, (kind, eng.spec_accepted, eng.spec_drafted)
+    assert 0 < eng.speculation.stats.accepted < eng.speculation.stats.drafted, (kind, eng.speculation.stats.accepted, eng.speculation.stats.drafted)
 
 
 def test_adaptive_mtp_drafting_keeps_greedy_output(ckpt):
@@ -103,7 +104,7 @@ def test_adaptive_mtp_drafting_keeps_greedy_output(ckpt):
     prompts = [prompt(30 + s, 24) for s in range(4)]
     plain, _ = run(plain_model, prompts, 24, speculative="off")
     spec, eng = run(m, prompts, 24, speculative="mtp")
-    assert spec == plain and eng.spec_drafted > 0      # the MTP prior (0.8) drafts from the first decode step
+    assert spec == plain and eng.speculation.stats.drafted > 0      # the MTP prior (0.8) drafts from the first decode step
 
 
 def _chi2_ok(counts: torch.Tensor, probs: torch.Tensor, draws: int) -> bool:
@@ -115,7 +116,7 @@ def test_sampled_output_with_mtp_drafts_keeps_the_model_distribution(echo):
     """4,000 unseeded sampled requests (temperature 0.2) of 3 tokens from one prompt, MTP drafts on: the second and
     third tokens (emitted by verify steps: accepted drafts and residual samples) follow the model's own
     distributions given the tokens before them."""
-    from edgeinfer.backend.engine.speculative import _probs
+    from edgeinfer.backend.engine.spec.verify import target_probs as _probs
 
     kind, _, _, m, _ = echo
     p = prompt(77, 20)
@@ -133,7 +134,7 @@ def test_sampled_output_with_mtp_drafts_keeps_the_model_distribution(echo):
         eng.scheduler.add(seq)
     Stepper(eng).run()
     assert all(len(t) == 3 for t in outs.values())
-    assert 0 < eng.spec_accepted < eng.spec_drafted, (eng.spec_accepted, eng.spec_drafted)
+    assert 0 < eng.speculation.stats.accepted < eng.speculation.stats.drafted, (eng.speculation.stats.accepted, eng.speculation.stats.drafted)
 
     class Seq:
         sampling, request_id = sp, "ref"
@@ -177,11 +178,11 @@ def test_pages_written_from_outside_arrive_with_zeroed_mtp_rows(ckpt):
     _, _, _, m, _ = ckpt
     eng = engine(m, kv_dtype="fp32", num_pages=16, speculative="mtp")
     r = eng.runner
-    assert r.mtp_kv is not None and r.mtp_kv.k.shape[0] == r.num_pages
-    r.mtp_kv.k[3].fill_(1.0)
-    r.mtp_kv.k[5].fill_(1.0)
-    r.clear_mtp([3])
-    assert float(r.mtp_kv.k[3].abs().sum()) == 0 and float(r.mtp_kv.k[5].abs().min()) == 1.0
+    assert r.mtp is not None and r.mtp.kv.k.shape[0] == r.num_pages
+    r.mtp.kv.k[3].fill_(1.0)
+    r.mtp.kv.k[5].fill_(1.0)
+    r.mtp.clear([3])
+    assert float(r.mtp.kv.k[3].abs().sum()) == 0 and float(r.mtp.kv.k[5].abs().min()) == 1.0
 
 
 @pytest.mark.parametrize("quant", ["F32", "Q4_0"])
@@ -207,4 +208,4 @@ def test_a_glm4moe_gguf_with_its_nextn_layer_drafts_as_the_safetensors_checkpoin
     prompts = [prompt(19 + s, 16) for s in range(2)]
     plain, _ = run(load_model(dst, prepack=False), prompts, 16, speculative="off")
     spec, eng = run(m, prompts, 16, speculative="mtp", spec_adaptive=False)
-    assert spec == plain and eng.spec_drafted > 0
+    assert spec == plain and eng.speculation.stats.drafted > 0

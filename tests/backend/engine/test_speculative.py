@@ -1,4 +1,4 @@
-"""Speculative decoding (backend/engine/speculative.py) on a tiny random Llama (transformers' classes, safetensors),
+"""Speculative decoding (backend/engine/spec/) on a tiny random Llama (transformers' classes, safetensors),
 fp32 KV, driven step by step.
 
 - greedy: the output with n-gram drafts is exactly the output without them, for sequences decoding together and
@@ -15,7 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edgeinfer.backend.engine.speculative import NgramIndex, SpecPolicy, eligible, verify
+from edgeinfer.backend.engine.spec.policy import SpecPolicy, eligible
+from edgeinfer.backend.engine.spec.state import NgramIndex
+from edgeinfer.backend.engine.spec.verify import verify
 from edgeinfer.backend.metrics import BackendMetrics
 from edgeinfer.backend.model.loader import load_model
 from edgeinfer.protocol.wire import SamplingParams
@@ -60,7 +62,7 @@ def test_greedy_output_is_exactly_the_plain_output(tiny, n_seqs):
     plain, _ = run(tiny, prompts, 40, speculative="off")
     spec, eng = run(tiny, prompts, 40, speculative="ngram", spec_adaptive=False)
     assert spec == plain
-    assert eng.spec_drafted > 0 and 0 < eng.spec_accepted < eng.spec_drafted   # accepted and rejected drafts
+    assert eng.speculation.stats.drafted > 0 and 0 < eng.speculation.stats.accepted < eng.speculation.stats.drafted   # accepted and rejected drafts
 
 
 def test_sealed_pages_hold_only_accepted_tokens(tiny):
@@ -86,16 +88,16 @@ def test_no_drafts_above_max_batch_or_for_logprobs(tiny):
                  max_num_batched_tokens=512)
     _, eng2 = run(tiny, prompts, 20, speculative="ngram", spec_max_batch=3, spec_adaptive=False,
                   max_num_batched_tokens=512)
-    assert eng.spec_drafted == 0 and eng2.spec_drafted > 0
+    assert eng.speculation.stats.drafted == 0 and eng2.speculation.stats.drafted > 0
     s = Stepper(engine(tiny, kv_dtype="fp32", num_pages=64, spec_adaptive=False))
     seq = s.add("lp", copy_prompt(1), 20, logprobs=True)
     assert not eligible(seq)
     s.run()
-    assert s.eng.spec_drafted == 0 and len(s.lps["lp"]) == 20
+    assert s.eng.speculation.stats.drafted == 0 and len(s.lps["lp"]) == 20
 
 
 def _seq_with(acceptance: float, last_verify: int = 100):
-    from edgeinfer.backend.engine.speculative import SpecState
+    from edgeinfer.backend.engine.spec.state import SpecState
 
     class S:
         spec = SpecState(NgramIndex(2, 4), accepted=acceptance * 10, tried=10.0, last_verify=last_verify)
@@ -103,7 +105,7 @@ def _seq_with(acceptance: float, last_verify: int = 100):
 
 
 def test_plan_places_draft_tokens_only_where_they_raise_tokens_per_second():
-    from edgeinfer.backend.engine.speculative import plan
+    from edgeinfer.backend.engine.spec.policy import plan
 
     policy = SpecPolicy(num_tokens=8, margin=1.0)    # the bare rule: a draft token must raise tokens/s at all
     d = list(range(8))
@@ -130,8 +132,8 @@ def test_adaptive_drafting_costs_fewer_rows_than_drafting_everything(tiny):
     plain, _ = run(tiny, [copy_prompt(3), prompt(50, 60)], 60, speculative="off")
     got, adaptive = run(tiny, [copy_prompt(3), prompt(50, 60)], 60, speculative="ngram")
     assert got == plain
-    assert adaptive.spec_drafted < eager.spec_drafted
-    assert adaptive.spec_accepted / max(adaptive.spec_drafted, 1) >= eager.spec_accepted / eager.spec_drafted
+    assert adaptive.speculation.stats.drafted < eager.speculation.stats.drafted
+    assert adaptive.speculation.stats.accepted / max(adaptive.speculation.stats.drafted, 1) >= eager.speculation.stats.accepted / eager.speculation.stats.drafted
 
 
 def test_the_counters_reach_the_metrics(tiny):
@@ -140,8 +142,8 @@ def test_the_counters_reach_the_metrics(tiny):
     m = BackendMetrics("tiny")
     m.on_step(eng, None, 0.0)
     text = m.render(False).decode()
-    assert f'edgeinfer_backend_spec_drafted_tokens_total{{model="tiny"}} {float(eng.spec_drafted)}' in text
-    assert f'edgeinfer_backend_spec_accepted_tokens_total{{model="tiny"}} {float(eng.spec_accepted)}' in text
+    assert f'edgeinfer_backend_spec_drafted_tokens_total{{model="tiny"}} {float(eng.speculation.stats.drafted)}' in text
+    assert f'edgeinfer_backend_spec_accepted_tokens_total{{model="tiny"}} {float(eng.speculation.stats.accepted)}' in text
 
 
 def test_bad_settings_are_named():
@@ -181,7 +183,7 @@ def test_rejection_sampling_keeps_the_target_distribution(tiny, sp):
     """Logits rows from the tiny model (flat: its top token has ~1 % at temperature 1, hence the low temperatures);
     the draft is the second most likely token at row 0 and the most likely at row 1, so both branches (accept,
     reject + residual) are taken often."""
-    from edgeinfer.backend.engine.speculative import _probs
+    from edgeinfer.backend.engine.spec.verify import target_probs as _probs
 
     eng = engine(tiny, kv_dtype="fp32", num_pages=16)
     s = Stepper(eng)

@@ -39,17 +39,9 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-import torch
-
-from edgeinfer.backend.engine.sampler import (
-    GREEDY_BELOW,
-    HOTTEST,
-    SamplingError,
-    _check_row,
-    _filter,
-    is_greedy,
-)
+from edgeinfer.backend.engine.sampler import is_greedy
 from edgeinfer.backend.engine.sequence import Sequence
+from edgeinfer.backend.engine.spec.state import NgramIndex, SpecState
 
 SPECULATIVE = ("ngram", "mtp", "off")
 
@@ -79,47 +71,6 @@ class SpecPolicy:
             raise ValueError(f"min_ngram={self.min_ngram!r}, max_ngram={self.max_ngram!r}: expected 1 <= min <= max")
 
 
-class NgramIndex:
-    """One sequence's n-grams (min_ngram..max_ngram) -> the end position of their latest occurrence."""
-
-    def __init__(self, lo: int, hi: int) -> None:
-        self.lo, self.hi = lo, hi
-        self.last: dict[tuple[int, ...], int] = {}
-        self.indexed = 0          # tokens of the sequence seen so far
-
-    def update(self, ids: list[int]) -> None:
-        """Index the n-grams ending at positions indexed..len(ids)-2 (the one ending at the last token is the
-        query, indexed on the next update so that a proposal never matches itself)."""
-        for end in range(max(self.indexed, 1), len(ids)):
-            for n in range(self.lo, self.hi + 1):
-                if end - n >= 0:
-                    self.last[tuple(ids[end - n:end])] = end      # the n-gram ids[end-n:end]; continuation at end
-        self.indexed = len(ids)
-
-    def propose(self, ids: list[int], k: int) -> list[int]:
-        for n in range(self.hi, self.lo - 1, -1):
-            if len(ids) < n:
-                continue
-            end = self.last.get(tuple(ids[len(ids) - n:]))
-            if end is not None:
-                return ids[end:end + k]
-        return []
-
-
-@dataclass
-class SpecState:
-    """A sequence's speculation state (seq.spec)."""
-    index: NgramIndex | None      # ngram drafts
-    accepted: float = 1.0        # decayed count of accepted draft tokens (prior: 1 of 2)
-    tried: float = 2.0           # decayed count of draft tokens decided (accepted, or the first rejected)
-    last_verify: int = 0         # engine step of its last verify
-    mtp: tuple[int, list[int]] | None = None   # the MTP layer's draft and the sequence length it follows
-
-    @property
-    def acceptance(self) -> float:
-        return self.accepted / self.tried
-
-
 def eligible(seq: Sequence) -> bool:
     """Plain sampling only; and not a seeded sampled request: whether a step verifies a draft depends on the batch
     and the machine's step costs, and a verify draws its random numbers differently, so the same seed would not
@@ -129,33 +80,13 @@ def eligible(seq: Sequence) -> bool:
             and not sp.presence_penalty and not sp.frequency_penalty and (sp.seed is None or is_greedy(sp)))
 
 
-def _state(seq: Sequence, policy: SpecPolicy) -> SpecState:
+def state_of(seq: Sequence, policy: SpecPolicy) -> SpecState:
     if seq.spec is None:
         if policy.method == "ngram":
             seq.spec = SpecState(NgramIndex(policy.min_ngram, policy.max_ngram))
         else:   # mtp: prior 0.8 (DeepSeek-V3's MTP accepts 85-90 %, its report), then this sequence's own rate
             seq.spec = SpecState(None, accepted=1.6)
     return seq.spec
-
-
-def set_mtp_draft(seq: Sequence, policy: SpecPolicy, draft: list[int]) -> None:
-    """The MTP layer's draft for the token after the sequence's current last one."""
-    _state(seq, policy).mtp = (seq.num_tokens, draft)
-
-
-def draft_for(seq: Sequence, policy: SpecPolicy) -> list[int]:
-    """Up to policy.num_tokens draft tokens (fewer near max_tokens: a verify emits up to k+1)."""
-    state = _state(seq, policy)
-    room = seq.max_new_tokens - len(seq.output_ids) - 1
-    if state.index is None:        # mtp: the draft made after the last step, if it follows the current last token
-        if state.mtp is None or state.mtp[0] != seq.num_tokens or room <= 0:
-            return []
-        return state.mtp[1][:min(policy.num_tokens, room)]
-    ids = seq.all_ids
-    state.index.update(ids)
-    if room <= 0:
-        return []
-    return state.index.propose(ids, min(policy.num_tokens, room))
 
 
 def plan(drafts: list[tuple[Sequence, list[int]]], policy: SpecPolicy, step: int, rows: int, prefill_tokens: int,
@@ -169,8 +100,10 @@ def plan(drafts: list[tuple[Sequence, list[int]]], policy: SpecPolicy, step: int
     time = max(fixed, 0.0) + per_row * rows + max(per_prefill, 0.0) * prefill_tokens
     tokens = float(rows)
     ks = [0] * len(drafts)
+    acceptance = [s.spec.acceptance if s.spec is not None else 0.5 for s, _ in drafts]
     heap: list[tuple[float, int]] = []
     for i, (seq, d) in enumerate(drafts):
+        assert seq.spec is not None
         a = seq.spec.acceptance
         if step - seq.spec.last_verify >= policy.retry_every:
             ks[i] = 1                       # explore: one token, whatever its estimate
@@ -189,55 +122,16 @@ def plan(drafts: list[tuple[Sequence, list[int]]], policy: SpecPolicy, step: int
         tokens += gain
         time += per_row
         if ks[i] < len(drafts[i][1]):
-            heapq.heappush(heap, (-gain * drafts[i][0].spec.acceptance, i))
+            heapq.heappush(heap, (-gain * acceptance[i], i))
     return ks
 
 
 def record(seq: Sequence, drafted: int, accepted: int, step: int) -> None:
-    state: SpecState = seq.spec
+    state = seq.spec
+    assert state is not None
     decided = accepted + (1 if accepted < drafted else 0)
     state.accepted = 0.8 * state.accepted + accepted
     state.tried = 0.8 * state.tried + decided
     state.last_verify = step
 
 
-def verify(seq: Sequence, draft: list[int], rows: torch.Tensor) -> tuple[list[int], int]:
-    """(tokens to emit, how many draft tokens were accepted) from the verify chunk's logits rows [k+1, vocab].
-    Raises SamplingError for a row that cannot be sampled (that sequence alone ends)."""
-    sp = seq.sampling
-    out: list[int] = []
-    if is_greedy(sp):
-        picks = rows.argmax(-1).tolist()
-        for i, d in enumerate(draft):
-            if picks[i] != d:
-                _check_row(rows[i], seq)
-                return [*out, picks[i]], i
-            out.append(d)
-        _check_row(rows[len(draft)], seq)
-        return [*out, picks[len(draft)]], len(draft)
-    for i, d in enumerate(draft):
-        probs = _probs(seq, rows[i])
-        p = float(probs[d])
-        if p > 0 and float(torch.rand((), generator=seq.generator)) < p:
-            out.append(d)
-            continue
-        probs[d] = 0.0
-        total = float(probs.sum())
-        if total <= 0:           # p(d) was 1 up to rounding: d is the only possible token
-            out.append(d)
-            continue
-        return [*out, int(torch.multinomial(probs / total, 1, generator=seq.generator))], i
-    probs = _probs(seq, rows[len(draft)])
-    return [*out, int(torch.multinomial(probs, 1, generator=seq.generator))], len(draft)
-
-
-def _probs(seq: Sequence, raw: torch.Tensor) -> torch.Tensor:
-    """The target distribution sampler._sample_one draws from (no penalties: eligible() excludes them)."""
-    sp = seq.sampling
-    _check_row(raw, seq)
-    assert sp.temperature >= GREEDY_BELOW
-    scaled = (raw - raw.max()) / min(sp.temperature, HOTTEST)
-    probs = _filter(scaled, sp.top_k, sp.top_p, sp.min_p).softmax(-1)
-    if not bool(torch.isfinite(probs).all()):
-        raise SamplingError(f"request {seq.request_id}: probabilities are not finite (temperature={sp.temperature})")
-    return probs.clone()
