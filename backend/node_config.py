@@ -121,135 +121,162 @@ class BackendConfig:
                             grammar_mask_budget_s=self.grammar_mask_budget_ms / 1e3)
 
 
-def parse_args(argv: list[str] | None) -> BackendConfig:
-    p = argparse.ArgumentParser(prog="edgeinfer backend", description="Run one inference backend node.")
-    p.add_argument("--model", default=None, help="HF checkpoint directory (default: SmolLM2-135M-Instruct, the GGUF's INT4 weights)")
-    p.add_argument("--model-name", default=None, help="name served to clients (default: directory name)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8100)
-    p.add_argument("--advertise-url", default=None,
+# the command line in groups, each adding its own arguments (--help lists them under these titles)
+def _server_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server", "the node's HTTP server and lifecycle")
+    g.add_argument("--model", default=None, help="HF checkpoint directory (default: SmolLM2-135M-Instruct, the GGUF's INT4 weights)")
+    g.add_argument("--model-name", default=None, help="name served to clients (default: directory name)")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8100)
+    g.add_argument("--advertise-url", default=None,
                    help="the URL other nodes and gateways reach this node at, as registered (default http://HOST:PORT; "
                         "set it when --host is 0.0.0.0, e.g. a pod's stable DNS name in a StatefulSet)")
-    p.add_argument("--node-id", default=None)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--tensor-parallel", type=int, default=1,
+    g.add_argument("--node-id", default=None)
+    g.add_argument("--version", default=VERSION)
+    g.add_argument("--heartbeat", type=float, default=2.0)
+    g.add_argument("--start-drained", action="store_true",
+                   help="register as draining: no routed traffic until `edgeinfer ops undrain` (rollouts run "
+                        "their canary first); needs --operator-key")
+    g.add_argument("--max-queue-wait-s", type=float, default=300.0,
+                   help="refuse (503 + Retry-After) a request whose estimated wait for its first token is longer; "
+                        "0: no bound")
+    g.add_argument("--keepalive-s", type=float, default=1.0,
+                   help="empty line on a stream silent this long while the engine steps (0: none); keep it well "
+                        "under the gateway's first_byte_timeout_s")
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine", "the model and the engine (scheduling, KV, speculation, grammars)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--tensor-parallel", type=int, default=1,
                    help="ranks of this node on torch.distributed (gloo on CPU): attention heads, MLP widths and the "
                         "vocab split across them; rank 0 is this process (default 1)")
-    p.add_argument("--expert-parallel", action="store_true",
+    g.add_argument("--expert-parallel", action="store_true",
                    help="with --tensor-parallel: split the routed experts by rank instead of each expert's width")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--page-size", type=int, default=PAGE_SIZE)
-    p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16", "fp8_e4m3", "int8"],
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--page-size", type=int, default=PAGE_SIZE)
+    g.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16", "fp8_e4m3", "int8"],
                    help="KV pages' dtype (default auto: at a model's first start int8, fp8_e4m3 and bf16 are each "
                         "measured against fp32 KV, by KL divergence on a calibration text, and the most compact "
                         "within --kv-kld-budget is served; on the default model that is int8: a scale per "
                         "token-head, q and k Hadamard-rotated, 3.9x the tokens of fp32 in the same bytes; "
                         "docs/QUANTIZATION.md). A named dtype is served as named, its measured cost logged")
-    p.add_argument("--kv-kld-budget", type=float, default=DEFAULT_KV_KLD_BUDGET,
+    g.add_argument("--kv-kld-budget", type=float, default=DEFAULT_KV_KLD_BUDGET,
                    help=f"mean KL divergence from fp32 KV (nats per token) that --kv-dtype auto may cost (default "
                         f"{DEFAULT_KV_KLD_BUDGET}; 0: measure nothing, auto serves fp32)")
-    p.add_argument("--kv-cache-bytes", type=int, default=512 << 20,
+    g.add_argument("--kv-cache-bytes", type=int, default=512 << 20,
                    help="KV pool budget (default 512 MiB: 45k tokens of fp8 KV for the default model, 11.6k of fp32); "
                         "memory becomes resident as pages are first used")
-    p.add_argument("--num-pages", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-queue-wait-s", type=float, default=300.0,
-                   help="refuse (503 + Retry-After) a request whose estimated wait for its first token is longer; "
-                        "0: no bound")
-    p.add_argument("--keepalive-s", type=float, default=1.0,
-                   help="empty line on a stream silent this long while the engine steps (0: none); keep it well "
-                        "under the gateway's first_byte_timeout_s")
-    p.add_argument("--no-prefix-cache", action="store_true")
-    p.add_argument("--scheduler", default="fair", choices=["fair", "fifo"],
+    g.add_argument("--num-pages", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=512)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--no-prefix-cache", action="store_true")
+    g.add_argument("--scheduler", default="fair", choices=["fair", "fifo"],
                    help="fair: per-tenant virtual token counter (weights, priority classes); fifo: arrival order")
-    p.add_argument("--cache-eviction", default="fair", choices=["fair", "lru"],
+    g.add_argument("--cache-eviction", default="fair", choices=["fair", "lru"],
                    help="fair: evict cached pages of the tenant most over its share first; lru: oldest first")
-    p.add_argument("--prefill-token-weight", type=float, default=1.0, help="fair scheduler: cost of a prefill token")
-    p.add_argument("--decode-token-weight", type=float, default=2.0, help="fair scheduler: cost of a decode token")
-    p.add_argument("--priority-aging-steps", type=int, default=256,
+    g.add_argument("--prefill-token-weight", type=float, default=1.0, help="fair scheduler: cost of a prefill token")
+    g.add_argument("--decode-token-weight", type=float, default=2.0, help="fair scheduler: cost of a decode token")
+    g.add_argument("--priority-aging-steps", type=int, default=256,
                    help="fair scheduler: a waiting request's priority class improves by one per this many steps")
-    p.add_argument("--no-fair-preemption", action="store_true",
+    g.add_argument("--no-fair-preemption", action="store_true",
                    help="fair scheduler: never preempt a tenant over its slot share to admit one under it")
-    p.add_argument("--no-prefill-isolation", action="store_true",
+    g.add_argument("--no-prefill-isolation", action="store_true",
                    help="fair scheduler: let over-share tenants' prefill share a step with an under-share first token")
-    p.add_argument("--contended-step-tokens", type=int, default=32,
+    g.add_argument("--contended-step-tokens", type=int, default=32,
                    help="fair scheduler: while more than one tenant is active, a step computes at most this many "
                         "prefill tokens (the step a newly arrived request waits on stays short) until the step "
                         "cost is measured, and always with --contended-step-ratio 0; 0: no cap, the step takes "
                         "--max-num-batched-tokens")
-    p.add_argument("--contended-step-ratio", type=float, default=1.0,
+    g.add_argument("--contended-step-ratio", type=float, default=1.0,
                    help="fair scheduler: once the engine has measured what its steps cost, a contended step's "
                         "prefill tokens are those whose predicted time is at most this times the rest of the "
                         "step (its decodes and fixed cost); 0: the fixed --contended-step-tokens cap")
-    p.add_argument("--contended-window-s", type=float, default=1.0,
+    g.add_argument("--contended-window-s", type=float, default=1.0,
                    help="fair scheduler: a tenant counts as active for the step cap this long after its last "
                         "request left (a closed-loop client between two requests)")
-    p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
-    p.add_argument("--no-kv-integrity", action="store_true",
+    g.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
+    g.add_argument("--no-kv-integrity", action="store_true",
                    help="turn off the live pool's integrity checks: page identity before each step and at prefix "
                         "hits, store receives and frees, and sealed-page checksums (backend/engine/kv_integrity.py)")
-    p.add_argument("--kv-verify-fraction", type=float, default=1.0,
+    g.add_argument("--kv-verify-fraction", type=float, default=1.0,
                    help="of the sealed pages a prefix hit reuses, the fraction whose checksum is verified (default 1: "
                         "every page; costs < 2%% of decode at 32 sequences, benchmarks/engine/kv_integrity.py)")
-    p.add_argument("--fixed-threads", action="store_true",
+    g.add_argument("--fixed-threads", action="store_true",
                    help="CPU: keep every step on torch's thread count; by default the engine uses the cores other "
                         "processes leave free (a busy neighbour on one of two cores otherwise stalls every op's "
                         "barrier: batch-1 decode fell from ~155 to 2-68 tok/s, docs/KERNELS.md)")
-    p.add_argument("--speculative", default="ngram", choices=list(SPECULATIVE),
+    g.add_argument("--speculative", default="ngram", choices=list(SPECULATIVE),
                    help="speculative decoding: ngram (drafts looked up in the prompt and output so far, verified k "
                         "at a time; adaptive: only while few sequences decode and a sequence's drafts get accepted), "
                         "mtp (the checkpoint's multi-token-prediction layer drafts one token: DeepSeek-V3 / Kimi K2 / "
                         "GLM-4.5 checkpoints that ship it) or off; greedy output is the same either way "
                         "(docs/SPECULATIVE.md)")
-    p.add_argument("--spec-tokens", type=int, default=4, help="draft tokens per verify step (1..16)")
-    p.add_argument("--spec-max-batch", type=int, default=64,
+    g.add_argument("--spec-tokens", type=int, default=4, help="draft tokens per verify step (1..16)")
+    g.add_argument("--spec-max-batch", type=int, default=64,
                    help="no drafts in a step with more decoding sequences than this (a large batch is compute-bound)")
-    p.add_argument("--no-grammar-fast-forward", action="store_true",
+    g.add_argument("--no-grammar-fast-forward", action="store_true",
                    help="structured outputs: sample every token, also those the grammar forces")
-    p.add_argument("--redis-url", default=os.environ.get("EDGEINFER_REDIS_URL"))
-    p.add_argument("--redis-cluster", action="store_true")
-    p.add_argument("--store-tier", default="redis", choices=["redis", "host", "none"])
-    p.add_argument("--host-store-bytes", type=int, default=256 << 20)
-    p.add_argument("--store-fetch-timeout", type=float, default=1.0,
-                   help="seconds a request may spend fetching KV pages from the store before computing them")
-    p.add_argument("--redis-key-prefix", default=KEY_PREFIX, help="prefix of every Redis key (same as the gateway's)")
-    p.add_argument("--cache-seed", default=os.environ.get(CACHE_SEED_ENV, CACHE_SEED))
-    p.add_argument("--operator-key", default=os.environ.get("EDGEINFER_OPERATOR_KEY"))
-    p.add_argument("--internal-secret-file", default=None,
-                   help=f"file holding the secret the gateway sends on /internal/* (default: ${INTERNAL_SECRET_ENV})")
-    p.add_argument("--insecure-no-internal-auth", action="store_true",
-                   help="serve /internal/* to anyone who can connect (only on a trusted, isolated network)")
-    p.add_argument("--page-key-file", default=None,
-                   help="file holding the key that seals KV pages in the store (default: $EDGEINFER_PAGE_KEY, "
-                        "else derived from the cache seed); the same on every node")
-    p.add_argument("--start-drained", action="store_true",
-                   help="register as draining: no routed traffic until `edgeinfer ops undrain` (rollouts run "
-                        "their canary first); needs --operator-key")
-    p.add_argument("--version", default=VERSION)
-    p.add_argument("--heartbeat", type=float, default=2.0)
-    p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
-    p.add_argument("--log-format", default="text", choices=["text", "json"],
-                   help="json: one JSON object per line (ts, level, logger, msg, request_id, trace_id)")
-    p.add_argument("--otlp-endpoint", default=None,
-                   help="send OpenTelemetry traces to this OTLP/HTTP collector (else OTEL_EXPORTER_OTLP_ENDPOINT; "
-                        "neither: no tracing); needs pip install 'edgeinfer[otlp]'")
-    p.add_argument("--role", default="both", choices=list(ROLES),
-                   help="prefill/decode disaggregation (docs/DISAGGREGATION.md): a prefill node computes prompts' KV "
-                        "and hands the pages to a decode node, which verifies them and decodes; both: every request "
-                        "start to end (the gateway routes by this role)")
-    p.add_argument("--handoff-timeout", type=float, default=5.0,
-                   help="seconds a decode node may spend pulling a prompt's pages from the prefill node named in "
-                        "the request before it computes the rest itself")
-    p.add_argument("--handoff-peers", default="",
-                   help="comma-separated URLs of the prefill nodes this decode node may pull pages from (it sends them "
-                        "the internal secret); with a registry (--redis-url) its signed, live prefill nodes count too. "
-                        "A request naming any other kv_source is computed here, never pulled")
-    p.add_argument("--grammar-mask-budget-ms", type=float, default=20.0,
+    g.add_argument("--grammar-mask-budget-ms", type=float, default=20.0,
                    help="a structured-output request whose grammar takes longer than this to compute one token's "
                         "mask (measured per step, off the shared step's critical path) ends with a 400 naming its "
                         "response_format / tool field instead of stalling its neighbours; 0: no budget")
+
+
+def _store_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("store", "the shared page store (Redis / valkey)")
+    g.add_argument("--redis-url", default=os.environ.get("EDGEINFER_REDIS_URL"))
+    g.add_argument("--redis-cluster", action="store_true")
+    g.add_argument("--store-tier", default="redis", choices=["redis", "host", "none"])
+    g.add_argument("--host-store-bytes", type=int, default=256 << 20)
+    g.add_argument("--store-fetch-timeout", type=float, default=1.0,
+                   help="seconds a request may spend fetching KV pages from the store before computing them")
+    g.add_argument("--redis-key-prefix", default=KEY_PREFIX, help="prefix of every Redis key (same as the gateway's)")
+    g.add_argument("--cache-seed", default=os.environ.get(CACHE_SEED_ENV, CACHE_SEED))
+
+
+def _security_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("security", "secrets and operator access")
+    g.add_argument("--operator-key", default=os.environ.get("EDGEINFER_OPERATOR_KEY"))
+    g.add_argument("--internal-secret-file", default=None,
+                   help=f"file holding the secret the gateway sends on /internal/* (default: ${INTERNAL_SECRET_ENV})")
+    g.add_argument("--insecure-no-internal-auth", action="store_true",
+                   help="serve /internal/* to anyone who can connect (only on a trusted, isolated network)")
+    g.add_argument("--page-key-file", default=None,
+                   help="file holding the key that seals KV pages in the store (default: $EDGEINFER_PAGE_KEY, "
+                        "else derived from the cache seed); the same on every node")
+
+
+def _telemetry_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("telemetry", "logs and traces")
+    g.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
+    g.add_argument("--log-format", default="text", choices=["text", "json"],
+                   help="json: one JSON object per line (ts, level, logger, msg, request_id, trace_id)")
+    g.add_argument("--otlp-endpoint", default=None,
+                   help="send OpenTelemetry traces to this OTLP/HTTP collector (else OTEL_EXPORTER_OTLP_ENDPOINT; "
+                        "neither: no tracing); needs pip install 'edgeinfer[otlp]'")
+
+
+def _disagg_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("disaggregation", "prefill/decode disaggregation (docs/DISAGGREGATION.md)")
+    g.add_argument("--role", default="both", choices=list(ROLES),
+                   help="prefill/decode disaggregation (docs/DISAGGREGATION.md): a prefill node computes prompts' KV "
+                        "and hands the pages to a decode node, which verifies them and decodes; both: every request "
+                        "start to end (the gateway routes by this role)")
+    g.add_argument("--handoff-timeout", type=float, default=5.0,
+                   help="seconds a decode node may spend pulling a prompt's pages from the prefill node named in "
+                        "the request before it computes the rest itself")
+    g.add_argument("--handoff-peers", default="",
+                   help="comma-separated URLs of the prefill nodes this decode node may pull pages from (it sends them "
+                        "the internal secret); with a registry (--redis-url) its signed, live prefill nodes count too. "
+                        "A request naming any other kv_source is computed here, never pulled")
+
+
+def parse_args(argv: list[str] | None) -> BackendConfig:
+    p = argparse.ArgumentParser(prog="edgeinfer backend", description="Run one inference backend node.")
+    for add in (_server_args, _engine_args, _store_args, _security_args, _telemetry_args, _disagg_args):
+        add(p)
     env_defaults(p, known_elsewhere=SERVE_OPTIONS)
     args = p.parse_args(argv)
     args.handoff_peers = [u.strip().rstrip("/") for u in args.handoff_peers.split(",") if u.strip()]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import aiohttp
 import msgspec
@@ -22,6 +23,7 @@ from edgeinfer.gateway import (
     serving_tokenize,
 )
 from edgeinfer.gateway.config import ConfigError, GatewayConfig
+from edgeinfer.gateway.context import CONTEXT, RequestContext
 from edgeinfer.gateway.errors import APIError
 from edgeinfer.gateway.openapi import openapi_document
 from edgeinfer.gateway.state import STATE, GatewayState, build_state
@@ -88,44 +90,70 @@ def _error_response(e: APIError, request_id: str) -> web.Response:
 
 @web.middleware
 async def edge_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """Every request: its RequestContext, its span (tracing on), the error mapping to OpenAI-style bodies, then its
+    metrics and access-log line."""
     st: GatewayState = request.app[STATE]
-    t0 = request["t0"] = time.perf_counter()
-    rid = request["request_id"] = pipeline.new_request_id(request.headers.get("x-request-id"))
-    status, error = 500, None
+    ctx = request[CONTEXT] = RequestContext(pipeline.new_request_id(request.headers.get("x-request-id")),
+                                            time.perf_counter())
     task = asyncio.current_task()
     assert task is not None, "aiohttp runs each request's handler in its own task"
     st.handlers.add(task)
-    rid_token = obs.request_id_var.set(rid)
-    span, span_token = None, None
-    if obs.tracing_on() and request.path.startswith(("/v1/", "/tokenize", "/detokenize")):
-        # the request's span, current for the handler: admission, routing, the backend calls (probes and scrapes of
-        # /health, /ready, /metrics make no traces)
-        span = obs.tracer().start_span("gateway.request", context=obs.extract_context(request.headers),
-                                       kind=obs.trace.SpanKind.SERVER,
-                                       attributes={"http.request.method": request.method, "url.path": request.path,
-                                                   "edgeinfer.request_id": rid})
-        span_token = otel_context.attach(obs.trace.set_span_in_context(span))
+    rid_token = obs.request_id_var.set(ctx.request_id)
+    span, span_token = _start_span(request, ctx)
+    outcome = _Outcome()
+    try:
+        return await _mapped(request, handler, st, ctx, task, outcome)
+    finally:
+        st.handlers.discard(task)
+        obs.request_id_var.reset(rid_token)
+        trace_id = _end_span(span, span_token, ctx, outcome)
+        _record(st, request, ctx, outcome, trace_id)
+
+
+@dataclass
+class _Outcome:
+    status: int = 500
+    error: str | None = None
+
+
+def _start_span(request: web.Request, ctx: RequestContext):
+    """The request's span, current for the handler: admission, routing, the backend calls (probes and scrapes of
+    /health, /ready, /metrics make no traces). -> (span, context token), both None with tracing off."""
+    if not (obs.tracing_on() and request.path.startswith(("/v1/", "/tokenize", "/detokenize"))):
+        return None, None
+    span = obs.tracer().start_span("gateway.request", context=obs.extract_context(request.headers),
+                                   kind=obs.trace.SpanKind.SERVER,
+                                   attributes={"http.request.method": request.method, "url.path": request.path,
+                                               "edgeinfer.request_id": ctx.request_id})
+    return span, otel_context.attach(obs.trace.set_span_in_context(span))
+
+
+async def _mapped(request: web.Request, handler, st: GatewayState, ctx: RequestContext, task: asyncio.Task,
+                  outcome: _Outcome) -> web.StreamResponse:
+    """The handler's response, or the OpenAI-style error its failure maps to (outcome: the status and error code
+    the metrics and the access log report)."""
+    rid = ctx.request_id
     try:
         if st.draining and request.path.startswith("/v1/"):
             raise APIError(503, "the gateway is shutting down", code="shutting_down", headers={"retry-after": "1"})
         resp = await handler(request)
-        status = resp.status
+        outcome.status = resp.status
         return resp
     except APIError as e:
         if isinstance(e, pipeline.TooDeep):
             e = await e.named()
-        status, error = e.status, e.code
+        outcome.status, outcome.error = e.status, e.code
         return _error_response(e, rid)
     except web.HTTPException as e:
-        status, error = e.status, "http_error"
+        outcome.status, outcome.error = e.status, "http_error"
         if e.status < 400:
             raise
         if e.status == 404:       # no such route: OpenAI's shape, naming the path
-            error = "unknown_url"
+            outcome.error = "unknown_url"
             return _error_response(APIError(404, f"Invalid URL ({request.method} {request.path})",
                                             code="unknown_url"), rid)
         if e.status == 405:
-            error = "method_not_allowed"
+            outcome.error = "method_not_allowed"
             return _error_response(APIError(405, f"Method {request.method} is not allowed on {request.path}",
                                             code="method_not_allowed", headers={"allow": e.headers.get("allow", "")}),
                                    rid)
@@ -133,78 +161,84 @@ async def edge_middleware(request: web.Request, handler) -> web.StreamResponse:
     except ConnectionResetError as e:
         if not _client_gone(request):
             raise                              # not the client's connection: a bug, aiohttp logs it
-        status, error = 499, "client_closed"
+        outcome.status, outcome.error = 499, "client_closed"
         log.info("client closed the connection (request %s, %s %s): %s", rid, request.method, request.path, e)
         return web.Response(status=499)        # never sent: aiohttp sees the closed transport and drops it
     except asyncio.CancelledError:
         if st.cut and not _client_gone(request):    # the shutdown grace is over (_on_shutdown): end it now
             task.uncancel()
-            status, error = 503, "shutting_down"
+            outcome.status, outcome.error = 503, "shutting_down"
             return await _cut_response(request, rid)
-        status, error = 499, "client_closed"
+        outcome.status, outcome.error = 499, "client_closed"
         if _client_gone(request):
             log.info("client closed the connection (request %s, %s %s)", rid, request.method, request.path)
         raise
     except RecursionError:     # a client's input nested past what a parser or template follows: its fault
-        status, error = 400, "nesting_too_deep"
-        return _error_response(APIError(400, "the request nests too deeply to be processed", code=error), rid)
+        outcome.status, outcome.error = 400, "nesting_too_deep"
+        return _error_response(APIError(400, "the request nests too deeply to be processed", code=outcome.error),
+                               rid)
     except Exception as e:
         log.exception("unhandled error in %s %s (request %s)", request.method, request.path, rid)
-        status, error = 500, "internal_error"
+        outcome.status, outcome.error = 500, "internal_error"
         return _error_response(APIError(500, f"internal error ({type(e).__name__}); request id {rid}",
                                         code="internal_error"), rid)
-    finally:
-        st.handlers.discard(task)
-        endpoint = _ENDPOINTS.get(request.path)
-        tenant = request.get("tenant", "")
-        model = request.get("model", "")
-        obs.request_id_var.reset(rid_token)
-        trace_id = None
-        if span is not None:
-            usage = request.get("usage")
-            span.set_attributes({"http.response.status_code": status, "edgeinfer.tenant": tenant,
-                                 "edgeinfer.model": model, "edgeinfer.node": request.get("node", ""),
-                                 "edgeinfer.route": request.get("route", ""), "edgeinfer.error": error or ""})
-            if usage is not None:
-                span.set_attributes({"edgeinfer.prompt_tokens": usage.prompt_tokens,
-                                     "edgeinfer.completion_tokens": usage.completion_tokens,
-                                     "edgeinfer.cached_tokens": usage.prompt_tokens_details.cached_tokens})
-            if status >= 500:
-                span.set_status(obs.trace.StatusCode.ERROR)
-            trace_id = f"{span.get_span_context().trace_id:032x}"
-            span.end()
-            if span_token is not None:
-                otel_context.detach(span_token)
-        if endpoint is not None:
-            st.metrics.requests.labels(tenant, model, endpoint, str(status)).inc()
-            st.metrics.duration.labels(tenant, model, endpoint).observe(time.perf_counter() - t0)
-        if st.cfg.server.access_log and access_log.isEnabledFor(logging.INFO):
-            usage = request.get("usage")
-            rec = {"ts": round(time.time(), 3), "request_id": rid, "method": request.method, "path": request.path,
-                   "status": status, "ms": round((time.perf_counter() - t0) * 1000, 3), "tenant": tenant,
-                   "model": model, "node": request.get("node", ""), "route": request.get("route", ""),
-                   "error": error, "remote": request.remote}
-            if trace_id is not None:
-                rec["trace_id"] = trace_id
-            if usage is not None:
-                rec.update(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
-                           cached_tokens=usage.prompt_tokens_details.cached_tokens)
-            # makeRecord + handle = access_log.info without findCaller's stack walk (the caller is known);
-            # args=None works (LogRecord formats only when args is truthy); typeshed wants a tuple
-            access_log.handle(access_log.makeRecord(access_log.name, logging.INFO, __file__, 0,
-                                                    _encode(rec).decode(),
-                                                    None, None))  # type: ignore[arg-type]
+
+
+def _end_span(span, span_token, ctx: RequestContext, outcome: _Outcome) -> str | None:
+    """The span's outcome attributes (counts, ids, names: never text or keys), ended; -> its trace id."""
+    if span is None:
+        return None
+    span.set_attributes({"http.response.status_code": outcome.status, "edgeinfer.tenant": ctx.tenant,
+                         "edgeinfer.model": ctx.model, "edgeinfer.node": ctx.node, "edgeinfer.route": ctx.route,
+                         "edgeinfer.error": outcome.error or ""})
+    if ctx.usage is not None:
+        span.set_attributes({"edgeinfer.prompt_tokens": ctx.usage.prompt_tokens,
+                             "edgeinfer.completion_tokens": ctx.usage.completion_tokens,
+                             "edgeinfer.cached_tokens": ctx.usage.prompt_tokens_details.cached_tokens})
+    if outcome.status >= 500:
+        span.set_status(obs.trace.StatusCode.ERROR)
+    trace_id = f"{span.get_span_context().trace_id:032x}"
+    span.end()
+    if span_token is not None:
+        otel_context.detach(span_token)
+    return trace_id
+
+
+def _record(st: GatewayState, request: web.Request, ctx: RequestContext, outcome: _Outcome,
+            trace_id: str | None) -> None:
+    """The request's metrics (API endpoints) and its access-log line."""
+    endpoint = _ENDPOINTS.get(request.path)
+    if endpoint is not None:
+        st.metrics.requests.labels(ctx.tenant, ctx.model, endpoint, str(outcome.status)).inc()
+        st.metrics.duration.labels(ctx.tenant, ctx.model, endpoint).observe(time.perf_counter() - ctx.t0)
+    if not (st.cfg.server.access_log and access_log.isEnabledFor(logging.INFO)):
+        return
+    rec = {"ts": round(time.time(), 3), "request_id": ctx.request_id, "method": request.method, "path": request.path,
+           "status": outcome.status, "ms": round((time.perf_counter() - ctx.t0) * 1000, 3), "tenant": ctx.tenant,
+           "model": ctx.model, "node": ctx.node, "route": ctx.route, "error": outcome.error, "remote": request.remote}
+    if trace_id is not None:
+        rec["trace_id"] = trace_id
+    if ctx.usage is not None:
+        rec.update(prompt_tokens=ctx.usage.prompt_tokens, completion_tokens=ctx.usage.completion_tokens,
+                   cached_tokens=ctx.usage.prompt_tokens_details.cached_tokens)
+    # makeRecord + handle = access_log.info without findCaller's stack walk (the caller is known);
+    # args=None works (LogRecord formats only when args is truthy); typeshed wants a tuple
+    access_log.handle(access_log.makeRecord(access_log.name, logging.INFO, __file__, 0, _encode(rec).decode(),
+                                            None, None))  # type: ignore[arg-type]
 
 
 async def _cut_response(request: web.Request, rid: str) -> web.StreamResponse:
     """A request cut by shutdown: a 503 if nothing was sent yet, else its stream's error event written
-    (`request["cut_event"]()`, set by the streaming handlers once their headers are out) and the stream ended."""
-    resp = request.get("stream")
+    (the RequestContext's cut_event, set by the streaming handlers once their headers are out) and the stream
+    ended."""
+    ctx = request[CONTEXT]
+    resp = ctx.stream
     if resp is None or not resp.prepared:
         return _error_response(APIError(503, pipeline.SHUTDOWN_MESSAGE, code="shutting_down",
                                         headers={"retry-after": "1"}), rid)
     try:
-        await resp.write(request["cut_event"]())
+        assert ctx.cut_event is not None
+        await resp.write(ctx.cut_event())
         await resp.write_eof()
     except ConnectionError:
         pass

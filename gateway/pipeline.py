@@ -18,6 +18,7 @@ from aiohttp.http_exceptions import ContentEncodingError
 
 from edgeinfer.gateway.admission import Lease
 from edgeinfer.gateway.config import TenantConfig
+from edgeinfer.gateway.context import context
 from edgeinfer.gateway.errors import APIError, bad_value, from_validation_error
 from edgeinfer.gateway.generation import Run, Target, checked_usage, merged, more_ready, runs_open
 from edgeinfer.gateway.nesting import deep_field
@@ -81,7 +82,7 @@ async def read_request(request: web.Request,
     st = request.app[STATE]
     tenant = st.authenticate(request)
     req = decode(decoder, await read_body(request, st))
-    request["model"] = req.model
+    context(request).model = req.model
     return st, tenant, req
 
 
@@ -159,7 +160,7 @@ class Job:
     def __init__(self, request: web.Request, st: GatewayState, tenant: TenantConfig, model: ServedModel,
                  kind: str) -> None:
         self.request, self.st, self.tenant, self.model, self.kind = request, st, tenant, model, kind
-        self.rid: str = request["request_id"]            # echoed to the client, may be the client's own
+        self.rid: str = context(request).request_id            # echoed to the client, may be the client's own
         self.backend_id = os.urandom(16).hex()             # unique per request on every backend
         self.created = int(time.time())
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + self.backend_id
@@ -302,11 +303,12 @@ async def execute(job: Job, runs: list[Run], n: int, stream: bool, include_usage
     target = Target(model.name, tenant.namespace, session, tenant.spec())
     tally = Tally(n, st.metrics.usage_clamp(model.name))
     finished = False
-    t0: float = request["t0"]
+    ctx = context(request)
+    t0 = ctx.t0
     try:
         async with runs_open(st, target, runs):
-            request["node"] = ",".join(sorted({r.node.node_id for r in runs if r.node}))
-            request["route"] = runs[0].choice.decision if runs[0].choice else ""
+            ctx.node = ",".join(sorted({r.node.node_id for r in runs if r.node}))
+            ctx.route = runs[0].choice.decision if runs[0].choice else ""
             if render is not None:
                 resp = await render(job, runs, tally)
             elif stream:
@@ -323,7 +325,7 @@ async def execute(job: Job, runs: list[Run], n: int, stream: bool, include_usage
             return resp
     finally:
         usage = tally.usage()
-        request["usage"] = usage
+        ctx.usage = usage
         series = st.metrics.series(tenant.id, model.name)
         series.prompt_tokens.inc(usage.prompt_tokens)
         series.completion_tokens.inc(usage.completion_tokens)
@@ -352,8 +354,9 @@ async def _stream(job: Job, runs: list[Run], tally: Tally, include_usage: bool, 
     st, model = job.st, job.model
     resp = web.StreamResponse(headers={**_SSE_HEADERS, **job.headers, "x-request-id": job.rid})
     await resp.prepare(job.request)
-    job.request["stream"] = resp
-    job.request["cut_event"] = lambda: _error_event(SHUTDOWN_MESSAGE, "shutting_down") + _DONE
+    ctx = context(job.request)
+    ctx.stream = resp
+    ctx.cut_event = lambda: _error_event(SHUTDOWN_MESSAGE, "shutting_down") + _DONE
     chat = job.kind == "chat"
     latency = _Latency(st.metrics.series(job.tenant.id, model.name), t0)
     started: set[int] = set()

@@ -19,6 +19,7 @@ import msgspec
 from aiohttp import web
 
 from edgeinfer.gateway import pipeline
+from edgeinfer.gateway.context import context
 from edgeinfer.gateway.errors import APIError, bad_value
 from edgeinfer.gateway.generation import merged
 from edgeinfer.gateway.schemas import (
@@ -245,8 +246,9 @@ async def stream(job, runs, tally, builder: ResponseBuilder) -> web.StreamRespon
                                        "x-accel-buffering": "no", **job.headers, "x-request-id": job.rid})
     await resp.prepare(job.request)
     b = builder
-    job.request["stream"] = resp
-    job.request["cut_event"] = lambda: b.event("error", code="shutting_down", message=pipeline.SHUTDOWN_MESSAGE, param=None)
+    ctx = context(job.request)
+    ctx.stream = resp
+    ctx.cut_event = lambda: b.event("error", code="shutting_down", message=pipeline.SHUTDOWN_MESSAGE, param=None)
     await resp.write(b.event("response.created", response=b.obj("in_progress", [], None, None))
                      + b.event("response.in_progress", response=b.obj("in_progress", [], None, None)))
     tool_stream = ToolStream(b.tools.forced_names) if b.tools is not None else None

@@ -18,6 +18,7 @@ from edgeinfer.cache_store.node_auth import NodeRecordKey
 from edgeinfer.gateway import config as config_mod
 from edgeinfer.gateway.admission import Admission, RedisAdmission
 from edgeinfer.gateway.config import GatewayConfig, TenantConfig
+from edgeinfer.gateway.context import context
 from edgeinfer.gateway.errors import APIError
 from edgeinfer.gateway.metrics import Metrics
 from edgeinfer.gateway.nodes import Node, NodePool
@@ -83,7 +84,7 @@ class GatewayState:
 
     def authenticate(self, request: web.Request) -> TenantConfig:
         tenant = self.tenants.authenticate(_authorization(request))
-        request["tenant"] = tenant.id
+        context(request).tenant = tenant.id
         return tenant
 
     def check_admin(self, request: web.Request) -> None:

@@ -240,3 +240,10 @@ def test_the_private_read_check_finds_one(tmp_path):
     found = private_reads({"edgeinfer.backend.engine.e": a, "edgeinfer.backend.server": b})
     assert found == ["edgeinfer.backend.server:2 ._seqs"]
     assert private_reads({"edgeinfer.backend.engine.e": a, "edgeinfer.backend.engine.f": b}) == []
+
+
+def test_no_file_in_backend_is_over_450_lines():
+    """A file past this has grown several rooms' worth of work (the house step split engine.py and server.py)."""
+    long = sorted((n, str(f.relative_to(ROOT))) for f in (ROOT / "backend").rglob("*.py")
+                  if (n := f.read_text().count("\n")) > 450)
+    assert long == [], f"backend files over 450 lines: {long}"

@@ -150,7 +150,7 @@ async def test_a_failure_while_isolating_ends_every_request_instead_of_hanging(s
                                                                              monkeypatch):
     """The recovery itself fails (here: giving back pages raises, as a corrupted reference count does): every
     request ends with a 503 error chunk within the timeout, none hangs, and the engine thread serves on."""
-    from edgeinfer.backend.engine import engine as engine_mod
+    from edgeinfer.backend.engine import core as engine_mod  # the step loop, where isolate is called
 
     eng = make_engine(smol_model, smol_tokenizer)
 
