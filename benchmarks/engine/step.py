@@ -138,9 +138,14 @@ def _instrument(model=None) -> Timers:
     else:
         t.wrap(layers.Rotary, "forward", "rope")
     t.wrap(layers.Rotary, "lookup", "rope")
-    t.wrap(decoder.DecoderModel, "forward", "model")
-    t.wrap(decoder.DecoderModel, "compute_logits", "model")
-    t.wrap(engine_mod, "sample", "sampling")
+    model_cls = getattr(decoder, "DecoderModel", None) or decoder.LlamaModel   # a baseline tree's older name
+    t.wrap(model_cls, "forward", "model")
+    t.wrap(model_cls, "compute_logits", "model")
+    try:   # the step loop's module (engine/core.py since the engine was split), else a baseline tree's engine.py
+        from edgeinfer.backend.engine import core as loop_mod
+    except ImportError:
+        loop_mod = engine_mod   # type: ignore[assignment]
+    t.wrap(loop_mod, "sample", "sampling")
     t.wrap(engine_mod.LLMEngine, "step", "step")
     if getattr(model, "lean_decode", False):   # the timers sit on the module path: DecodePlan bypasses it
         t.undo.append((model, "lean_decode", True))
