@@ -203,10 +203,10 @@ class DecoderModel(nn.Module):
         """How the engine moves page bodies in and out of this model's KV pool `kv`."""
         return PageIO(kv)
 
-    @torch.inference_mode()
     def stop_workers(self) -> None:
         """One process: no other rank to stop (PagedModel)."""
 
+    @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head_linear(hidden).float()
         return logits if self.parallel is None else self.parallel.all_gather_cat(logits, dim=-1)
