@@ -25,6 +25,7 @@ from torch import nn
 import edgeinfer.kernels.cpu as cpu_kernels
 from edgeinfer import kernels
 from edgeinfer.backend.model.model_config import MLAConfig, ModelConfig
+from edgeinfer.kernels.kv_store import quantized
 from edgeinfer.kernels.paged_mla_attention import gather_latents
 from edgeinfer.kernels.w4a16_gemm import pack_uint4
 
@@ -143,9 +144,11 @@ class MLAAttention(nn.Module):
         y = cpu_kernels.q4_1x8_moe_gemm(rows, packed, n, offsets, self.residual_activations, self.second_pass_tau)
         return y.view(h, t, n).transpose(0, 1)
 
-    def _op_shapes(self, q: torch.Tensor) -> bool:
-        """Whether the CPU ops take this query (fp32, row width and latent width multiples of 8), else torch."""
-        return q.dtype == torch.float32 and q.shape[-1] % 8 == 0 and self.mla.kv_lora_rank % 8 == 0
+    def _op_shapes(self, q: torch.Tensor, cache: torch.Tensor) -> bool:
+        """Whether the CPU ops take this query over this cache (kernels/cpu/attn.cpp check_mla: fp32, a row width
+        that is a multiple of 8, a latent width that is a multiple of 8, of 16 on fp8 / int8 pages), else torch."""
+        step = 16 if quantized(cache.dtype) else 8
+        return q.dtype == torch.float32 and q.shape[-1] % 8 == 0 and self.mla.kv_lora_rank % step == 0
 
     # ---- the two forms
     def absorbed_query(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
@@ -162,7 +165,7 @@ class MLAAttention(nn.Module):
         else:
             q = self.absorbed_query(q_nope, q_pe)
         attend = kernels.paged_mla_decode_attention
-        if ops is not None and self._op_shapes(q):
+        if ops is not None and self._op_shapes(q, kv.k):
             attend = ops.mla_decode_attention
         o_lat = attend(q.contiguous(), kv.k, meta.decode_block_tables, meta.decode_context_lens, self.scale,
                        self.mla.kv_lora_rank, kv.k_scale)
@@ -211,7 +214,7 @@ class MLAAttention(nn.Module):
         ops, through their mla_prefill_attention (causal, reading the pages in their stored dtype)."""
         m = self.mla
         q_all = self.absorbed_query(q_nope, q_pe)
-        if ops is not None and self._op_shapes(q_all):
+        if ops is not None and self._op_shapes(q_all, kv.k):
             o_lat = ops.mla_prefill_attention(q_all.contiguous(), kv.k, meta.prefill_block_tables,
                                               meta.prefill_cu_seqlens_q, meta.prefill_context_lens, self.scale,
                                               m.kv_lora_rank, kv.k_scale)

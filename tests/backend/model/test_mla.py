@@ -257,3 +257,25 @@ def test_expanded_decode_baseline_gives_the_absorbed_numbers(dsv3):
         layer.self_attn.decode_form = "expanded"
     got, got_out = greedy(model, PROMPT, 8, num_pages=8)
     assert torch.equal(got, want) and got_out == want_out
+
+
+def test_a_latent_width_the_cpu_op_refuses_on_int8_pages_decodes_on_torch(tmp_path):
+    """kv_lora_rank 24 (8 mod 16) over int8 latent pages: the C++ op takes such a value width only on 16-wide
+    blocks, so the CPU path must hand this decode to the torch reference (not raise), and it decodes what the torch
+    path alone decodes."""
+    from tests.support.dense import decode_batch
+
+    moe_checkpoints.build("deepseek_v3", tmp_path, kv_lora_rank=24)
+    model = load_model(tmp_path)
+    assert model.step_ops is not None                      # the CPU ops path
+    kv, pos, meta = decode_batch(model, 2, 40)
+    g = torch.Generator().manual_seed(0)
+    int8 = [type(x)(torch.randint(-100, 100, x.k.shape, generator=g, dtype=torch.int8), None,
+                    (torch.rand(x.k.shape[:3], generator=g) * 0.02).to(torch.bfloat16), None) for x in kv]
+    ids = torch.tensor([5, 9])
+    got = model.compute_logits(model(ids, pos, int8, meta))
+    ops, model.step_ops = model.step_ops, None             # the torch path end to end
+    want = model.compute_logits(model(ids, pos, [type(x)(x.k.clone(), None, x.k_scale.clone(), None)
+                                                 for x in int8], meta))
+    model.step_ops = ops
+    assert (got - want).abs().max().item() <= 1e-3 * want.abs().max().item()
