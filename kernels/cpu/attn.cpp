@@ -773,8 +773,20 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 }
 
 namespace {
+
+// q and a latent pool [P, S, 1, D] as the MLA ops take them: v_dim < D, a multiple of 8 (of 16 on fp8 / int8 pages,
+// whose fused path converts 16 values at a time)
 void check_mla(const at::Tensor& q, const at::Tensor& cache, const std::optional<at::Tensor>& scale, int64_t v_dim,
-               const char* rows);
+               const char* rows) {
+  check_attention(q, cache, cache, scale, scale, rows);
+  TORCH_CHECK(cache.size(2) == 1, "an MLA cache has one latent row per token: [pages, page_size, 1, D], got ",
+              cache.sizes());
+  const int64_t D = q.size(2);
+  const int64_t step = quantized(kind_of(cache)) ? 16 : 8;
+  TORCH_CHECK(v_dim > 0 && v_dim < D && v_dim % step == 0, "v_dim = ", v_dim, " must be in (0, ", D,
+              ") and a multiple of ", step);
+}
+
 }  // namespace
 
 // MLA decode in the absorbed form over latent pages [P, S, 1, D] (D = kv_lora_rank + rope, 576 for Kimi K2): every
@@ -931,17 +943,6 @@ at::Tensor prefill_impl(const at::Tensor& q, const at::Tensor& k_cache, const at
     }
   });
   return out;
-}
-
-void check_mla(const at::Tensor& q, const at::Tensor& cache, const std::optional<at::Tensor>& scale, int64_t v_dim,
-               const char* rows) {
-  check_attention(q, cache, cache, scale, scale, rows);
-  TORCH_CHECK(cache.size(2) == 1, "an MLA cache has one latent row per token: [pages, page_size, 1, D], got ",
-              cache.sizes());
-  const int64_t D = q.size(2);
-  const int64_t step = quantized(kind_of(cache)) ? 16 : 8;
-  TORCH_CHECK(v_dim > 0 && v_dim < D && v_dim % step == 0, "v_dim = ", v_dim, " must be in (0, ", D,
-              ") and a multiple of ", step);
 }
 
 }  // namespace
